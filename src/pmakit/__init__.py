@@ -1,0 +1,37 @@
+"""pmakit: Pre-trained Model Averaging for LLM pre-training.
+
+Save weight snapshots every V tokens, merge the last N of them (SMA, WMA, EMA, WSM weightings) into a model that
+predicts, or replaces, what annealing the learning rate would give.
+
+``import pmakit`` is light: the names below are loaded on first use, so that entry points can set up the
+environment (``OMP_WAIT_POLICY``) before torch is imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "PmakitError": "pmakit.errors",
+    "Snapshot": "pmakit.snapshot",
+    "discover": "pmakit.snapshot",
+    "read_snapshot": "pmakit.snapshot",
+    "write_metadata": "pmakit.snapshot",
+    "select_snapshots": "pmakit.select",
+    "WEIGHTINGS": "pmakit.weights",
+    "get_weights": "pmakit.weights",
+    "merge": "pmakit.merge",
+    "plan_merge": "pmakit.merge",
+    "MergeResult": "pmakit.merge",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'pmakit' has no attribute {name!r}")

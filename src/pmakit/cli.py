@@ -1,0 +1,205 @@
+"""The ``pmakit`` command. Each subcommand parses options and calls the library; errors are one line."""
+
+from __future__ import annotations
+
+import pmakit._env  # noqa: F401  (before torch)
+
+import json
+import logging
+import signal
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import click
+
+from pmakit.errors import PmakitError
+from pmakit.units import format_bytes, format_tokens, parse_size, parse_tokens
+
+METHODS = ["sma", "wma", "ema", "ema-normalized", "wsm-linear", "wsm-cosine", "wsm-1sqrt"]
+
+
+class _Group(click.Group):
+    """Turns a PmakitError anywhere below into click's one-line ``Error: ...`` and exit code 1."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except PmakitError as e:
+            raise click.ClickException(str(e)) from None
+
+
+class _WarningHandler(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        level = "warning" if record.levelno >= logging.WARNING else "info"
+        click.echo(f"{level}: {record.getMessage()}", err=True)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(package_name="pmakit")
+def cli() -> None:
+    """Pre-trained Model Averaging: merge LLM pre-training snapshots, train with snapshots, run the study."""
+    logger = logging.getLogger("pmakit")
+    if not any(isinstance(h, _WarningHandler) for h in logger.handlers):
+        logger.addHandler(_WarningHandler())
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    # SIGTERM unwinds like Ctrl-C, so partial outputs are removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
+def _tokens(_: click.Context, __: click.Parameter, value: str | None) -> int | None:
+    return None if value is None else _convert(parse_tokens, value)
+
+
+def _size(_: click.Context, __: click.Parameter, value: str) -> int:
+    return _convert(parse_size, value)
+
+
+def _convert(fn: Callable[[str], int], value: str) -> int:
+    try:
+        return fn(value)
+    except PmakitError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def _floats(_: click.Context, __: click.Parameter, value: str | None) -> list[float] | None:
+    if value is None:
+        return None
+    try:
+        return [float(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated numbers, got {value!r}") from None
+
+
+def selection_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """--last/--every/--until/--tokens-per-step/--exclude, shared by merge and inspect."""
+    options = [
+        click.option("--last", type=int, default=None,
+                     help="How many snapshots N to merge [default: 10 from a run directory; every snapshot named]."),
+        click.option("--every", callback=_tokens, metavar="TOKENS",
+                     help="Spacing V between chosen snapshots, going back from the window's end (500M, 4B, 1.5T)."),
+        click.option("--until", callback=_tokens, metavar="TOKENS",
+                     help="The window ends at the newest snapshot with tokens <= TOKENS [default: the newest]."),
+        click.option("--tokens-per-step", type=int, default=None,
+                     help="Tokens per step, for snapshots without token metadata (HF checkpoint-N, step-N dirs)."),
+        click.option("--exclude", multiple=True, type=click.Path(path_type=Path),
+                     help="Leave this snapshot out (repeatable)."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _select(inputs: Sequence[Path], last: int | None, every: int | None, until: int | None,
+            tokens_per_step: int | None, exclude: Sequence[Path]) -> list[Any]:
+    from pmakit.select import select_snapshots
+    from pmakit.snapshot import gather
+
+    snapshots, from_run = gather(inputs, tokens_per_step, exclude)
+    if last is None and from_run:
+        last = 10
+    return select_snapshots(snapshots, last=last, every=every, until=until)
+
+
+@contextmanager
+def _progress(total: int, quiet: bool, label: str) -> Iterator[Callable[[int], None] | None]:
+    """A bytes/s progress bar on a terminal; nothing with --quiet or when stderr is not a TTY."""
+    if quiet or not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                               TransferSpeedColumn)
+
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TimeRemainingColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(label, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+@cli.command()
+@click.argument("inputs", nargs=-1, required=True, type=click.Path(path_type=Path), metavar="RUN_DIR|SNAPSHOT...")
+@click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Output model directory.")
+@click.option("--method", type=click.Choice(METHODS), default="sma", show_default=True,
+              help="Weighting over the chosen snapshots, oldest to newest (see README for the exact formulas).")
+@click.option("--alpha", type=float, default=0.2, show_default=True, help="EMA factor for ema / ema-normalized.")
+@click.option("--weights", "custom", callback=_floats, metavar="W1,W2,...",
+              help="Custom weights, oldest first, one per chosen snapshot; normalised (with a warning) if their "
+                   "sum is not 1. Replaces --method.")
+@selection_options
+@click.option("--dtype", type=click.Choice(["same", "bf16", "fp16", "fp32"]), default="same", show_default=True,
+              help="Output dtype of float tensors (accumulation is always fp32).")
+@click.option("--max-shard-size", default="5GB", show_default=True, callback=_size,
+              help="Largest output shard (bytes, or with KB/MB/GB/KiB/MiB/GiB); a larger tensor gets its own.")
+@click.option("--force", is_flag=True, help="Replace OUTPUT if it exists (only once the new merge is complete).")
+@click.option("--dry-run", is_flag=True, help="Show what would be merged and stop.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary.")
+def merge(inputs: tuple[Path, ...], output: Path, method: str, alpha: float, custom: list[float] | None,
+          last: int | None, every: int | None, until: int | None, tokens_per_step: int | None,
+          exclude: tuple[Path, ...], dtype: str, max_shard_size: int, force: bool, dry_run: bool,
+          quiet: bool) -> None:
+    """Average snapshots chosen by tokens into a model directory (HF safetensors layout).
+
+    A RUN_DIR is a folder of snapshot directories (default: its last 10); SNAPSHOTs named one by one are all used.
+    """
+    from pmakit.merge import merge as run_merge
+    from pmakit.merge import plan_merge
+    from pmakit.weights import get_weights
+
+    chosen = _select(inputs, last, every, until, tokens_per_step, exclude)
+    weights = get_weights("custom" if custom is not None else method, len(chosen), alpha=alpha, custom=custom)
+    plan = plan_merge(chosen, weights, dtype=dtype, max_shard_size=max_shard_size)
+    if dry_run or not quiet:
+        _print_plan(plan)
+    if dry_run:
+        return
+    extra = {"method": "custom" if custom is not None else method, "alpha": alpha,
+             "selection": {"last": last, "every": every, "until": until, "inputs": [str(p) for p in inputs]}}
+    with _progress(plan.input_bytes, quiet, "merging") as progress:
+        result = run_merge(chosen, weights, output, dtype=dtype, max_shard_size=max_shard_size, force=force,
+                           progress=progress, manifest_extra=extra)
+    if not quiet:
+        rate = plan.input_bytes / max(result.seconds, 1e-9)
+        click.echo(f"wrote {output} ({format_bytes(plan.output_bytes)} in {len(plan.shards)} file(s)) in "
+                   f"{result.seconds:.1f} s, reading {format_bytes(rate)}/s")
+
+
+def _print_plan(plan: Any) -> None:
+    for snap, w in zip(plan.snapshots, plan.weights):
+        step = "" if snap.step is None else f"step {snap.step:>8}  "
+        click.echo(f"  {w:8.5f}  {step}{format_tokens(snap.tokens):>8} tokens  {snap.path}")
+    click.echo(f"{len(plan.snapshots)} snapshots, {len(plan.tensors)} tensors: reads "
+               f"{format_bytes(plan.input_bytes)}, writes {format_bytes(plan.output_bytes)} in "
+               f"{len(plan.shards)} file(s), work memory {format_bytes(plan.peak_memory)}")
+
+
+@cli.command()
+@click.argument("inputs", nargs=-1, required=True, type=click.Path(path_type=Path), metavar="RUN_DIR|SNAPSHOT...")
+@selection_options
+@click.option("--dtype", type=click.Choice(["same", "bf16", "fp16", "fp32"]), default="same",
+              help="Output dtype assumed for the merge estimate.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
+def inspect(inputs: tuple[Path, ...], last: int | None, every: int | None, until: int | None,
+            tokens_per_step: int | None, exclude: tuple[Path, ...], dtype: str, as_json: bool) -> None:
+    """Table of snapshots, their compatibility, and what a merge of them would need."""
+    from pmakit.inspect import inspect_inputs, render
+
+    report = inspect_inputs(inputs, last=last, every=every, until=until, tokens_per_step=tokens_per_step,
+                            exclude=exclude, dtype=dtype)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        render(report)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    cli(prog_name="pmakit")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Choose which snapshots to merge, by tokens. Pure: snapshots in (oldest first), snapshots out (oldest first)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+from pmakit.errors import PmakitError
+from pmakit.snapshot import Snapshot
+from pmakit.units import format_tokens
+
+
+def select_snapshots(snapshots: Sequence[Snapshot], *, last: int | None = 10, every: int | None = None,
+                     until: int | None = None) -> list[Snapshot]:
+    """The window of snapshots to merge, oldest first.
+
+    Args:
+        snapshots: candidates, oldest first (as ``discover`` returns them).
+        last: how many to take (N); None takes every snapshot up to the window's end.
+        every: spacing V in tokens between chosen snapshots, going back from the window's end. A snapshot counts as
+            being at a target when it is the nearest one to it and closer than half the run's save interval (savers
+            that save at the first step past a multiple of V land a little late).
+        until: the window ends at the newest snapshot with tokens <= until (default: the newest).
+
+    Example: snapshots every 100 tokens up to 1000, last=4, every=200 -> [400, 600, 800, 1000].
+    """
+    if not snapshots:
+        raise PmakitError("no complete snapshots to merge")
+    if last is not None and last < 1:
+        raise PmakitError(f"--last must be at least 1, got {last}")
+    if every is not None and every <= 0:
+        raise PmakitError(f"--every must be positive, got {every}")
+    pool = [s for s in snapshots if until is None or s.tokens <= until]
+    if not pool:
+        raise PmakitError(f"no snapshot at or before {format_tokens(until or 0)} tokens "
+                          f"(the oldest is at {format_tokens(snapshots[0].tokens)})")
+    end = pool[-1]
+    if every is None:
+        chosen = pool if last is None else pool[-last:]
+        if last is not None and len(chosen) < last:
+            raise PmakitError(f"--last {last} asks for {last} snapshots but only {len(pool)} exist up to "
+                              f"{format_tokens(end.tokens)} tokens")
+        return list(chosen)
+    return _every(pool, end, last, every)
+
+
+def _every(pool: list[Snapshot], end: Snapshot, last: int | None, every: int) -> list[Snapshot]:
+    gaps = [b.tokens - a.tokens for a, b in zip(pool, pool[1:])]
+    base = statistics.median(gaps) if gaps else every
+    tolerance = min(base, every) / 2
+    count = last if last is not None else end.tokens // every + 1
+    chosen: list[Snapshot] = []
+    for k in range(count):
+        target = end.tokens - k * every
+        if target < pool[0].tokens - tolerance:
+            if last is None:
+                break
+            raise PmakitError(f"--last {last} --every {format_tokens(every)} reaches back to "
+                              f"{format_tokens(target)} tokens, before the oldest snapshot "
+                              f"({format_tokens(pool[0].tokens)}); {len(chosen)} fit")
+        nearest = min(pool, key=lambda s: abs(s.tokens - target))
+        if abs(nearest.tokens - target) >= tolerance or nearest in chosen:
+            raise PmakitError(f"no snapshot at {format_tokens(target)} tokens for --every {format_tokens(every)} "
+                              f"(nearest: {format_tokens(nearest.tokens)}); snapshots are about "
+                              f"{format_tokens(base)} apart")
+        chosen.append(nearest)
+    return chosen[::-1]
