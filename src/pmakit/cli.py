@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pmakit._env  # noqa: F401  (before torch)
 
+# isort: split
+
 import json
 import logging
 import signal
@@ -111,8 +113,14 @@ def _progress(total: int, quiet: bool, label: str) -> Iterator[Callable[[int], N
         yield None
         return
     from rich.console import Console
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                               TransferSpeedColumn)
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
 
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                TimeRemainingColumn())

@@ -11,7 +11,14 @@ from typing import Any
 
 from pmakit.errors import PmakitError
 from pmakit.formats import open_reader
-from pmakit.snapshot import IncompleteSnapshot, Snapshot, looks_like_snapshot, read_snapshot, scan, sort_snapshots
+from pmakit.snapshot import (
+    IncompleteSnapshot,
+    Snapshot,
+    looks_like_snapshot,
+    read_snapshot,
+    scan,
+    sort_snapshots,
+)
 from pmakit.units import format_bytes, format_tokens
 
 

@@ -98,7 +98,7 @@ def read_snapshot(path: str | os.PathLike[str], tokens_per_step: int | None = No
     if (path / MERGE_MANIFEST).exists() and not (path / METADATA_FILE).exists():
         raise IncompleteSnapshot(path, f"a merged model (has {MERGE_MANIFEST}), not a training snapshot")
     if detect_format(path) is None:
-        raise IncompleteSnapshot(path, f"no weights (model.safetensors, shards + index, *.pt/*.bin, or DCP)")
+        raise IncompleteSnapshot(path, "no weights (model.safetensors, shards + index, *.pt/*.bin, or DCP)")
     meta_file = path / METADATA_FILE
     if meta_file.exists():
         return _from_pmakit_json(path, meta_file)
@@ -120,7 +120,7 @@ def _load_json(file: Path) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise IncompleteSnapshot(file, f"unreadable ({e})") from e
     if not isinstance(data, dict):
-        raise IncompleteSnapshot(file, f"expected a JSON object")
+        raise IncompleteSnapshot(file, "expected a JSON object")
     return data
 
 
@@ -138,7 +138,7 @@ def _from_trainer_state(path: Path, state_file: Path, tokens_per_step: int | Non
     state = _load_json(state_file)
     step = state.get("global_step")
     if not isinstance(step, int):
-        raise IncompleteSnapshot(state_file, f"no integer global_step")
+        raise IncompleteSnapshot(state_file, "no integer global_step")
     seen = state.get("num_input_tokens_seen") or 0
     history = [h for h in state.get("log_history", []) if isinstance(h, dict)]
     lr = next((h["learning_rate"] for h in reversed(history) if "learning_rate" in h), None)
@@ -148,7 +148,7 @@ def _from_trainer_state(path: Path, state_file: Path, tokens_per_step: int | Non
     elif tokens_per_step:
         tokens, source = step * tokens_per_step, "name"
     else:
-        raise IncompleteSnapshot(state_file, f"no num_input_tokens_seen (set include_num_input_tokens_seen=True "
+        raise IncompleteSnapshot(state_file, "no num_input_tokens_seen (set include_num_input_tokens_seen=True "
                                  "in TrainingArguments, or pass --tokens-per-step)")
     return Snapshot(path, tokens=tokens, step=step, lr=_float_or_none(lr), loss=_float_or_none(loss),
                     source=source, meta=state)

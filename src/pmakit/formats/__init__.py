@@ -115,7 +115,7 @@ def _load_builtin_formats() -> None:
 
     FORMATS.extend([safetensors_io.FORMAT, torch_io.FORMAT])
     try:
-        from pmakit.formats import dcp_io
+        from pmakit.formats import dcp_io  # type: ignore[attr-defined,unused-ignore]
     except ImportError:
         return
     FORMATS.append(dcp_io.FORMAT)

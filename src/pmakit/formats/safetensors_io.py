@@ -139,7 +139,7 @@ class SafetensorsReader(Reader):
     def read(self, name: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         fd, offset, nbytes = self._range(name, start, stop)
         buf = out[:nbytes] if out is not None else torch.empty(nbytes, dtype=torch.uint8)
-        view = memoryview(buf.numpy())
+        view = memoryview(buf.numpy())  # type: ignore[arg-type]
         done = 0
         while done < nbytes:
             try:
@@ -256,7 +256,7 @@ class ShardWriter:
         expected_name, expected_bytes = self._expected[self._pos]
         if name != expected_name:
             raise RuntimeError(f"writer expected {expected_name!r}, got {name!r}")
-        data = memoryview(chunk.contiguous().view(torch.uint8).numpy())
+        data = memoryview(chunk.contiguous().view(torch.uint8).numpy())  # type: ignore[arg-type]
         self._emit(data)
         self._written += len(data)
         if self._written > expected_bytes:

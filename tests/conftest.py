@@ -1,0 +1,104 @@
+"""Fixtures: small synthetic snapshots built on the fly (no downloads)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from pmakit.formats.safetensors_io import save_file
+from pmakit.snapshot import write_metadata
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+SHAPES: dict[str, tuple[int, ...]] = {
+    "embed.weight": (64, 16),
+    "layers.0.attn.weight": (16, 16),
+    "layers.0.norm.weight": (16,),
+    "layers.1.attn.weight": (16, 16),
+    "head.weight": (64, 16),
+}
+
+
+def state(
+    seed: int,
+    dtype: torch.dtype = torch.bfloat16,
+    shapes: dict[str, tuple[int, ...]] | None = None,
+) -> dict[str, torch.Tensor]:
+    """A deterministic state dict with float weights and one integer buffer."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = {k: torch.randn(s, generator=g).to(dtype) for k, s in (shapes or SHAPES).items()}
+    tensors["step_counter"] = torch.tensor([seed], dtype=torch.int64)
+    return tensors
+
+
+def write_snapshot(
+    path: Path,
+    tensors: dict[str, torch.Tensor],
+    *,
+    step: int,
+    tokens: int,
+    fmt: str = "safetensors",
+    extra_files: dict[str, str] | None = None,
+) -> Path:
+    """One snapshot directory in the given format, with pmakit.json written last."""
+    path.mkdir(parents=True, exist_ok=True)
+    if fmt == "safetensors":
+        save_file(tensors, path / "model.safetensors")
+    elif fmt == "pt":
+        torch.save(tensors, path / "model.pt")
+    elif fmt == "nested-pt":
+        torch.save(
+            {"model": tensors, "optimizer": {"lr": torch.tensor(0.1)}, "iter_num": 3}, path / "ckpt.pt"
+        )
+    else:
+        raise ValueError(fmt)
+    for name, text in (extra_files or {"config.json": '{"model_type": "toy"}'}).items():
+        (path / name).write_text(text)
+    write_metadata(path, step=step, tokens=tokens, lr=1e-3, loss=3.0)
+    return path
+
+
+@pytest.fixture
+def make_run(tmp_path: Path) -> Callable[..., Path]:
+    """make_run(n=5, every=100, dtype=bf16, fmt="safetensors") -> run dir with snapshots step-<k*every>."""
+
+    def build(
+        n: int = 5,
+        *,
+        every: int = 100,
+        tokens_per_step: int = 10,
+        dtype: torch.dtype = torch.bfloat16,
+        fmt: str = "safetensors",
+        name: str = "run",
+    ) -> Path:
+        run = tmp_path / name
+        for i in range(1, n + 1):
+            step = i * every
+            write_snapshot(
+                run / f"step-{step:06d}", state(i, dtype), step=step, tokens=step * tokens_per_step, fmt=fmt
+            )
+        return run
+
+    return build
+
+
+def run_cli(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the real `pmakit` entry point (python -m pmakit) on this checkout's sources."""
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_WAIT_POLICY": "PASSIVE"}
+    return subprocess.run(
+        [sys.executable, "-m", "pmakit", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=300,
+    )

@@ -1,0 +1,199 @@
+"""The merge and inspect commands through the real entry point: results, and one-line errors for bad input."""
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_cli, state, write_snapshot
+from pmakit.merge import partial_dir
+
+
+def assert_one_line_error(proc: object, *fragments: str) -> None:
+    assert proc.returncode != 0  # type: ignore[attr-defined]
+    err = proc.stderr.strip()  # type: ignore[attr-defined]
+    assert "Traceback" not in err, err
+    assert err.startswith("Error: "), err
+    for f in fragments:
+        assert f in err, (f, err)
+
+
+def test_merge_run_dir_defaults_and_manifest(make_run: Callable[..., Path], tmp_path: Path) -> None:
+    run = make_run(12)
+    proc = run_cli("merge", run, "-o", tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads((tmp_path / "out" / "pmakit-merge.json").read_text())
+    # default: SMA of the last 10 -> steps 300..1200
+    assert [i["step"] for i in manifest["inputs"]] == list(range(300, 1201, 100))
+    assert manifest["weights"] == pytest.approx([0.1] * 10)
+    assert manifest["method"] == "sma"
+    assert "wrote" in proc.stdout
+
+
+def test_merge_selection_flags(make_run: Callable[..., Path], tmp_path: Path) -> None:
+    run = make_run(10)  # tokens 1000, 2000, ..., 10000
+    proc = run_cli(
+        "merge",
+        run,
+        "-o",
+        tmp_path / "out",
+        "--last",
+        "3",
+        "--every",
+        "2K",
+        "--until",
+        "9.5K",
+        "--method",
+        "ema",
+        "--alpha",
+        "0.5",
+        "--dtype",
+        "fp32",
+        "--quiet",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == ""
+    manifest = json.loads((tmp_path / "out" / "pmakit-merge.json").read_text())
+    # window ends at 9000 (newest <= 9500), every 2000: [5000, 7000, 9000]
+    assert [i["tokens"] for i in manifest["inputs"]] == [5000, 7000, 9000]
+    assert manifest["weights"] == pytest.approx([0.25, 0.25, 0.5])
+    assert manifest["dtype"] == "fp32"
+
+
+def test_explicit_snapshots_all_used_and_custom_weights(
+    make_run: Callable[..., Path], tmp_path: Path
+) -> None:
+    run = make_run(12)
+    picks = [run / f"step-{s:06d}" for s in (1200, 100, 500)]
+    proc = run_cli("merge", *picks, "-o", tmp_path / "out", "--weights", "1,1,2")
+    assert proc.returncode == 0, proc.stderr
+    assert "warning: --weights sum to 4; normalised to sum 1" in proc.stderr
+    manifest = json.loads((tmp_path / "out" / "pmakit-merge.json").read_text())
+    assert [i["step"] for i in manifest["inputs"]] == [100, 500, 1200]
+    assert manifest["weights"] == [0.25, 0.25, 0.5]
+
+
+def test_dry_run_writes_nothing(make_run: Callable[..., Path], tmp_path: Path) -> None:
+    proc = run_cli("merge", make_run(3), "-o", tmp_path / "out", "--last", "2", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert "2 snapshots" in proc.stdout and "work memory" in proc.stdout
+    assert not (tmp_path / "out").exists()
+
+
+def test_merged_model_loads_in_transformers(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    sds = []
+    for i in (1, 2, 3):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.01)
+        d = tmp_path / "run" / f"step-{i}"
+        model.save_pretrained(d)
+        sds.append({k: v.clone() for k, v in model.state_dict().items()})
+        (d / "pmakit.json").write_text(json.dumps({"step": i, "tokens": i * 100}))
+    proc = run_cli(
+        "merge", tmp_path / "run", "-o", tmp_path / "merged", "--last", "3", "--max-shard-size", "20KB"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "merged" / "model.safetensors.index.json").exists()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    for k, v in merged.state_dict().items():
+        torch.testing.assert_close(v, sum(sd[k] for sd in sds) / 3, rtol=1e-6, atol=1e-6)
+
+
+def test_inspect_table_and_json(make_run: Callable[..., Path]) -> None:
+    run = make_run(3)
+    (run / "step-000400").mkdir()
+    (run / "step-000400" / "model.safetensors").write_bytes(b"")
+    proc = run_cli("inspect", run, "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert [r["complete"] for r in report["snapshots"]] == [True, True, True, False]
+    assert report["compatible"] and report["model"]["tensors"] == len(state(1))
+    assert "only 3 exist" in report["merge"]["error"]  # default --last 10
+    proc = run_cli("inspect", run, "--last", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        "compatible" in proc.stdout and "merge of 2 snapshots" in proc.stdout and "incomplete" in proc.stdout
+    )
+
+
+# -- every user mistake: one line, non-zero exit, nothing left behind -------------------------------------------
+
+
+def test_error_missing_snapshot(tmp_path: Path) -> None:
+    assert_one_line_error(run_cli("merge", tmp_path / "nope", "-o", tmp_path / "out"), "no such snapshot")
+
+
+def test_error_too_few_snapshots(make_run: Callable[..., Path], tmp_path: Path) -> None:
+    assert_one_line_error(run_cli("merge", make_run(4), "-o", tmp_path / "out"), "--last 10", "only 4 exist")
+
+
+def test_error_mismatched_shapes(make_run: Callable[..., Path], tmp_path: Path) -> None:
+    run = make_run(2)
+    odd = state(1)
+    odd["head.weight"] = torch.zeros(3, 3, dtype=torch.bfloat16)
+    write_snapshot(run / "step-000100", odd, step=100, tokens=1000)
+    proc = run_cli("merge", run, "-o", tmp_path / "out", "--last", "2")
+    assert_one_line_error(proc, "do not match", "head.weight", "[3, 3]")
+    assert not (tmp_path / "out").exists()
+
+
+def test_error_corrupt_file(make_run: Callable[..., Path], tmp_path: Path) -> None:
+    run = make_run(2)
+    (run / "step-000200" / "model.safetensors").write_bytes(b"garbage!garbage!")
+    assert_one_line_error(
+        run_cli("merge", run, "-o", tmp_path / "out", "--last", "2"), "corrupt", "step-000200"
+    )
+
+
+def test_error_nan_weights(make_run: Callable[..., Path], tmp_path: Path) -> None:
+    run = make_run(3)
+    bad = state(3)
+    bad["embed.weight"][0, 0] = float("nan")
+    write_snapshot(run / "step-000300", bad, step=300, tokens=3000)
+    proc = run_cli("merge", run, "-o", tmp_path / "out", "--last", "3")
+    assert_one_line_error(proc, "NaN", "embed.weight", "step-000300", "--exclude")
+    assert not (tmp_path / "out").exists() and not partial_dir(tmp_path / "out").exists()
+    # the user's way out: leave that snapshot out
+    proc = run_cli("merge", run, "-o", tmp_path / "out", "--last", "2", "--exclude", run / "step-000300")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_error_existing_output(make_run: Callable[..., Path], tmp_path: Path) -> None:
+    run = make_run(2)
+    (tmp_path / "out").mkdir()
+    assert_one_line_error(run_cli("merge", run, "-o", tmp_path / "out", "--last", "2"), "--force")
+    assert run_cli("merge", run, "-o", tmp_path / "out", "--last", "2", "--force").returncode == 0
+
+
+def test_error_bad_options(make_run: Callable[..., Path], tmp_path: Path) -> None:
+    run = make_run(3)
+    proc = run_cli("merge", run, "-o", tmp_path / "out", "--last", "2", "--weights", "1,2,3")
+    assert_one_line_error(proc, "3 weights for 2")
+    proc = run_cli("merge", run, "-o", tmp_path / "out", "--every", "4X")
+    assert (
+        proc.returncode == 2 and "cannot read token count" in proc.stderr and "Traceback" not in proc.stderr
+    )
+    proc = run_cli("merge", run, "-o", tmp_path / "out", "--method", "lawa")
+    assert proc.returncode == 2 and "sma" in proc.stderr
+
+
+def test_error_explicit_incomplete_snapshot(make_run: Callable[..., Path], tmp_path: Path) -> None:
+    run = make_run(2)
+    (run / "step-000200" / "pmakit.json").unlink()
+    proc = run_cli("merge", run / "step-000100", run / "step-000200", "-o", tmp_path / "out")
+    assert_one_line_error(proc, "step-000200", "token count is unknown")

@@ -1,0 +1,75 @@
+from pathlib import Path
+
+import pytest
+
+from pmakit.errors import PmakitError
+from pmakit.select import select_snapshots
+from pmakit.snapshot import Snapshot
+
+
+def snaps(*tokens: int) -> list[Snapshot]:
+    return [Snapshot(Path(f"s{t}"), tokens=t) for t in tokens]
+
+
+def toks(chosen: list[Snapshot]) -> list[int]:
+    return [s.tokens for s in chosen]
+
+
+EVERY_100 = snaps(*range(100, 1001, 100))  # 100, 200, ..., 1000
+
+
+def test_last_n_ends_at_newest() -> None:
+    # merge at 1000 with 3 snapshots: [800, 900, 1000]
+    assert toks(select_snapshots(EVERY_100, last=3)) == [800, 900, 1000]
+
+
+def test_until_is_inclusive() -> None:
+    # until 700 (a snapshot exactly there) with 3: [500, 600, 700]
+    assert toks(select_snapshots(EVERY_100, last=3, until=700)) == [500, 600, 700]
+    # until 799 falls back to the newest at or before it: [500, 600, 700]
+    assert toks(select_snapshots(EVERY_100, last=3, until=799)) == [500, 600, 700]
+
+
+def test_last_takes_exactly_what_exists() -> None:
+    # until 300 with 3: [100, 200, 300], the whole prefix
+    assert toks(select_snapshots(EVERY_100, last=3, until=300)) == [100, 200, 300]
+    with pytest.raises(PmakitError, match="only 2 exist"):
+        select_snapshots(EVERY_100, last=3, until=200)
+
+
+def test_every_goes_back_from_window_end() -> None:
+    # last 4 every 200 ending at 1000: [400, 600, 800, 1000]
+    assert toks(select_snapshots(EVERY_100, last=4, every=200)) == [400, 600, 800, 1000]
+    # last 5 every 200 ending at 900: [100, 300, 500, 700, 900]
+    assert toks(select_snapshots(EVERY_100, last=5, every=200, until=950)) == [100, 300, 500, 700, 900]
+
+
+def test_every_reaching_before_the_oldest_fails() -> None:
+    # last 6 every 200 from 1000 would need 0: only 5 fit
+    with pytest.raises(PmakitError, match="5 fit"):
+        select_snapshots(EVERY_100, last=6, every=200)
+
+
+def test_every_tolerates_late_saves() -> None:
+    # Savers save at the first step past a multiple of V: 103, 205, 301, ...
+    late = snaps(103, 205, 301, 404, 502, 600)
+    assert toks(select_snapshots(late, last=3, every=200)) == [205, 404, 600]
+
+
+def test_every_with_a_missing_snapshot_fails() -> None:
+    holes = snaps(100, 200, 400, 500, 600)  # 300 is missing
+    with pytest.raises(PmakitError, match="no snapshot at 300"):
+        select_snapshots(holes, last=4, every=100)
+
+
+def test_every_without_last_takes_all_that_fit() -> None:
+    assert toks(select_snapshots(EVERY_100, last=None, every=300)) == [100, 400, 700, 1000]
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(PmakitError, match="no complete snapshots"):
+        select_snapshots([], last=3)
+    with pytest.raises(PmakitError, match="at least 1"):
+        select_snapshots(EVERY_100, last=0)
+    with pytest.raises(PmakitError, match="no snapshot at or before"):
+        select_snapshots(EVERY_100, last=1, until=50)
