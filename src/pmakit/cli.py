@@ -79,24 +79,50 @@ def _floats(_: click.Context, __: click.Parameter, value: str | None) -> list[fl
 def selection_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """--last/--every/--until/--tokens-per-step/--exclude, shared by merge and inspect."""
     options = [
-        click.option("--last", type=int, default=None,
-                     help="How many snapshots N to merge [default: 10 from a run directory; every snapshot named]."),
-        click.option("--every", callback=_tokens, metavar="TOKENS",
-                     help="Spacing V between chosen snapshots, going back from the window's end (500M, 4B, 1.5T)."),
-        click.option("--until", callback=_tokens, metavar="TOKENS",
-                     help="The window ends at the newest snapshot with tokens <= TOKENS [default: the newest]."),
-        click.option("--tokens-per-step", type=int, default=None,
-                     help="Tokens per step, for snapshots without token metadata (HF checkpoint-N, step-N dirs)."),
-        click.option("--exclude", multiple=True, type=click.Path(path_type=Path),
-                     help="Leave this snapshot out (repeatable)."),
+        click.option(
+            "--last",
+            type=int,
+            default=None,
+            help="How many snapshots N to merge [default: 10 from a run directory; every snapshot named].",
+        ),
+        click.option(
+            "--every",
+            callback=_tokens,
+            metavar="TOKENS",
+            help="Spacing V between chosen snapshots, going back from the window's end (500M, 4B, 1.5T).",
+        ),
+        click.option(
+            "--until",
+            callback=_tokens,
+            metavar="TOKENS",
+            help="The window ends at the newest snapshot with tokens <= TOKENS [default: the newest].",
+        ),
+        click.option(
+            "--tokens-per-step",
+            type=int,
+            default=None,
+            help="Tokens per step, for snapshots without token metadata (HF checkpoint-N, step-N dirs).",
+        ),
+        click.option(
+            "--exclude",
+            multiple=True,
+            type=click.Path(path_type=Path),
+            help="Leave this snapshot out (repeatable).",
+        ),
     ]
     for option in reversed(options):
         fn = option(fn)
     return fn
 
 
-def _select(inputs: Sequence[Path], last: int | None, every: int | None, until: int | None,
-            tokens_per_step: int | None, exclude: Sequence[Path]) -> list[Any]:
+def _select(
+    inputs: Sequence[Path],
+    last: int | None,
+    every: int | None,
+    until: int | None,
+    tokens_per_step: int | None,
+    exclude: Sequence[Path],
+) -> list[Any]:
     from pmakit.select import select_snapshots
     from pmakit.snapshot import gather
 
@@ -122,34 +148,80 @@ def _progress(total: int, quiet: bool, label: str) -> Iterator[Callable[[int], N
         TransferSpeedColumn,
     )
 
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-               TimeRemainingColumn())
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(label, total=total)
         yield lambda n: bar.advance(task, n)
 
 
 @cli.command()
-@click.argument("inputs", nargs=-1, required=True, type=click.Path(path_type=Path), metavar="RUN_DIR|SNAPSHOT...")
-@click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Output model directory.")
-@click.option("--method", type=click.Choice(METHODS), default="sma", show_default=True,
-              help="Weighting over the chosen snapshots, oldest to newest (see README for the exact formulas).")
-@click.option("--alpha", type=float, default=0.2, show_default=True, help="EMA factor for ema / ema-normalized.")
-@click.option("--weights", "custom", callback=_floats, metavar="W1,W2,...",
-              help="Custom weights, oldest first, one per chosen snapshot; normalised (with a warning) if their "
-                   "sum is not 1. Replaces --method.")
+@click.argument(
+    "inputs", nargs=-1, required=True, type=click.Path(path_type=Path), metavar="RUN_DIR|SNAPSHOT..."
+)
+@click.option(
+    "-o", "--output", required=True, type=click.Path(path_type=Path), help="Output model directory."
+)
+@click.option(
+    "--method",
+    type=click.Choice(METHODS),
+    default="sma",
+    show_default=True,
+    help="Weighting over the chosen snapshots, oldest to newest (see README for the exact formulas).",
+)
+@click.option(
+    "--alpha", type=float, default=0.2, show_default=True, help="EMA factor for ema / ema-normalized."
+)
+@click.option(
+    "--weights",
+    "custom",
+    callback=_floats,
+    metavar="W1,W2,...",
+    help="Custom weights, oldest first, one per chosen snapshot; normalised (with a warning) if their "
+    "sum is not 1. Replaces --method.",
+)
 @selection_options
-@click.option("--dtype", type=click.Choice(["same", "bf16", "fp16", "fp32"]), default="same", show_default=True,
-              help="Output dtype of float tensors (accumulation is always fp32).")
-@click.option("--max-shard-size", default="5GB", show_default=True, callback=_size,
-              help="Largest output shard (bytes, or with KB/MB/GB/KiB/MiB/GiB); a larger tensor gets its own.")
-@click.option("--force", is_flag=True, help="Replace OUTPUT if it exists (only once the new merge is complete).")
+@click.option(
+    "--dtype",
+    type=click.Choice(["same", "bf16", "fp16", "fp32"]),
+    default="same",
+    show_default=True,
+    help="Output dtype of float tensors (accumulation is always fp32).",
+)
+@click.option(
+    "--max-shard-size",
+    default="5GB",
+    show_default=True,
+    callback=_size,
+    help="Largest output shard (bytes, or with KB/MB/GB/KiB/MiB/GiB); a larger tensor gets its own.",
+)
+@click.option(
+    "--force", is_flag=True, help="Replace OUTPUT if it exists (only once the new merge is complete)."
+)
 @click.option("--dry-run", is_flag=True, help="Show what would be merged and stop.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary.")
-def merge(inputs: tuple[Path, ...], output: Path, method: str, alpha: float, custom: list[float] | None,
-          last: int | None, every: int | None, until: int | None, tokens_per_step: int | None,
-          exclude: tuple[Path, ...], dtype: str, max_shard_size: int, force: bool, dry_run: bool,
-          quiet: bool) -> None:
+def merge(
+    inputs: tuple[Path, ...],
+    output: Path,
+    method: str,
+    alpha: float,
+    custom: list[float] | None,
+    last: int | None,
+    every: int | None,
+    until: int | None,
+    tokens_per_step: int | None,
+    exclude: tuple[Path, ...],
+    dtype: str,
+    max_shard_size: int,
+    force: bool,
+    dry_run: bool,
+    quiet: bool,
+) -> None:
     """Average snapshots chosen by tokens into a model directory (HF safetensors layout).
 
     A RUN_DIR is a folder of snapshot directories (default: its last 10); SNAPSHOTs named one by one are all used.
@@ -165,39 +237,75 @@ def merge(inputs: tuple[Path, ...], output: Path, method: str, alpha: float, cus
         _print_plan(plan)
     if dry_run:
         return
-    extra = {"method": "custom" if custom is not None else method, "alpha": alpha,
-             "selection": {"last": last, "every": every, "until": until, "inputs": [str(p) for p in inputs]}}
+    extra = {
+        "method": "custom" if custom is not None else method,
+        "alpha": alpha,
+        "selection": {"last": last, "every": every, "until": until, "inputs": [str(p) for p in inputs]},
+    }
     with _progress(plan.input_bytes, quiet, "merging") as progress:
-        result = run_merge(chosen, weights, output, dtype=dtype, max_shard_size=max_shard_size, force=force,
-                           progress=progress, manifest_extra=extra)
+        result = run_merge(
+            chosen,
+            weights,
+            output,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            force=force,
+            progress=progress,
+            manifest_extra=extra,
+        )
     if not quiet:
         rate = plan.input_bytes / max(result.seconds, 1e-9)
-        click.echo(f"wrote {output} ({format_bytes(plan.output_bytes)} in {len(plan.shards)} file(s)) in "
-                   f"{result.seconds:.1f} s, reading {format_bytes(rate)}/s")
+        click.echo(
+            f"wrote {output} ({format_bytes(plan.output_bytes)} in {len(plan.shards)} file(s)) in "
+            f"{result.seconds:.1f} s, reading {format_bytes(rate)}/s"
+        )
 
 
 def _print_plan(plan: Any) -> None:
     for snap, w in zip(plan.snapshots, plan.weights):
         step = "" if snap.step is None else f"step {snap.step:>8}  "
         click.echo(f"  {w:8.5f}  {step}{format_tokens(snap.tokens):>8} tokens  {snap.path}")
-    click.echo(f"{len(plan.snapshots)} snapshots, {len(plan.tensors)} tensors: reads "
-               f"{format_bytes(plan.input_bytes)}, writes {format_bytes(plan.output_bytes)} in "
-               f"{len(plan.shards)} file(s), work memory {format_bytes(plan.peak_memory)}")
+    click.echo(
+        f"{len(plan.snapshots)} snapshots, {len(plan.tensors)} tensors: reads "
+        f"{format_bytes(plan.input_bytes)}, writes {format_bytes(plan.output_bytes)} in "
+        f"{len(plan.shards)} file(s), work memory {format_bytes(plan.peak_memory)}"
+    )
 
 
 @cli.command()
-@click.argument("inputs", nargs=-1, required=True, type=click.Path(path_type=Path), metavar="RUN_DIR|SNAPSHOT...")
+@click.argument(
+    "inputs", nargs=-1, required=True, type=click.Path(path_type=Path), metavar="RUN_DIR|SNAPSHOT..."
+)
 @selection_options
-@click.option("--dtype", type=click.Choice(["same", "bf16", "fp16", "fp32"]), default="same",
-              help="Output dtype assumed for the merge estimate.")
+@click.option(
+    "--dtype",
+    type=click.Choice(["same", "bf16", "fp16", "fp32"]),
+    default="same",
+    help="Output dtype assumed for the merge estimate.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
-def inspect(inputs: tuple[Path, ...], last: int | None, every: int | None, until: int | None,
-            tokens_per_step: int | None, exclude: tuple[Path, ...], dtype: str, as_json: bool) -> None:
+def inspect(
+    inputs: tuple[Path, ...],
+    last: int | None,
+    every: int | None,
+    until: int | None,
+    tokens_per_step: int | None,
+    exclude: tuple[Path, ...],
+    dtype: str,
+    as_json: bool,
+) -> None:
     """Table of snapshots, their compatibility, and what a merge of them would need."""
     from pmakit.inspect import inspect_inputs, render
 
-    report = inspect_inputs(inputs, last=last, every=every, until=until, tokens_per_step=tokens_per_step,
-                            exclude=exclude, dtype=dtype)
+    report = inspect_inputs(
+        inputs,
+        last=last,
+        every=every,
+        until=until,
+        tokens_per_step=tokens_per_step,
+        exclude=exclude,
+        dtype=dtype,
+    )
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:

@@ -22,7 +22,9 @@ from pmakit.snapshot import (
 from pmakit.units import format_bytes, format_tokens
 
 
-def _rows(inputs: Sequence[Path], tokens_per_step: int | None) -> tuple[list[Snapshot | IncompleteSnapshot], bool]:
+def _rows(
+    inputs: Sequence[Path], tokens_per_step: int | None
+) -> tuple[list[Snapshot | IncompleteSnapshot], bool]:
     rows: list[Snapshot | IncompleteSnapshot] = []
     from_run = False
     for p in inputs:
@@ -39,9 +41,16 @@ def _rows(inputs: Sequence[Path], tokens_per_step: int | None) -> tuple[list[Sna
     return rows, from_run
 
 
-def inspect_inputs(inputs: Sequence[str | os.PathLike[str]], *, last: int | None = None, every: int | None = None,
-                   until: int | None = None, tokens_per_step: int | None = None,
-                   exclude: Sequence[str | os.PathLike[str]] = (), dtype: str = "same") -> dict[str, Any]:
+def inspect_inputs(
+    inputs: Sequence[str | os.PathLike[str]],
+    *,
+    last: int | None = None,
+    every: int | None = None,
+    until: int | None = None,
+    tokens_per_step: int | None = None,
+    exclude: Sequence[str | os.PathLike[str]] = (),
+    dtype: str = "same",
+) -> dict[str, Any]:
     """A JSON-able report: snapshots (complete or not), compatibility, and the default merge's needs."""
     from pmakit.merge import plan_merge
     from pmakit.select import select_snapshots
@@ -52,10 +61,20 @@ def inspect_inputs(inputs: Sequence[str | os.PathLike[str]], *, last: int | None
     table: list[dict[str, Any]] = []
     for snap in complete:
         with open_reader(snap.path) as reader:
-            table.append({"path": str(snap.path), "complete": True, "step": snap.step, "tokens": snap.tokens,
-                          "lr": snap.lr, "loss": snap.loss, "format": reader.format,
-                          "bytes": sum(f.size for f in reader.files), "tensors": len(reader.tensors),
-                          "skipped_entries": reader.skipped})
+            table.append(
+                {
+                    "path": str(snap.path),
+                    "complete": True,
+                    "step": snap.step,
+                    "tokens": snap.tokens,
+                    "lr": snap.lr,
+                    "loss": snap.loss,
+                    "format": reader.format,
+                    "bytes": sum(f.size for f in reader.files),
+                    "tensors": len(reader.tensors),
+                    "skipped_entries": reader.skipped,
+                }
+            )
     for r in rows:
         if isinstance(r, IncompleteSnapshot):
             table.append({"path": str(r.path), "complete": False, "reason": str(r)})
@@ -72,10 +91,12 @@ def inspect_inputs(inputs: Sequence[str | os.PathLike[str]], *, last: int | None
         return report
     dtypes = Counter(str(info.dtype).replace("torch.", "") for info, _ in every_plan.tensors.values())
     report["compatible"] = True
-    report["model"] = {"tensors": len(every_plan.tensors),
-                       "parameters": sum(info.numel for info, _ in every_plan.tensors.values()),
-                       "dtypes": dict(dtypes),
-                       "largest_tensor_bytes": max(info.nbytes for info, _ in every_plan.tensors.values())}
+    report["model"] = {
+        "tensors": len(every_plan.tensors),
+        "parameters": sum(info.numel for info, _ in every_plan.tensors.values()),
+        "dtypes": dict(dtypes),
+        "largest_tensor_bytes": max(info.nbytes for info, _ in every_plan.tensors.values()),
+    }
     if last is None and from_run:
         last = 10
     try:
@@ -84,9 +105,14 @@ def inspect_inputs(inputs: Sequence[str | os.PathLike[str]], *, last: int | None
         report["merge"] = {"error": str(e)}
         return report
     plan = plan_merge(chosen, [1 / len(chosen)] * len(chosen), dtype=dtype)
-    report["merge"] = {"snapshots": [str(s.path) for s in chosen], "tokens": [s.tokens for s in chosen],
-                       "read_bytes": plan.input_bytes, "write_bytes": plan.output_bytes,
-                       "memory_bytes": plan.peak_memory, "output_files": len(plan.shards)}
+    report["merge"] = {
+        "snapshots": [str(s.path) for s in chosen],
+        "tokens": [s.tokens for s in chosen],
+        "read_bytes": plan.input_bytes,
+        "write_bytes": plan.output_bytes,
+        "memory_bytes": plan.peak_memory,
+        "output_files": len(plan.shards),
+    }
     return report
 
 
@@ -98,11 +124,24 @@ def render(report: dict[str, Any]) -> None:
     console = Console()
     table = Table(title="snapshots")
     for col in ("path", "step", "tokens", "lr", "loss", "format", "size", "complete"):
-        table.add_column(col, justify="left" if col in ("path", "format") else "right")
+        table.add_column(
+            col,
+            justify="left" if col in ("path", "format") else "right",
+            overflow="fold" if col == "path" else "ellipsis",
+            no_wrap=col != "path",
+        )
     for row in report["snapshots"]:
         if row["complete"]:
-            table.add_row(row["path"], _s(row["step"]), format_tokens(row["tokens"]), _g(row["lr"]),
-                          _g(row["loss"]), row["format"], format_bytes(row["bytes"]), "yes")
+            table.add_row(
+                row["path"],
+                _s(row["step"]),
+                format_tokens(row["tokens"]),
+                _g(row["lr"]),
+                _g(row["loss"]),
+                row["format"],
+                format_bytes(row["bytes"]),
+                "yes",
+            )
         else:
             table.add_row(row["path"], "", "", "", "", "", "", "[red]no[/red]")
     console.print(table)
@@ -111,8 +150,11 @@ def render(report: dict[str, Any]) -> None:
             console.print(f"[yellow]incomplete:[/yellow] {row['reason']}", highlight=False)
         elif row["skipped_entries"]:
             with contextlib.suppress(IndexError):
-                console.print(f"not weights, skipped in {row['path']}: {len(row['skipped_entries'])} entries "
-                              f"({', '.join(row['skipped_entries'][:4])}...)", highlight=False)
+                console.print(
+                    f"not weights, skipped in {row['path']}: {len(row['skipped_entries'])} entries "
+                    f"({', '.join(row['skipped_entries'][:4])}...)",
+                    highlight=False,
+                )
     if not report["compatible"]:
         console.print("[red]not mergeable:[/red]", highlight=False)
         for p in report["problems"]:
@@ -120,16 +162,22 @@ def render(report: dict[str, Any]) -> None:
         return
     m = report["model"]
     dtypes = ", ".join(f"{k} x{v}" for k, v in m["dtypes"].items())
-    console.print(f"compatible: {m['tensors']} tensors, {m['parameters']:,} parameters ({dtypes}); largest "
-                  f"tensor {format_bytes(m['largest_tensor_bytes'])}", highlight=False)
+    console.print(
+        f"compatible: {m['tensors']} tensors, {m['parameters']:,} parameters ({dtypes}); largest "
+        f"tensor {format_bytes(m['largest_tensor_bytes'])}",
+        highlight=False,
+    )
     merge = report.get("merge", {})
     if "error" in merge:
         console.print(f"default merge: {merge['error']}", highlight=False)
     elif merge:
-        console.print(f"merge of {len(merge['snapshots'])} snapshots ({format_tokens(merge['tokens'][0])} .. "
-                      f"{format_tokens(merge['tokens'][-1])} tokens): reads {format_bytes(merge['read_bytes'])}, "
-                      f"needs {format_bytes(merge['write_bytes'])} of disk and "
-                      f"{format_bytes(merge['memory_bytes'])} of work memory", highlight=False)
+        console.print(
+            f"merge of {len(merge['snapshots'])} snapshots ({format_tokens(merge['tokens'][0])} .. "
+            f"{format_tokens(merge['tokens'][-1])} tokens): reads {format_bytes(merge['read_bytes'])}, "
+            f"needs {format_bytes(merge['write_bytes'])} of disk and "
+            f"{format_bytes(merge['memory_bytes'])} of work memory",
+            highlight=False,
+        )
 
 
 def _s(x: Any) -> str:

@@ -1,9 +1,10 @@
 """Stream-average snapshots into one model: validate headers, then fp32-accumulate chunk by chunk, write atomically.
 
-The shape of the work: a reader thread fills a small pool of buffers with the next chunk of every input (the disk
-read, or the copy out of the page cache), while the calling thread folds each chunk into an fp32 accumulator,
-checks it is finite, casts it once and appends it to the output shard. Peak memory is the buffer pool plus three
-chunk-sized work tensors: independent of the number of snapshots and of the model's size.
+The shape of the work: inputs are memory-mapped and the kernel is asked to read a couple of chunks ahead; the
+calling thread converts each input chunk straight from the page cache to fp32 and folds it into an accumulator,
+checks the sum is finite, casts it once into an output buffer; a writer thread appends it to the output shard and
+checksums it. Peak memory is a few chunk-sized buffers (the mapped input pages belong to the page cache):
+independent of the number of snapshots and of the model's size.
 
 Output goes to a hidden sibling ``.OUT.pmakit-partial`` and is renamed into place only when every shard, the index,
 the copied config/tokenizer files and the manifest are on disk. Any failure removes the partial directory.
@@ -37,15 +38,31 @@ from pmakit.units import format_bytes
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-          "fp32": torch.float32, "float32": torch.float32}
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+}
 CHUNK_ELEMS = 8 * 2**20
 """Elements per chunk: 16 MiB of bf16 input, 32 MiB of fp32 accumulator."""
-N_BUFFERS = 6
-"""Input chunks the reader may hold ahead of the accumulator."""
+N_BUFFERS = 4
+"""Output chunks that may wait for the writer thread."""
 _NOT_COPIED_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".distcp", ".metadata")
-_NOT_COPIED_NAMES = ("optimizer", "scheduler", "rng_state", "training_args", "trainer_state", "scaler",
-                     "model.safetensors.index.json", "pytorch_model.bin.index.json", METADATA_FILE, MERGE_MANIFEST)
+_NOT_COPIED_NAMES = (
+    "optimizer",
+    "scheduler",
+    "rng_state",
+    "training_args",
+    "trainer_state",
+    "scaler",
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+    METADATA_FILE,
+    MERGE_MANIFEST,
+)
 
 
 @dataclass(frozen=True)
@@ -79,8 +96,7 @@ class MergePlan:
     @property
     def peak_memory(self) -> int:
         """Bytes of work memory the merge allocates (buffers + accumulator + cast), whatever N and model size."""
-        in_size = max((i.dtype.itemsize for i, _ in self.tensors.values()), default=4)
-        return self.chunk_elems * (N_BUFFERS * in_size + 4 + 4 + 4)
+        return self.chunk_elems * 4 * (N_BUFFERS + 2)  # output buffers, accumulator, conversion buffer
 
 
 def output_dtype(dtype: str | torch.dtype | None, source: torch.dtype) -> torch.dtype:
@@ -100,24 +116,32 @@ def _validate(readers: Sequence[Reader], snapshots: Sequence[Snapshot], cast: bo
     problems: list[str] = []
     for name, info in ref.items():
         if info.dtype.is_floating_point and not is_float(info.dtype):
-            problems.append(f"tensor {name!r} is {info.dtype}: averaging quantized weights needs their scales; "
-                            "dequantize first")
+            problems.append(
+                f"tensor {name!r} is {info.dtype}: averaging quantized weights needs their scales; "
+                "dequantize first"
+            )
     for reader, snap in zip(readers[:-1], snapshots[:-1]):
         keys = reader.tensors
         missing = [k for k in ref if k not in keys]
         extra = [k for k in keys if k not in ref]
         if missing:
-            problems.append(f"{snap.path} lacks {len(missing)} tensors of {ref_snap.path.name}: {_few(missing)}")
+            problems.append(
+                f"{snap.path} lacks {len(missing)} tensors of {ref_snap.path.name}: {_few(missing)}"
+            )
         if extra:
             problems.append(f"{snap.path} has {len(extra)} tensors {ref_snap.path.name} lacks: {_few(extra)}")
         for name in ref.keys() & keys.keys():
             a, b = keys[name], ref[name]
             if a.shape != b.shape:
-                problems.append(f"tensor {name!r}: shape {list(a.shape)} in {snap.path} but {list(b.shape)} in "
-                                f"{ref_snap.path}")
+                problems.append(
+                    f"tensor {name!r}: shape {list(a.shape)} in {snap.path} but {list(b.shape)} in "
+                    f"{ref_snap.path}"
+                )
             elif a.dtype != b.dtype and not (cast and is_float(a.dtype) and is_float(b.dtype)):
-                problems.append(f"tensor {name!r}: {a.dtype} in {snap.path} but {b.dtype} in {ref_snap.path}"
-                                + ("" if cast else " (pass --dtype to cast)"))
+                problems.append(
+                    f"tensor {name!r}: {a.dtype} in {snap.path} but {b.dtype} in {ref_snap.path}"
+                    + ("" if cast else " (pass --dtype to cast)")
+                )
     if problems:
         head = f"the snapshots do not match ({len(problems)} differences):"
         shown = problems[:50] + ([f"... and {len(problems) - 50} more"] if len(problems) > 50 else [])
@@ -128,8 +152,13 @@ def _few(names: list[str]) -> str:
     return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
-def plan_merge(snapshots: Sequence[Snapshot], weights: Sequence[float], *, dtype: str | torch.dtype | None = "same",
-               max_shard_size: int = 5 * 10**9) -> MergePlan:
+def plan_merge(
+    snapshots: Sequence[Snapshot],
+    weights: Sequence[float],
+    *,
+    dtype: str | torch.dtype | None = "same",
+    max_shard_size: int = 5 * 10**9,
+) -> MergePlan:
     """Read every input's headers, check they match, and lay out the output. Reads no weights."""
     if len(snapshots) != len(weights):
         raise PmakitError(f"{len(weights)} weights for {len(snapshots)} snapshots")
@@ -175,57 +204,92 @@ def _chunks(plan: MergePlan) -> Iterator[_Chunk]:
             info = plan.tensors[t.name][0]
             average = is_float(info.dtype)
             for start in range(0, max(info.numel, 1), step):
-                yield _Chunk(s, t.name, start, min(start + step, info.numel), averaged if average else newest,
-                             average)
+                yield _Chunk(
+                    s, t.name, start, min(start + step, info.numel), averaged if average else newest, average
+                )
 
 
-class _Prefetcher:
-    """Reads chunks of every input on a background thread into a bounded pool of buffers."""
+class _Writer:
+    """Writes (and checksums) output chunks on a background thread, so that the accumulation never waits on it.
 
-    def __init__(self, readers: Sequence[Reader], chunks: list[_Chunk], buffer_bytes: int) -> None:
-        self._readers = readers
-        self._chunks = chunks
-        self._free: queue.Queue[torch.Tensor] = queue.Queue()
-        for _ in range(N_BUFFERS):
-            self._free.put(torch.empty(buffer_bytes, dtype=torch.uint8))
-        self._ready: queue.Queue[tuple[torch.Tensor, torch.Tensor] | BaseException] = queue.Queue()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="pmakit-reader", daemon=True)
+    Chunks are handed over in plan order with the buffer they live in; the buffer goes back to the pool once its
+    bytes are in the file. At most ``len(pool)`` chunks are in flight.
+    """
+
+    def __init__(
+        self, plan: MergePlan, directory: Path, buffer_bytes: int, n_buffers: int, fsync: bool
+    ) -> None:
+        self._plan = plan
+        self._directory = directory
+        self._fsync = fsync
+        self.free: queue.Queue[torch.Tensor] = queue.Queue()
+        for _ in range(n_buffers):
+            self.free.put(torch.empty(buffer_bytes, dtype=torch.uint8))
+        self._todo: queue.Queue[tuple[int, str, torch.Tensor, torch.Tensor | None] | None] = queue.Queue()
+        self.files: list[dict[str, Any]] = []
+        self._error: BaseException | None = None
+        self._aborted = False
+        self._thread = threading.Thread(target=self._run, name="pmakit-writer", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        writer: ShardWriter | None = None
         try:
-            for i, chunk in enumerate(self._chunks):
-                if i + 1 < len(self._chunks):
-                    nxt = self._chunks[i + 1]
-                    for src in nxt.sources:
-                        self._readers[src].prefetch(nxt.name, nxt.start, nxt.stop)
-                for src in chunk.sources:
-                    buf = self._take()
-                    if buf is None:
-                        return
-                    self._ready.put((self._readers[src].read(chunk.name, chunk.start, chunk.stop, out=buf), buf))
-        except BaseException as e:  # handed to the consumer, which raises it
-            self._ready.put(e)
+            while (item := self._todo.get()) is not None:
+                if self._aborted:
+                    continue
+                shard_index, name, chunk, buf = item
+                shard = self._plan.shards[shard_index]
+                if writer is None or writer.shard is not shard:
+                    if writer is not None:
+                        self.files.append(_close(writer, self._fsync))
+                    writer = ShardWriter(self._directory / shard.file, shard)
+                writer.write(name, chunk)
+                if buf is not None:
+                    self.free.put(buf)
+            if writer is not None and self._aborted:
+                writer.abort()
+            elif writer is not None:
+                self.files.append(_close(writer, self._fsync))
+            writer = None
+        except BaseException as e:
+            self._error = e
+            if writer is not None:
+                writer.abort()
+            while True:  # keep releasing buffers so that the producer never blocks on a dead writer
+                item = self._todo.get()
+                if item is None:
+                    return
+                if item[3] is not None:
+                    self.free.put(item[3])
 
-    def _take(self) -> torch.Tensor | None:
-        while not self._stop.is_set():
+    def buffer(self) -> torch.Tensor:
+        """A free output buffer (waits for the writer to finish one); raises the writer's error if it failed."""
+        while True:
+            self.check()
             with contextlib.suppress(queue.Empty):
-                return self._free.get(timeout=0.1)
-        return None
+                return self.free.get(timeout=0.1)
 
-    def get(self) -> tuple[torch.Tensor, torch.Tensor]:
-        item = self._ready.get()
-        if isinstance(item, BaseException):
-            raise item
-        return item
+    def put(self, shard: int, name: str, chunk: torch.Tensor, buf: torch.Tensor | None) -> None:
+        self.check()
+        self._todo.put((shard, name, chunk, buf))
 
-    def release(self, buf: torch.Tensor) -> None:
-        self._free.put(buf)
+    def check(self) -> None:
+        if self._error is not None:
+            raise self._error
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+    def finish(self) -> list[dict[str, Any]]:
+        """Wait for every chunk to be written; the output files' names, sizes and sha256."""
+        self._todo.put(None)
+        self._thread.join()
+        self.check()
+        return self.files
+
+    def abort(self) -> None:
+        """Stop writing: chunks still queued are dropped and the open shard is closed unfinished."""
+        self._aborted = True
+        self._todo.put(None)
+        self._thread.join(timeout=30)
 
 
 def _find_nonfinite(readers: Sequence[Reader], plan: MergePlan, chunk: _Chunk) -> None:
@@ -233,43 +297,54 @@ def _find_nonfinite(readers: Sequence[Reader], plan: MergePlan, chunk: _Chunk) -
         values = readers[src].read(chunk.name, chunk.start, chunk.stop)
         if not torch.isfinite(values).all():
             snap = plan.snapshots[src]
-            raise PmakitError(f"non-finite values (NaN/Inf) in tensor {chunk.name!r} of {snap.path} "
-                              f"(step {snap.step}, {snap.tokens} tokens); pass --exclude {snap.path} to merge "
-                              "without it")
+            raise PmakitError(
+                f"non-finite values (NaN/Inf) in tensor {chunk.name!r} of {snap.path} "
+                f"(step {snap.step}, {snap.tokens} tokens); pass --exclude {snap.path} to merge "
+                "without it"
+            )
 
 
-def _stream(plan: MergePlan, readers: Sequence[Reader], directory: Path,
-            progress: Callable[[int], None] | None, fsync: bool) -> list[dict[str, Any]]:
-    """Write every shard of ``plan`` into ``directory``; returns the output files' names, sizes and sha256."""
+PREFETCH_AHEAD = 2
+"""Chunks ahead of the accumulator whose input ranges the kernel is asked to read (posix_fadvise WILLNEED)."""
+
+
+def _stream(
+    plan: MergePlan,
+    readers: Sequence[Reader],
+    directory: Path,
+    progress: Callable[[int], None] | None,
+    fsync: bool,
+) -> list[dict[str, Any]]:
+    """Write every shard of ``plan`` into ``directory``; returns the output files' names, sizes and sha256.
+
+    This thread converts and accumulates: for each chunk, every input's bytes (a view of the page cache) are
+    converted to fp32 and added with their weight, the sum is checked for NaN/Inf, cast once into an output
+    buffer and handed to the writer thread. The kernel reads ahead of it; the writer writes behind it.
+    """
     chunks = list(_chunks(plan))
     n = plan.chunk_elems
-    in_size = max((i.dtype.itemsize for i, _ in plan.tensors.values()), default=4)
     acc = torch.empty(n, dtype=torch.float32)
     tmp = torch.empty(n, dtype=torch.float32)
-    cast = torch.empty(n * 4, dtype=torch.uint8)
     weights = plan.weights
-    files: list[dict[str, Any]] = []
-    writer: ShardWriter | None = None
-    prefetcher = _Prefetcher(readers, chunks, n * in_size)
+    writer = _Writer(plan, directory, n * 4, N_BUFFERS, fsync)
     try:
-        for chunk in chunks:
-            if writer is None or writer.shard is not plan.shards[chunk.shard]:
-                if writer is not None:
-                    files.append(_close(writer, fsync))
-                shard = plan.shards[chunk.shard]
-                writer = ShardWriter(directory / shard.file, shard)
+        for i, chunk in enumerate(chunks):
+            for ahead in chunks[1 : 1 + PREFETCH_AHEAD] if i == 0 else chunks[i + PREFETCH_AHEAD :][:1]:
+                for src in ahead.sources:  # keep the disk PREFETCH_AHEAD chunks ahead of this loop
+                    readers[src].prefetch(ahead.name, ahead.start, ahead.stop)
             length = chunk.stop - chunk.start
-            out_dtype = plan.tensors[chunk.name][1]
-            nbytes = 0
             if not chunk.average:
-                values, buf = prefetcher.get()
-                writer.write(chunk.name, values)
-                prefetcher.release(buf)
+                values = readers[chunk.sources[0]].read(chunk.name, chunk.start, chunk.stop)
+                writer.put(chunk.shard, chunk.name, values, None)
                 nbytes = values.numel() * values.element_size()
             else:
-                a = acc[:length]
+                out_dtype = plan.tensors[chunk.name][1]
+                buf = writer.buffer()
+                # fp32 output accumulates straight into the output buffer; others cast into it once at the end.
+                a = buf.view(torch.float32)[:length] if out_dtype == torch.float32 else acc[:length]
+                nbytes = 0
                 for k, src in enumerate(chunk.sources):
-                    values, buf = prefetcher.get()
+                    values = readers[src].read(chunk.name, chunk.start, chunk.stop)
                     nbytes += values.numel() * values.element_size()
                     if values.dtype != torch.float32:
                         values = tmp[:length].copy_(values)
@@ -277,24 +352,18 @@ def _stream(plan: MergePlan, readers: Sequence[Reader], directory: Path,
                         torch.mul(values, weights[src], out=a)
                     else:
                         a.add_(values, alpha=weights[src])
-                    prefetcher.release(buf)
                 # A NaN or Inf in any input makes the sum non-finite: one cheap reduction instead of N checks.
                 if not math.isfinite(a.sum().item()):
                     _find_nonfinite(readers, plan, chunk)
-                if out_dtype == torch.float32:
-                    writer.write(chunk.name, a)
-                else:
-                    writer.write(chunk.name, cast[: length * out_dtype.itemsize].view(out_dtype).copy_(a))
+                if out_dtype != torch.float32:
+                    a = buf[: length * out_dtype.itemsize].view(out_dtype).copy_(a)
+                writer.put(chunk.shard, chunk.name, a, buf)
             if progress is not None:
                 progress(nbytes)
-        if writer is not None:
-            files.append(_close(writer, fsync))
-            writer = None
-    finally:
-        prefetcher.close()
-        if writer is not None:
-            writer.abort()
-    return files
+        return writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
 
 
 def _close(writer: ShardWriter, fsync: bool) -> dict[str, Any]:
@@ -310,15 +379,25 @@ def _copy_extras(source: Path, target: Path) -> list[str]:
     """Config, tokenizer and other small non-weight files of the newest snapshot."""
     copied = []
     for f in sorted(source.iterdir()):
-        if (f.is_file() and not f.name.startswith(".") and not f.name.startswith(_NOT_COPIED_NAMES)
-                and f.suffix not in _NOT_COPIED_SUFFIXES):
+        if (
+            f.is_file()
+            and not f.name.startswith(".")
+            and not f.name.startswith(_NOT_COPIED_NAMES)
+            and f.suffix not in _NOT_COPIED_SUFFIXES
+        ):
             shutil.copy2(f, target / f.name)
             copied.append(f.name)
     return copied
 
 
-def _manifest(plan: MergePlan, readers: Sequence[Reader], files: list[dict[str, Any]], copied: list[str],
-              dtype: str | torch.dtype | None, extra: dict[str, Any]) -> dict[str, Any]:
+def _manifest(
+    plan: MergePlan,
+    readers: Sequence[Reader],
+    files: list[dict[str, Any]],
+    copied: list[str],
+    dtype: str | torch.dtype | None,
+    extra: dict[str, Any],
+) -> dict[str, Any]:
     return {
         "tool": "pmakit",
         "version": pmakit.__version__,
@@ -329,8 +408,14 @@ def _manifest(plan: MergePlan, readers: Sequence[Reader], files: list[dict[str, 
         "accumulate": "float32",
         "tokens": plan.snapshots[-1].tokens,
         "inputs": [
-            {"path": str(s.path.resolve()), "step": s.step, "tokens": s.tokens, "weight": w, "format": r.format,
-             "files": [vars(f) for f in r.files]}
+            {
+                "path": str(s.path.resolve()),
+                "step": s.step,
+                "tokens": s.tokens,
+                "weight": w,
+                "format": r.format,
+                "files": [vars(f) for f in r.files],
+            }
             for s, w, r in zip(plan.snapshots, plan.weights, readers)
         ],
         "skipped_entries": plan.skipped,
@@ -346,10 +431,19 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def merge(snapshots: Sequence[Snapshot], weights: Sequence[float], out: str | os.PathLike[str], *,
-          dtype: str | torch.dtype | None = "same", max_shard_size: int = 5 * 10**9, force: bool = False,
-          progress: Callable[[int], None] | None = None, manifest_extra: dict[str, Any] | None = None,
-          threads: int = 1, fsync: bool = True) -> MergeResult:
+def merge(
+    snapshots: Sequence[Snapshot],
+    weights: Sequence[float],
+    out: str | os.PathLike[str],
+    *,
+    dtype: str | torch.dtype | None = "same",
+    max_shard_size: int = 5 * 10**9,
+    force: bool = False,
+    progress: Callable[[int], None] | None = None,
+    manifest_extra: dict[str, Any] | None = None,
+    threads: int = 1,
+    fsync: bool = True,
+) -> MergeResult:
     """Merge ``snapshots`` (oldest first) with ``weights`` into an HF-layout model directory ``out``.
 
     Args:
@@ -374,8 +468,10 @@ def merge(snapshots: Sequence[Snapshot], weights: Sequence[float], out: str | os
     out.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out.parent).free
     if plan.output_bytes > free:
-        raise PmakitError(f"not enough disk space in {out.parent}: the merge writes "
-                          f"{format_bytes(plan.output_bytes)}, {format_bytes(free)} free")
+        raise PmakitError(
+            f"not enough disk space in {out.parent}: the merge writes "
+            f"{format_bytes(plan.output_bytes)}, {format_bytes(free)} free"
+        )
     previous_threads = torch.get_num_threads()
     try:
         partial.mkdir()
@@ -392,8 +488,9 @@ def merge(snapshots: Sequence[Snapshot], weights: Sequence[float], out: str | os
         _replace(partial, out)
     except OSError as e:
         shutil.rmtree(partial, ignore_errors=True)
-        raise PmakitError(f"writing {out} failed: {e.strerror or e}"
-                          + (" (disk full)" if e.errno == 28 else "")) from e
+        raise PmakitError(
+            f"writing {out} failed: {e.strerror or e}" + (" (disk full)" if e.errno == 28 else "")
+        ) from e
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise

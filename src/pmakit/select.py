@@ -10,8 +10,13 @@ from pmakit.snapshot import Snapshot
 from pmakit.units import format_tokens
 
 
-def select_snapshots(snapshots: Sequence[Snapshot], *, last: int | None = 10, every: int | None = None,
-                     until: int | None = None) -> list[Snapshot]:
+def select_snapshots(
+    snapshots: Sequence[Snapshot],
+    *,
+    last: int | None = 10,
+    every: int | None = None,
+    until: int | None = None,
+) -> list[Snapshot]:
     """The window of snapshots to merge, oldest first.
 
     Args:
@@ -32,14 +37,18 @@ def select_snapshots(snapshots: Sequence[Snapshot], *, last: int | None = 10, ev
         raise PmakitError(f"--every must be positive, got {every}")
     pool = [s for s in snapshots if until is None or s.tokens <= until]
     if not pool:
-        raise PmakitError(f"no snapshot at or before {format_tokens(until or 0)} tokens "
-                          f"(the oldest is at {format_tokens(snapshots[0].tokens)})")
+        raise PmakitError(
+            f"no snapshot at or before {format_tokens(until or 0)} tokens "
+            f"(the oldest is at {format_tokens(snapshots[0].tokens)})"
+        )
     end = pool[-1]
     if every is None:
         chosen = pool if last is None else pool[-last:]
         if last is not None and len(chosen) < last:
-            raise PmakitError(f"--last {last} asks for {last} snapshots but only {len(pool)} exist up to "
-                              f"{format_tokens(end.tokens)} tokens")
+            raise PmakitError(
+                f"--last {last} asks for {last} snapshots but only {len(pool)} exist up to "
+                f"{format_tokens(end.tokens)} tokens"
+            )
         return list(chosen)
     return _every(pool, end, last, every)
 
@@ -55,13 +64,17 @@ def _every(pool: list[Snapshot], end: Snapshot, last: int | None, every: int) ->
         if target < pool[0].tokens - tolerance:
             if last is None:
                 break
-            raise PmakitError(f"--last {last} --every {format_tokens(every)} reaches back to "
-                              f"{format_tokens(target)} tokens, before the oldest snapshot "
-                              f"({format_tokens(pool[0].tokens)}); {len(chosen)} fit")
+            raise PmakitError(
+                f"--last {last} --every {format_tokens(every)} reaches back to "
+                f"{format_tokens(target)} tokens, before the oldest snapshot "
+                f"({format_tokens(pool[0].tokens)}); {len(chosen)} fit"
+            )
         nearest = min(pool, key=lambda s: abs(s.tokens - target))
         if abs(nearest.tokens - target) >= tolerance or nearest in chosen:
-            raise PmakitError(f"no snapshot at {format_tokens(target)} tokens for --every {format_tokens(every)} "
-                              f"(nearest: {format_tokens(nearest.tokens)}); snapshots are about "
-                              f"{format_tokens(base)} apart")
+            raise PmakitError(
+                f"no snapshot at {format_tokens(target)} tokens for --every {format_tokens(every)} "
+                f"(nearest: {format_tokens(nearest.tokens)}); snapshots are about "
+                f"{format_tokens(base)} apart"
+            )
         chosen.append(nearest)
     return chosen[::-1]

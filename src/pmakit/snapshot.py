@@ -61,12 +61,26 @@ class Snapshot:
         return self.path.name
 
 
-def write_metadata(directory: str | os.PathLike[str], *, step: int, tokens: int, lr: float | None = None,
-                   loss: float | None = None, **extra: Any) -> Path:
+def write_metadata(
+    directory: str | os.PathLike[str],
+    *,
+    step: int,
+    tokens: int,
+    lr: float | None = None,
+    loss: float | None = None,
+    **extra: Any,
+) -> Path:
     """Write ``pmakit.json`` atomically. Call it after the weights are on disk: it marks the snapshot complete."""
     directory = Path(directory)
-    record = {"format_version": FORMAT_VERSION, "step": step, "tokens": tokens, "lr": lr, "loss": loss,
-              "time": time.time(), **extra}
+    record = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "tokens": tokens,
+        "lr": lr,
+        "loss": loss,
+        "time": time.time(),
+        **extra,
+    }
     target = directory / METADATA_FILE
     tmp = directory / f".{METADATA_FILE}.tmp"
     with open(tmp, "w") as f:
@@ -130,8 +144,14 @@ def _from_pmakit_json(path: Path, meta_file: Path) -> Snapshot:
     if not isinstance(tokens, int) or tokens < 0:
         raise IncompleteSnapshot(meta_file, f"'tokens' must be a non-negative integer, got {tokens!r}")
     step = meta.get("step")
-    return Snapshot(path, tokens=tokens, step=step if isinstance(step, int) else None,
-                    lr=_float_or_none(meta.get("lr")), loss=_float_or_none(meta.get("loss")), meta=meta)
+    return Snapshot(
+        path,
+        tokens=tokens,
+        step=step if isinstance(step, int) else None,
+        lr=_float_or_none(meta.get("lr")),
+        loss=_float_or_none(meta.get("loss")),
+        meta=meta,
+    )
 
 
 def _from_trainer_state(path: Path, state_file: Path, tokens_per_step: int | None) -> Snapshot:
@@ -148,17 +168,29 @@ def _from_trainer_state(path: Path, state_file: Path, tokens_per_step: int | Non
     elif tokens_per_step:
         tokens, source = step * tokens_per_step, "name"
     else:
-        raise IncompleteSnapshot(state_file, "no num_input_tokens_seen (set include_num_input_tokens_seen=True "
-                                 "in TrainingArguments, or pass --tokens-per-step)")
-    return Snapshot(path, tokens=tokens, step=step, lr=_float_or_none(lr), loss=_float_or_none(loss),
-                    source=source, meta=state)
+        raise IncompleteSnapshot(
+            state_file,
+            "no num_input_tokens_seen (set include_num_input_tokens_seen=True "
+            "in TrainingArguments, or pass --tokens-per-step)",
+        )
+    return Snapshot(
+        path,
+        tokens=tokens,
+        step=step,
+        lr=_float_or_none(lr),
+        loss=_float_or_none(loss),
+        source=source,
+        meta=state,
+    )
 
 
 def _float_or_none(x: Any) -> float | None:
     return float(x) if isinstance(x, (int, float)) else None
 
 
-def scan(run_dir: str | os.PathLike[str], tokens_per_step: int | None = None) -> list[Snapshot | IncompleteSnapshot]:
+def scan(
+    run_dir: str | os.PathLike[str], tokens_per_step: int | None = None
+) -> list[Snapshot | IncompleteSnapshot]:
     """Every snapshot-like directory of a run: a ``Snapshot`` when complete, else the reason it is not.
 
     A run directory is a folder of snapshot directories; they may also sit one level down (``RUN/snapshots/``).
@@ -208,8 +240,11 @@ def sort_snapshots(snapshots: Iterable[Snapshot]) -> list[Snapshot]:
     return [s for i, s in enumerate(ordered) if i == 0 or s.path.resolve() != ordered[i - 1].path.resolve()]
 
 
-def gather(paths: Iterable[str | os.PathLike[str]], tokens_per_step: int | None = None,
-           exclude: Iterable[str | os.PathLike[str]] = ()) -> tuple[list[Snapshot], bool]:
+def gather(
+    paths: Iterable[str | os.PathLike[str]],
+    tokens_per_step: int | None = None,
+    exclude: Iterable[str | os.PathLike[str]] = (),
+) -> tuple[list[Snapshot], bool]:
     """Snapshots named on a command line: each path is a snapshot directory or a run directory.
 
     Returns the snapshots oldest first, and whether any came from a run directory (then the caller's default
@@ -226,8 +261,10 @@ def gather(paths: Iterable[str | os.PathLike[str]], tokens_per_step: int | None 
             continue
         found = discover(p, tokens_per_step)
         if not found:
-            raise PmakitError(f"{p}: no complete snapshots found (a run directory holds snapshot directories, "
-                              f"each with weights and {METADATA_FILE})")
+            raise PmakitError(
+                f"{p}: no complete snapshots found (a run directory holds snapshot directories, "
+                f"each with weights and {METADATA_FILE})"
+            )
         snapshots += found
         from_run = True
     return sort_snapshots(s for s in snapshots if s.path.resolve() not in skip), from_run

@@ -81,7 +81,9 @@ for _shape in DECAY_SHAPES:
     register(f"wsm-{_shape}")(lambda n, *, alpha=0.2, _s=_shape: wsm_weights(n, _s))
 
 
-def get_weights(method: str, n: int, *, alpha: float = 0.2, custom: Sequence[float] | None = None) -> list[float]:
+def get_weights(
+    method: str, n: int, *, alpha: float = 0.2, custom: Sequence[float] | None = None
+) -> list[float]:
     """Weights for ``n`` snapshots, oldest first.
 
     Args:
@@ -104,7 +106,9 @@ def get_weights(method: str, n: int, *, alpha: float = 0.2, custom: Sequence[flo
 def normalize_custom(weights: Sequence[float], n: int) -> list[float]:
     """Check user weights against the snapshot count and normalise them to sum 1."""
     if len(weights) != n:
-        raise PmakitError(f"--weights gives {len(weights)} weights for {n} chosen snapshots; give one per snapshot")
+        raise PmakitError(
+            f"--weights gives {len(weights)} weights for {n} chosen snapshots; give one per snapshot"
+        )
     if any(not math.isfinite(w) for w in weights):
         raise PmakitError(f"--weights must be finite numbers, got {list(weights)}")
     total = math.fsum(weights)

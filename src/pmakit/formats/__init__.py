@@ -62,9 +62,10 @@ class Reader(ABC):
 
     @abstractmethod
     def read(self, name: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Elements ``[start, stop)`` of tensor ``name`` flattened, in its own dtype.
+        """Elements ``[start, stop)`` of tensor ``name`` flattened, in its own dtype. Callers must not modify it.
 
-        ``out``, when given, is a uint8 buffer of at least the chunk's bytes that the result may live in.
+        It may be a view of a memory-mapped file (valid until ``close``). ``out``, when given, is a uint8 buffer of
+        at least the chunk's bytes that a reader which must copy may fill and return a view of.
         """
 
     def prefetch(self, name: str, start: int, stop: int) -> None:  # noqa: B027 - optional hook
@@ -104,7 +105,9 @@ def open_reader(directory: str | os.PathLike[str]) -> Reader:
     directory = Path(directory)
     fmt = detect_format(directory)
     if fmt is None:
-        raise PmakitError(f"{directory}: no weights found (model.safetensors, shards + index, *.pt/*.bin, or DCP)")
+        raise PmakitError(
+            f"{directory}: no weights found (model.safetensors, shards + index, *.pt/*.bin, or DCP)"
+        )
     return fmt.open(directory)
 
 

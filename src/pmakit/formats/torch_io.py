@@ -37,8 +37,11 @@ def weight_files(path: Path) -> list[Path]:
         from pmakit.formats.safetensors_io import _inside
 
         return [_inside(path, n) for n in names]
-    return sorted(f for f in path.iterdir() if f.suffix in SUFFIXES and f.is_file()
-                  and not f.name.startswith(NOT_WEIGHTS))
+    return sorted(
+        f
+        for f in path.iterdir()
+        if f.suffix in SUFFIXES and f.is_file() and not f.name.startswith(NOT_WEIGHTS)
+    )
 
 
 def _load(file: Path) -> dict[str, Any]:
@@ -50,8 +53,10 @@ def _load(file: Path) -> dict[str, Any]:
                 raise
             obj = torch.load(file, map_location="cpu", weights_only=True)  # legacy (non-zip) format
     except pickle.UnpicklingError as e:
-        raise PmakitError(f"{file}: refused: holds pickled objects other than tensors (loaded with "
-                          "weights_only=True); re-save it as a plain state dict or safetensors") from e
+        raise PmakitError(
+            f"{file}: refused: holds pickled objects other than tensors (loaded with "
+            "weights_only=True); re-save it as a plain state dict or safetensors"
+        ) from e
     except FileNotFoundError as e:
         raise PmakitError(f"{file}: missing") from e
     except Exception as e:  # torch raises many types for a damaged zip or pickle
@@ -85,8 +90,9 @@ class TorchReader(Reader):
         for i, file in enumerate(files):
             state = _load(file)
             for key in WRAPPER_KEYS:
-                if isinstance(state.get(key), dict) and any(isinstance(v, torch.Tensor)
-                                                            for v in state[key].values()):
+                if isinstance(state.get(key), dict) and any(
+                    isinstance(v, torch.Tensor) for v in state[key].values()
+                ):
                     self.skipped += [f"{file.name}:{k}" for k in state if k != key]
                     state = state[key]
                     break
@@ -101,12 +107,8 @@ class TorchReader(Reader):
             self.files.append(FileInfo(file.name, file.stat().st_size, _header_sha256(file)))
 
     def read(self, name: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        src = self._tensors[name].reshape(-1)[start:stop]
-        if out is None:
-            return src.clone()
-        dst = out[: src.numel() * src.dtype.itemsize].view(src.dtype)
-        dst.copy_(src)  # pages the mmapped bytes in here, on the reader thread
-        return dst
+        """A view of the memory-mapped tensor (read-only by contract)."""
+        return self._tensors[name].reshape(-1)[start:stop]
 
     def close(self) -> None:
         self._tensors.clear()
@@ -114,7 +116,8 @@ class TorchReader(Reader):
 
 def _detect(path: Path) -> bool:
     return (path / INDEX_FILE).exists() or any(
-        f.suffix in SUFFIXES and not f.name.startswith(NOT_WEIGHTS) for f in path.iterdir() if f.is_file())
+        f.suffix in SUFFIXES and not f.name.startswith(NOT_WEIGHTS) for f in path.iterdir() if f.is_file()
+    )
 
 
 FORMAT = Format("torch", _detect, TorchReader)

@@ -1,0 +1,237 @@
+"""Merge throughput and memory: pmakit vs the I/O floor, a naive load-all baseline and mergekit, in one run.
+
+    python benchmarks/bench_merge.py                 # 8 x ~1.7 GB bf16 Llama-shaped snapshots (~0.85B params)
+    python benchmarks/bench_merge.py --layers 2 --n 4   # a quick look
+
+Every method merges the same N snapshots (SMA, fp32 accumulation, bf16 output). Runs are interleaved and
+repeated; the table reports the median wall time, its ratio to the floor measured in the same run, and the peak
+anonymous memory (RssAnon sampled from /proc: mmapped file pages are the page cache's, not the process's).
+
+warm: inputs in the page cache; the floor is `cat` of every input to /dev/null plus writing the output once.
+cold: every input evicted from the page cache (posix_fadvise DONTNEED) before each run; the floor is `cat` cold.
+mergekit 0.1.5 is installed into its own venv under the data directory (torch pinned to the one on disk).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from pmakit.formats.safetensors_io import OutputTensor, Shard, ShardWriter  # noqa: E402
+from pmakit.snapshot import write_metadata  # noqa: E402
+
+
+def llama_layout(
+    layers: int, hidden: int, intermediate: int, vocab: int, kv_heads: int, heads: int
+) -> dict[str, tuple[int, ...]]:
+    kv = hidden // heads * kv_heads
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+            p + "self_attn.q_proj.weight": (hidden, hidden),
+            p + "self_attn.k_proj.weight": (kv, hidden),
+            p + "self_attn.v_proj.weight": (kv, hidden),
+            p + "self_attn.o_proj.weight": (hidden, hidden),
+            p + "mlp.gate_proj.weight": (intermediate, hidden),
+            p + "mlp.up_proj.weight": (intermediate, hidden),
+            p + "mlp.down_proj.weight": (hidden, intermediate),
+        }
+    shapes |= {"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)}
+    return shapes
+
+
+def make_snapshots(data: Path, args: argparse.Namespace) -> list[Path]:
+    shapes = llama_layout(args.layers, args.hidden, args.intermediate, args.vocab, args.kv_heads, args.heads)
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.hidden,
+        "intermediate_size": args.intermediate,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.kv_heads,
+        "vocab_size": args.vocab,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
+    }
+    tag = f"L{args.layers}-H{args.hidden}-I{args.intermediate}-V{args.vocab}"
+    paths = []
+    for i in range(args.n):
+        d = data / tag / f"step-{i + 1:04d}"
+        paths.append(d)
+        if (d / "pmakit.json").exists():
+            continue
+        d.mkdir(parents=True, exist_ok=True)
+        g = torch.Generator().manual_seed(i)
+        shard = Shard(
+            "model.safetensors", tuple(OutputTensor(k, torch.bfloat16, s) for k, s in shapes.items())
+        )
+        writer = ShardWriter(d / "model.safetensors", shard)
+        for k, s in shapes.items():
+            writer.write(k, (torch.randn(s, generator=g) * 0.02).to(torch.bfloat16).reshape(-1))
+        writer.close(fsync=False)
+        (d / "config.json").write_text(json.dumps(config))
+        write_metadata(d, step=(i + 1) * 1000, tokens=(i + 1) * 10**9)
+        print(f"  made {d} ({(d / 'model.safetensors').stat().st_size / 1e9:.2f} GB)", flush=True)
+    return paths
+
+
+def evict(paths: list[Path]) -> None:
+    """Drop these files from the page cache."""
+    for p in paths:
+        for f in p.rglob("*") if p.is_dir() else [p]:
+            if f.is_file():
+                fd = os.open(f, os.O_RDONLY)
+                os.fsync(fd) if f.stat().st_size else None
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+
+
+def run(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int]:
+    """Wall seconds and peak RssAnon bytes of a command (sampled every 10 ms)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    peak = 0
+    status = Path(f"/proc/{proc.pid}/status")
+    while proc.poll() is None:
+        try:
+            for line in status.read_text().splitlines():
+                if line.startswith("RssAnon:"):
+                    peak = max(peak, int(line.split()[1]) * 1024)
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+        time.sleep(0.01)
+    seconds = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd[:3]} failed: {proc.stderr.read().decode()[-2000:] if proc.stderr else ''}")
+    return seconds, peak
+
+
+NAIVE = """
+import sys, torch
+from safetensors.torch import load_file, save_file
+states = [load_file(p + "/model.safetensors") for p in sys.argv[2:]]
+out = {k: (sum(s[k].float() for s in states) / len(states)).to(torch.bfloat16) for k in states[0]}
+save_file(out, sys.argv[1] + "/model.safetensors", metadata={"format": "pt"})
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=8, help="snapshots to merge")
+    ap.add_argument("--layers", type=int, default=14)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--intermediate", type=int, default=5632)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--data", type=Path, default=ROOT / "bench-data")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["naive", "mergekit", "cold", "warm"])
+    ap.add_argument("--make-only", action="store_true", help="only generate the snapshots")
+    args = ap.parse_args()
+
+    data = args.data
+    data.mkdir(parents=True, exist_ok=True)
+    print(f"making {args.n} snapshots under {data} (reused when present)", flush=True)
+    snaps = make_snapshots(data, args)
+    if args.make_only:
+        return
+    in_files = [s / "model.safetensors" for s in snaps]
+    in_bytes = sum(f.stat().st_size for f in in_files)
+    out_dir = data / "out"
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(ROOT / "src")}
+
+    mergekit = data / "mergekit-venv" / "bin" / "mergekit-yaml"
+    if "mergekit" not in args.skip and not mergekit.exists():
+        print("installing mergekit 0.1.5 into its own venv (torch pinned to 2.13.0)", flush=True)
+        venv = data / "mergekit-venv"
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+        subprocess.run([*pip, "torch==2.13.0"], check=True)
+        subprocess.run([*pip, "mergekit==0.1.5", "torch==2.13.0"], check=True)
+    config = data / "mergekit.yml"
+    config.write_text(
+        "merge_method: linear\ndtype: float32\nout_dtype: bfloat16\nmodels:\n"
+        + "".join(f"  - model: {s}\n    parameters:\n      weight: 1.0\n" for s in snaps)
+    )
+
+    methods = {
+        "floor": None,
+        "pmakit": [sys.executable, "-m", "pmakit", "merge", *map(str, snaps), "-o", str(out_dir), "--quiet"],
+        "naive": [sys.executable, "-c", NAIVE, str(out_dir), *map(str, snaps)],
+        "mergekit": [str(mergekit), str(config), str(out_dir), "--no-lazy-unpickle", "--allow-crimes"],
+    }
+    for skipped in args.skip:
+        methods.pop(skipped, None)
+    modes = [m for m in ("warm", "cold") if m not in args.skip]
+    times: dict[tuple[str, str], list[float]] = {}
+    peaks: dict[tuple[str, str], int] = {}
+    out_bytes = in_bytes // args.n
+    load = os.getloadavg()[0]
+    for rep in range(args.repeats):
+        for mode in modes:
+            for name, cmd in methods.items():
+                shutil.rmtree(out_dir, ignore_errors=True)
+                out_dir.mkdir()
+                if mode == "cold":
+                    evict(in_files)
+                else:
+                    subprocess.run(["cat", *map(str, in_files)], stdout=subprocess.DEVNULL, check=True)
+                if name == "floor":
+                    t0 = time.perf_counter()
+                    subprocess.run(["cat", *map(str, in_files)], stdout=subprocess.DEVNULL, check=True)
+                    subprocess.run(["cp", str(in_files[-1]), str(out_dir / "model.safetensors")], check=True)
+                    seconds, peak = time.perf_counter() - t0, 0
+                else:
+                    if name == "pmakit":
+                        shutil.rmtree(out_dir)
+                    seconds, peak = run(cmd, env)  # type: ignore[arg-type]
+                times.setdefault((mode, name), []).append(seconds)
+                peaks[(mode, name)] = max(peaks.get((mode, name), 0), peak)
+                print(
+                    f"  [{rep + 1}/{args.repeats}] {mode:4} {name:8} {seconds:7.2f} s  "
+                    f"anon {peak / 2**20:7.0f} MiB",
+                    flush=True,
+                )
+    shutil.rmtree(out_dir, ignore_errors=True)
+
+    print(
+        f"\n{args.n} snapshots x {in_bytes / args.n / 1e9:.2f} GB bf16 -> {out_bytes / 1e9:.2f} GB; "
+        f"{os.cpu_count()} cores, load average {load:.2f} at start"
+    )
+    print(
+        f"{'mode':5} {'method':9} {'median s':>9} {'x floor':>8} {'GB/s in':>8} {'anon MiB':>9} {'vs mergekit':>12}"
+    )
+    for mode in modes:
+        floor = statistics.median(times[(mode, "floor")]) if (mode, "floor") in times else float("nan")
+        mk = statistics.median(times[(mode, "mergekit")]) if (mode, "mergekit") in times else float("nan")
+        for name in methods:
+            t = statistics.median(times[(mode, name)])
+            print(
+                f"{mode:5} {name:9} {t:9.2f} {t / floor:8.2f} {in_bytes / t / 1e9:8.2f} "
+                f"{peaks[(mode, name)] / 2**20:9.0f} {mk / t:11.2f}x"
+            )
+
+
+if __name__ == "__main__":
+    main()
