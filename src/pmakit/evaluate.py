@@ -1,0 +1,82 @@
+"""Validation loss, its standard error and bits per byte of a model on fixed held-out batches.
+
+Every model of a comparison (latest, merged, annealed) is scored on the same batches, so differences between two
+models can be given a paired standard error over batches: the batch-to-batch variation of the text cancels.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from pmakit.errors import PmakitError
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Mean next-token loss (nats) over held-out batches."""
+
+    loss: float
+    """Mean loss over the batches (each batch weighs the same: they all have the same number of tokens)."""
+    loss_se: float
+    """Standard error of ``loss`` over batches."""
+    bpb: float | None
+    """Bits per UTF-8 byte of the held-out text, when the bytes per token are known."""
+    batch_losses: list[float] = field(repr=False)
+    """Per-batch mean losses, for paired comparisons (``paired_difference``)."""
+
+    def as_record(self) -> dict[str, float | None]:
+        return {"val_loss": self.loss, "val_loss_se": self.loss_se, "bpb": self.bpb}
+
+
+def _mean_se(xs: Sequence[float]) -> tuple[float, float]:
+    n = len(xs)
+    mean = math.fsum(xs) / n
+    if n < 2:
+        return mean, float("nan")
+    var = math.fsum((x - mean) ** 2 for x in xs) / (n - 1)
+    return mean, math.sqrt(var / n)
+
+
+def batch_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of next-token predictions; ``y`` is ``x`` shifted by one (no shift happens here)."""
+    logits = model(input_ids=x).logits
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module, batches: Sequence[Batch], *, bytes_per_token: float | None = None
+) -> EvalResult:
+    """Score ``model`` on ``batches`` in eval mode (restoring its training mode after)."""
+    if not batches:
+        raise PmakitError("no validation batches to evaluate on")
+    was_training = model.training
+    model.eval()
+    try:
+        losses = [batch_loss(model, x, y).item() for x, y in batches]
+    finally:
+        model.train(was_training)
+    mean, se = _mean_se(losses)
+    bpb = mean / (math.log(2) * bytes_per_token) if bytes_per_token else None
+    return EvalResult(mean, se, bpb, losses)
+
+
+def paired_difference(a: EvalResult, b: EvalResult) -> tuple[float, float]:
+    """(mean of a - b, its paired standard error over batches). Both must be scored on the same batches."""
+    if len(a.batch_losses) != len(b.batch_losses):
+        raise PmakitError("paired comparison needs results on the same batches")
+    return _mean_se([x - y for x, y in zip(a.batch_losses, b.batch_losses)])
+
+
+def cpu_threads(threads: int | None) -> None:
+    """Use ``threads`` intra-op threads (default: the cores this process may use)."""
+    n = threads or len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (threads or 1)
+    torch.set_num_threads(max(1, n))

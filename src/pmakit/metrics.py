@@ -1,0 +1,71 @@
+"""The run's metrics log: RUN/metrics.jsonl always (one JSON object a line), TensorBoard when installed.
+
+Records carry ``kind`` (train, eval, snapshot, event), ``tokens`` and ``step``; evaluation records carry ``model``
+(``latest`` or ``merged:<method>:<N>``) and ``val_loss``. Appending keeps a resumed run's history in one file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsLog:
+    """Appends records to ``run_dir/metrics.jsonl`` (and TensorBoard scalars under ``run_dir/tb``)."""
+
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True) -> None:
+        self.path = Path(run_dir) / METRICS_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
+        self._start = time.time()
+        self._tb: Any = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
+            except ImportError:  # tensorboard is an optional extra
+                self._tb = None
+
+    def write(self, record: dict[str, Any]) -> None:
+        record = {"time": round(time.time() - self._start, 3), **record}
+        self._file.write(json.dumps(record, default=_json_default) + "\n")
+        self._file.flush()
+        if self._tb is not None and "tokens" in record:
+            prefix = record.get("model", record.get("kind", "train"))
+            for key, value in record.items():
+                if key not in ("tokens", "step", "time") and isinstance(value, (int, float)):
+                    if math.isfinite(value):
+                        self._tb.add_scalar(f"{prefix}/{key}", value, record["tokens"])
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _json_default(x: Any) -> Any:
+    if isinstance(x, Path):
+        return str(x)
+    if hasattr(x, "item"):
+        return x.item()
+    raise TypeError(f"cannot log {type(x).__name__}")
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every record of ``run_dir/metrics.jsonl`` (a torn last line from a crash is ignored)."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
