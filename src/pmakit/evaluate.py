@@ -77,6 +77,7 @@ def paired_difference(a: EvalResult, b: EvalResult) -> tuple[float, float]:
 
 
 def cpu_threads(threads: int | None) -> None:
-    """Use ``threads`` intra-op threads (default: the cores this process may use)."""
-    n = threads or len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (threads or 1)
-    torch.set_num_threads(max(1, n))
+    """Use ``threads`` intra-op threads (default: the cores this process may run on)."""
+    if threads is None:
+        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(max(1, threads))

@@ -39,9 +39,9 @@ class MetricsLog:
         if self._tb is not None and "tokens" in record:
             prefix = record.get("model", record.get("kind", "train"))
             for key, value in record.items():
-                if key not in ("tokens", "step", "time") and isinstance(value, (int, float)):
-                    if math.isfinite(value):
-                        self._tb.add_scalar(f"{prefix}/{key}", value, record["tokens"])
+                scalar = isinstance(value, (int, float)) and math.isfinite(value)
+                if scalar and key not in ("tokens", "step", "time"):
+                    self._tb.add_scalar(f"{prefix}/{key}", value, record["tokens"])
 
     def close(self) -> None:
         self._file.close()
