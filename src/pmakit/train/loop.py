@@ -1,0 +1,672 @@
+"""``pmakit train``: a small pre-training loop with a WSD schedule, snapshots every V tokens and an online merge.
+
+One ``Trainer`` in sections: set-up (data, model, optimizer, saver, averager), the step, evaluation at snapshots,
+full checkpoints for resuming, and hooks (``Callback``) that other parts of pmakit (spike recovery, the experiment)
+use without touching the loop. Everything is counted in tokens.
+
+Run directory:
+    RUN/config.yaml          the config the run was started with
+    RUN/tokenizer/           the tokenizer (copied into every snapshot, so each loads with from_pretrained)
+    RUN/snapshots/step-N/    weights-only snapshots every ``every_tokens``
+    RUN/checkpoint/          the latest full state (weights + optimizer + trainer state), for resuming
+    RUN/checkpoints/tokens-T/ full states kept at the tokens in ``keep_checkpoints_at`` (fork points)
+    RUN/metrics.jsonl        train / eval / snapshot / event records
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pmakit.errors import PmakitError
+from pmakit.evaluate import EvalResult, batch_loss, evaluate
+from pmakit.metrics import MetricsLog
+from pmakit.schedule import WSD
+from pmakit.train.model import ModelConfig, build_model, count_parameters
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT = "checkpoint"
+TRAINER_STATE = "trainer.pt"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Every knob of a ``pmakit train`` run. Tokens are absolute counts (``4_000_000``); config files may use '4M'."""
+
+    corpus: str | None = None
+    """Text file, directory, glob or pre-tokenized .npy/.bin; None = the Python standard library's source."""
+    max_corpus_bytes: int | None = 16_000_000
+    """Read at most this many bytes of text (None: all)."""
+    vocab_size: int = 2048
+    """Byte-level BPE vocabulary trained on the corpus."""
+    val_fraction: float = 0.05
+    """Fraction of the corpus files held out for validation."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model size."""
+    batch_size: int = 16
+    """Sequences per step (tokens per step = batch_size x model.seq_len)."""
+    total_tokens: int = 8_000_000
+    """Train until this many tokens."""
+    lr: float = 3e-3
+    """Peak (stable-phase) learning rate."""
+    warmup_tokens: int = 400_000
+    """Linear warmup length."""
+    decay_tokens: int = 0
+    """Length of the LR decay at the end of the run (0: constant LR to the end, the PMA setting)."""
+    decay_shape: str = "linear"
+    """Decay shape: linear, cosine or 1sqrt."""
+    min_lr_ratio: float = 0.0
+    """LR at the end of the decay, as a fraction of the peak."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (not applied to norms and biases)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    grad_clip: float = 1.0
+    """Clip the gradient norm to this (0: no clipping)."""
+    every_tokens: int = 200_000
+    """Snapshot interval V."""
+    keep_last: int | None = None
+    """Keep only the last K snapshots (None: all)."""
+    average_last: int = 8
+    """N of the online merge evaluated while training."""
+    average_method: str = "sma"
+    """Weighting of the online merge."""
+    average_alpha: float = 0.2
+    """EMA factor for ema weightings."""
+    eval_every: int = 1
+    """Evaluate latest and merged weights every this many snapshots (0: never)."""
+    eval_batches: int = 16
+    """Held-out batches per evaluation (fixed for the whole run)."""
+    checkpoint_every_tokens: int | None = None
+    """Write the full resume state this often (default: at every snapshot)."""
+    keep_checkpoints_at: tuple[int, ...] = ()
+    """Token counts at which a full state is kept under RUN/checkpoints/ (fork points)."""
+    log_every: int = 10
+    """Log a train record every this many steps."""
+    seed: int = 0
+    """Seed of the initialisation and the data order."""
+    threads: int | None = None
+    """Torch intra-op threads (default: the cores available)."""
+
+    def __post_init__(self) -> None:
+        if self.total_tokens <= 0 or self.every_tokens <= 0 or self.batch_size <= 0:
+            raise PmakitError("total_tokens, every_tokens and batch_size must be positive")
+        if self.every_tokens % self.tokens_per_step:
+            raise PmakitError(
+                f"every_tokens ({self.every_tokens}) must be a multiple of the tokens per step "
+                f"({self.tokens_per_step} = batch_size x seq_len)"
+            )
+        if self.decay_tokens > self.total_tokens:
+            raise PmakitError("decay_tokens is longer than the run")
+        if self.average_last < 1:
+            raise PmakitError("average_last must be at least 1")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.model.seq_len
+
+    def schedule(self) -> WSD:
+        decay_start = self.total_tokens - self.decay_tokens if self.decay_tokens else math.inf
+        return WSD(
+            peak_lr=self.lr,
+            warmup=self.warmup_tokens,
+            decay_start=decay_start,
+            decay_end=self.total_tokens if self.decay_tokens else math.inf,
+            shape=self.decay_shape,
+            floor=self.min_lr_ratio,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TrainConfig:
+        """Build from a config file's mapping; unknown keys are an error naming them."""
+        from pmakit.units import parse_tokens
+
+        data = dict(data)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise PmakitError(
+                f"unknown train config keys: {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        model = data.pop("model", {}) or {}
+        if isinstance(model, Mapping):
+            model_known = {f.name for f in dataclasses.fields(ModelConfig)}
+            bad = sorted(set(model) - model_known)
+            if bad:
+                raise PmakitError(
+                    f"unknown model config keys: {', '.join(bad)}; known: {', '.join(sorted(model_known))}"
+                )
+            model = ModelConfig(**model)
+        for key in (
+            "total_tokens",
+            "warmup_tokens",
+            "decay_tokens",
+            "every_tokens",
+            "checkpoint_every_tokens",
+        ):
+            if isinstance(data.get(key), str):
+                data[key] = parse_tokens(data[key])
+        if "keep_checkpoints_at" in data:
+            data["keep_checkpoints_at"] = tuple(parse_tokens(t) for t in data["keep_checkpoints_at"] or ())
+        if "betas" in data:
+            data["betas"] = tuple(data["betas"])
+        for key in ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "val_fraction", "average_alpha"):
+            if isinstance(data.get(key), str):
+                data[key] = float(data[key])
+        try:
+            return cls(model=model, **data)
+        except TypeError as e:
+            raise PmakitError(f"bad train config: {e}") from e
+
+
+class Callback:
+    """Hooks into the loop; every method is optional (empty by default)."""
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        """After set-up (and after resuming), before the first step."""
+
+    def on_step_end(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        """After every optimizer step; ``record`` has tokens, step, loss, grad_norm, lr."""
+
+    def on_snapshot(self, trainer: Trainer, snapshot: Any) -> None:
+        """After a snapshot was taken (its CPU copy exists; the write may still be in flight)."""
+
+    def on_eval(self, trainer: Trainer, records: list[dict[str, Any]]) -> None:
+        """After latest and merged weights were evaluated."""
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        """After the last step, snapshots flushed."""
+
+
+class StopTraining(Exception):  # noqa: N818 - a signal, not an error
+    """Raised by a callback to end the run cleanly (the final state is saved)."""
+
+
+@dataclass
+class _State:
+    """What a resumed run needs beyond the weights and the optimizer."""
+
+    step: int = 0
+    tokens: int = 0
+    lr_factor: float = 1.0
+    lr_factor_until: int = 0
+    recoveries: int = 0
+
+
+class Trainer:
+    """Trains one model; see the module docstring for what it writes."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        run_dir: str | Path,
+        *,
+        corpus: Any = None,
+        schedule: WSD | Callable[[float], float] | None = None,
+        callbacks: Sequence[Callback] = (),
+        init_from: str | Path | None = None,
+        resume_from: str | Path | None = None,
+        resume: bool = True,
+        progress: bool = False,
+    ) -> None:
+        from pmakit.evaluate import cpu_threads
+
+        self.config = config
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.callbacks = list(callbacks)
+        self.schedule = schedule or config.schedule()
+        self.progress = progress
+        cpu_threads(config.threads)
+
+        # --- data
+        from pmakit.train import data as data_mod
+
+        self.corpus = corpus or data_mod.prepare_corpus(
+            config.corpus,
+            _cache_dir(),
+            vocab_size=config.vocab_size,
+            val_fraction=config.val_fraction,
+            max_bytes=config.max_corpus_bytes,
+            seed=config.seed,
+        )
+        self.val = data_mod.val_batches(
+            self.corpus.val,
+            batch_size=config.batch_size,
+            seq_len=config.model.seq_len,
+            max_batches=config.eval_batches,
+        )
+        # bits per byte use the whole held-out text's bytes per token (the batches are a sample of it)
+        self.bytes_per_token = self.corpus.bytes_per_token
+        self._install_tokenizer()
+
+        # --- model and optimizer
+        ids = self._special_ids()
+        self.model = build_model(config.model, self.corpus.vocab_size, seed=config.seed, **ids)
+        self.model.config.save_pretrained(self.run_dir / "model-config")
+        self.optimizer = self._make_optimizer()
+        self.state = _State()
+        self.metrics = MetricsLog(self.run_dir)
+
+        # --- snapshots and the online merge
+        from pmakit.online import OnlineAverager
+        from pmakit.saver import SnapshotSaver
+
+        self.averager = OnlineAverager(config.average_last, config.average_method, config.average_alpha)
+        self.saver = SnapshotSaver(
+            self.run_dir / "snapshots",
+            config.every_tokens,
+            keep_last=config.keep_last,
+            extra_files=self._extra_files(),
+            on_save=[self._on_saved],
+        )
+        self._last_snapshot: Any = None
+
+        # --- where to start
+        checkpoint = self.run_dir / CHECKPOINT
+        if resume_from is not None:
+            self.load_checkpoint(Path(resume_from), fork=True)
+        elif resume and (checkpoint / TRAINER_STATE).exists():
+            self.load_checkpoint(checkpoint)
+            log.info("resumed %s at %d tokens (step %d)", self.run_dir, self.tokens, self.step)
+        elif init_from is not None:
+            self._load_weights(Path(init_from))
+            log.info("initialised from %s", init_from)
+
+    # ------------------------------------------------------------------ set-up helpers
+
+    def _special_ids(self) -> dict[str, int | None]:
+        tok_dir = getattr(self.corpus, "tokenizer_dir", None)
+        if not tok_dir:
+            return {}
+        cfg = json.loads((Path(tok_dir) / "tokenizer.json").read_text())
+        eos = next(
+            (t["id"] for t in cfg.get("added_tokens", []) if t.get("content") == "<|endoftext|>"), None
+        )
+        return {"bos": eos, "eos": eos}
+
+    def _install_tokenizer(self) -> None:
+        src = getattr(self.corpus, "tokenizer_dir", None)
+        if not src:
+            return
+        dst = self.run_dir / "tokenizer"
+        if Path(src).resolve() != dst.resolve():
+            shutil.copytree(src, dst, dirs_exist_ok=True)
+
+    def _extra_files(self) -> list[Path]:
+        """config.json, generation_config.json and the tokenizer: every snapshot loads on its own."""
+        files = sorted((self.run_dir / "model-config").glob("*.json"))
+        tok = self.run_dir / "tokenizer"
+        if tok.is_dir():
+            files += sorted(p for p in tok.iterdir() if p.is_file())
+        return files
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        decay, no_decay = [], []
+        for p in self.model.parameters():
+            (decay if p.dim() >= 2 else no_decay).append(p)
+        groups = [
+            {"params": decay, "weight_decay": self.config.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW(groups, lr=self.config.lr, betas=self.config.betas, foreach=True)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+    @property
+    def tokens(self) -> int:
+        return self.state.tokens
+
+    def lr_at(self, tokens: float) -> float:
+        factor = self.state.lr_factor if tokens <= self.state.lr_factor_until else 1.0
+        return self.schedule(tokens) * factor
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self, until_tokens: int | None = None) -> Trainer:
+        """Train until ``until_tokens`` (default: ``config.total_tokens``); Ctrl-C saves the state and re-raises."""
+        from pmakit.train.data import get_batch
+
+        cfg = self.config
+        end = until_tokens or cfg.total_tokens
+        self.model.train()
+        for cb in self.callbacks:
+            cb.on_train_start(self)
+        bar = _Progress(self.tokens, end, enabled=self.progress, label=self.run_dir.name)
+        t0 = time.perf_counter()
+        try:
+            while self.tokens < end:
+                x, y = get_batch(
+                    self.corpus.train,
+                    self.step,
+                    batch_size=cfg.batch_size,
+                    seq_len=cfg.model.seq_len,
+                    seed=cfg.seed,
+                )
+                lr = self.lr_at(self.tokens + x.numel())
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+                loss = batch_loss(self.model, x, y)
+                loss.backward()
+                grad_norm = self._clip()
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                self.state.step += 1
+                self.state.tokens += x.numel()
+                record = {
+                    "kind": "train",
+                    "tokens": self.tokens,
+                    "step": self.step,
+                    "loss": loss.item(),
+                    "grad_norm": grad_norm,
+                    "lr": lr,
+                }
+                if self.step % cfg.log_every == 0 or not math.isfinite(record["loss"]):
+                    record["tokens_per_s"] = round((self.tokens - bar.start) / (time.perf_counter() - t0))
+                    self.metrics.write(record)
+                bar.update(self.tokens, record["loss"])
+                for cb in self.callbacks:
+                    cb.on_step_end(self, record)
+                self._after_step(record)
+        except StopTraining as e:
+            self.metrics.write(
+                {"kind": "event", "event": "stop", "tokens": self.tokens, "step": self.step, "reason": str(e)}
+            )
+            log.warning("training stopped: %s", e)
+        except KeyboardInterrupt:
+            self.saver.wait()
+            self.save_checkpoint(self.run_dir / CHECKPOINT)
+            log.warning(
+                "interrupted at %d tokens; the state is saved: run the same command to resume", self.tokens
+            )
+            raise
+        finally:
+            bar.close()
+        self.saver.wait()
+        self.save_checkpoint(self.run_dir / CHECKPOINT)
+        for cb in self.callbacks:
+            cb.on_train_end(self)
+        return self
+
+    def _clip(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else math.inf
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    def _after_step(self, record: dict[str, Any]) -> None:
+        cfg = self.config
+        snapshot = self.saver.maybe_save(
+            self.model, tokens=self.tokens, step=self.step, lr=record["lr"], loss=record["loss"]
+        )
+        if snapshot is not None:
+            self._last_snapshot = snapshot
+            self.metrics.write(
+                {"kind": "snapshot", "tokens": self.tokens, "step": self.step, "path": str(snapshot.path)}
+            )
+            for cb in self.callbacks:
+                cb.on_snapshot(self, snapshot)
+            n_snap = self.tokens // cfg.every_tokens
+            if cfg.eval_every and n_snap % cfg.eval_every == 0:
+                self.evaluate_now()
+        every_ckpt = cfg.checkpoint_every_tokens or cfg.every_tokens
+        if self.tokens % every_ckpt < cfg.tokens_per_step:
+            self.save_checkpoint(self.run_dir / CHECKPOINT)
+        for t in cfg.keep_checkpoints_at:
+            if self.tokens - cfg.tokens_per_step < t <= self.tokens:
+                self.save_checkpoint(self.run_dir / "checkpoints" / f"tokens-{t}")
+
+    # ------------------------------------------------------------------ evaluation
+
+    def evaluate_now(self) -> list[dict[str, Any]]:
+        """Score the latest weights and the online merge on the fixed held-out batches, and log both."""
+        base = {"kind": "eval", "tokens": self.tokens, "step": self.step}
+        latest = evaluate(self.model, self.val, bytes_per_token=self.bytes_per_token)
+        records = [{**base, "model": "latest", **latest.as_record()}]
+        self.saver.wait()  # the averager is fed when a write completes
+        if self.averager.count >= 2:
+            with self.averager.swapped_in(self.model):
+                merged = evaluate(self.model, self.val, bytes_per_token=self.bytes_per_token)
+            records.append(
+                {
+                    **base,
+                    "model": self.averager.label,
+                    "n": self.averager.count,
+                    **merged.as_record(),
+                    **_paired(merged, latest),
+                }
+            )
+        for r in records:
+            self.metrics.write(r)
+        for cb in self.callbacks:
+            cb.on_eval(self, records)
+        return records
+
+    def score(self, state: Mapping[str, torch.Tensor] | None = None) -> EvalResult:
+        """Evaluate the current weights, or ``state`` swapped in for the duration."""
+        if state is None:
+            return evaluate(self.model, self.val, bytes_per_token=self.bytes_per_token)
+        with swapped(self.model, state):
+            return evaluate(self.model, self.val, bytes_per_token=self.bytes_per_token)
+
+    # ------------------------------------------------------------------ snapshots, checkpoints, rollback
+
+    def _on_saved(self, snapshot: Any, state: dict[str, torch.Tensor]) -> None:
+        self.averager.update(state, tokens=snapshot.tokens, path=snapshot.path)
+
+    def save_checkpoint(self, directory: Path) -> None:
+        """The full state (weights, optimizer, trainer, saver, averager), written to a temp dir then renamed."""
+        tmp = directory.parent / f".{directory.name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        from pmakit.formats.safetensors_io import save_file
+
+        save_file({k: v.detach() for k, v in self.model.state_dict().items()}, tmp / "model.safetensors")
+        torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(
+            {
+                "trainer": asdict(self.state),
+                "saver": self.saver.state_dict(),
+                "averager": self.averager.state_dict(),
+                "config": self.config.to_dict(),
+            },
+            tmp / TRAINER_STATE,
+        )
+        for f in self._extra_files():
+            shutil.copy2(f, tmp / f.name)
+        from pmakit.snapshot import write_metadata
+
+        write_metadata(tmp, step=self.step, tokens=self.tokens, lr=self.lr_at(self.tokens), kind="checkpoint")
+        old = directory.parent / f".{directory.name}.old"
+        if directory.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(directory, old)
+        os.replace(tmp, directory)
+        shutil.rmtree(old, ignore_errors=True)
+
+    def load_checkpoint(self, directory: Path, *, fork: bool = False) -> None:
+        """Restore a full state. ``fork``: a new run branching off another run's state (its own saver/averager)."""
+        state_file = directory / TRAINER_STATE
+        if not state_file.exists():
+            raise PmakitError(f"{directory}: not a full training checkpoint (no {TRAINER_STATE})")
+        self._load_weights(directory)
+        self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
+        saved = torch.load(state_file, weights_only=False)
+        self.state = _State(**saved["trainer"])
+        if fork:
+            self.saver.load_state_dict(
+                {**saved["saver"], "directory": str(self.saver.directory)}
+                if "directory" in saved["saver"]
+                else saved["saver"]
+            )
+        else:
+            self.saver.load_state_dict(saved["saver"])
+            self.averager.load_state_dict(saved["averager"])
+
+    def _load_weights(self, directory: Path) -> None:
+        from pmakit.formats import open_reader
+
+        with open_reader(directory) as reader:
+            state = {
+                name: reader.read(name, 0, info.numel).clone().reshape(info.shape)
+                for name, info in reader.tensors.items()
+            }
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if k != "lm_head.weight" or not self.config.model.tie_embeddings]
+        if missing or unexpected:
+            raise PmakitError(
+                f"{directory}: weights do not fit the model (missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]})"
+            )
+
+    def rollback(
+        self,
+        state: Mapping[str, torch.Tensor],
+        *,
+        optimizer: str | Mapping[str, Any] = "reset",
+        reason: dict[str, Any] | None = None,
+    ) -> None:
+        """Replace the weights with ``state`` (e.g. a merge of pre-spike snapshots) and go on from here.
+
+        Args:
+            optimizer: ``reset`` (fresh AdamW moments), ``keep`` (the current moments) or an optimizer state dict
+                to load (e.g. the one saved with the latest pre-spike checkpoint).
+            reason: recorded in the event log.
+        """
+        with torch.no_grad():
+            params = self.model.state_dict()
+            for name, value in state.items():
+                if name in params:
+                    params[name].copy_(value)
+        if optimizer == "reset":
+            self.optimizer = self._make_optimizer()
+        elif isinstance(optimizer, Mapping):
+            self.optimizer.load_state_dict(dict(optimizer))
+        elif optimizer != "keep":
+            raise PmakitError(f"unknown optimizer policy {optimizer!r}; use reset, keep or a state dict")
+        self.state.recoveries += 1
+        self.metrics.write(
+            {
+                "kind": "event",
+                "event": "rollback",
+                "tokens": self.tokens,
+                "step": self.step,
+                "optimizer": optimizer if isinstance(optimizer, str) else "loaded",
+                **(reason or {}),
+            }
+        )
+
+    def set_lr_factor(self, factor: float, until_tokens: int) -> None:
+        """Multiply the scheduled LR by ``factor`` until ``until_tokens`` (a cautious restart after a recovery)."""
+        self.state.lr_factor = factor
+        self.state.lr_factor_until = until_tokens
+
+    def close(self) -> None:
+        self.saver.close()
+        self.metrics.close()
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "parameters": count_parameters(self.model),
+            "layers": self.config.model.layers,
+            "hidden": self.config.model.hidden,
+            "vocab_size": self.corpus.vocab_size,
+            "seq_len": self.config.model.seq_len,
+            "tokens_per_step": self.config.tokens_per_step,
+        }
+
+
+def _paired(a: EvalResult, b: EvalResult) -> dict[str, float]:
+    from pmakit.evaluate import paired_difference
+
+    delta, se = paired_difference(a, b)
+    return {"delta_vs_latest": delta, "delta_se": se}
+
+
+@contextmanager
+def swapped(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """Load ``state`` into ``model`` for the duration; the original weights come back even on error."""
+    params = model.state_dict()
+    saved = {k: params[k].detach().clone() for k in state if k in params}
+    try:
+        with torch.no_grad():
+            for k in saved:
+                params[k].copy_(state[k])
+        yield
+    finally:
+        with torch.no_grad():
+            for k, v in saved.items():
+                params[k].copy_(v)
+
+
+def _cache_dir() -> Path:
+    """Tokenized corpora are cached per user, so that re-runs and other runs on the same text skip tokenizing."""
+    root = os.environ.get("PMAKIT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pmakit"
+    )
+    return Path(root) / "corpus"
+
+
+class _Progress:
+    """A tokens progress bar with ETA on a terminal (rich); nothing otherwise."""
+
+    def __init__(self, start: int, end: int, *, enabled: bool, label: str) -> None:
+        self.start = start
+        self._bar: Any = None
+        if enabled:
+            import sys
+
+            if sys.stderr.isatty():
+                from rich.console import Console
+                from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+                self._bar = Progress(
+                    TextColumn("{task.description}"),
+                    BarColumn(),
+                    TextColumn("{task.completed:,.0f}/{task.total:,.0f} tokens"),
+                    TextColumn("loss {task.fields[loss]:.3f}"),
+                    TimeRemainingColumn(),
+                    console=Console(stderr=True),
+                    transient=True,
+                )
+                self._task = self._bar.add_task(label, total=end, completed=start, loss=float("nan"))
+                self._bar.start()
+
+    def update(self, tokens: int, loss: float) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=tokens, loss=loss)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+def train(
+    config: TrainConfig, run_dir: str | Path, *, callbacks: Sequence[Callback] = (), **kwargs: Any
+) -> Trainer:
+    """Train (or resume) a run; returns the finished ``Trainer``."""
+    trainer = Trainer(config, run_dir, callbacks=callbacks, **kwargs)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    return trainer
