@@ -312,6 +312,87 @@ def inspect(
         render(report)
 
 
+@cli.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option(
+    "-o", "--output", required=True, type=click.Path(path_type=Path), help="Output snapshot directory."
+)
+@click.option(
+    "--before",
+    callback=_tokens,
+    metavar="TOKENS",
+    help="Merge only snapshots with tokens strictly below TOKENS (where the spike began) "
+    "[default: find the spike in RUN_DIR/metrics.jsonl].",
+)
+@click.option("--last", type=int, default=3, show_default=True, help="How many snapshots K to merge.")
+@click.option(
+    "--method", type=click.Choice(METHODS), default="sma", show_default=True, help="Weighting of the K."
+)
+@click.option(
+    "--alpha", type=float, default=0.2, show_default=True, help="EMA factor for ema / ema-normalized."
+)
+@click.option(
+    "--optimizer",
+    type=click.Choice(["reset", "keep-latest"]),
+    default="reset",
+    show_default=True,
+    help="reset: no optimizer state (the trainer starts afresh); keep-latest: copy the optimizer state of the "
+    "newest full checkpoint before the spike.",
+)
+@click.option(
+    "--threshold",
+    type=float,
+    default=6.0,
+    show_default=True,
+    help="Spike detection: robust z (median/MAD) a training loss must exceed.",
+)
+@click.option(
+    "--patience",
+    type=int,
+    default=3,
+    show_default=True,
+    help="Spike detection: consecutive out-of-line steps that make a spike.",
+)
+@click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
+def recover(
+    run_dir: Path,
+    output: Path,
+    before: int | None,
+    last: int,
+    method: str,
+    alpha: float,
+    optimizer: str,
+    threshold: float,
+    patience: int,
+    force: bool,
+) -> None:
+    """Roll a run back after a loss spike: merge its last K snapshots before the spike into a snapshot to resume."""
+    from pmakit.recover import SpikeConfig
+    from pmakit.recover import recover as run_recover
+
+    result = run_recover(
+        run_dir,
+        out=output,
+        before=before,
+        last=last,
+        method=method,
+        alpha=alpha,
+        optimizer=optimizer,
+        detector=SpikeConfig(threshold=threshold, patience=patience),
+        force=force,
+    )
+    if result.spike is not None:
+        click.echo(result.spike.describe())
+    click.echo(
+        f"merging {len(result.snapshots)} snapshot(s) before {format_tokens(result.before_tokens)} tokens:"
+    )
+    for snap, w in zip(result.snapshots, result.weights):
+        step = "" if snap.step is None else f"step {snap.step:>8}  "
+        click.echo(f"  {w:8.5f}  {step}{format_tokens(snap.tokens):>8} tokens  {snap.path}")
+    opt = "none (reset)" if result.optimizer_from is None else str(result.optimizer_from.path)
+    click.echo(f"wrote {output} (optimizer state: {opt}); resume with: pmakit train --resume-from {output}")
+
+
 def main() -> None:
     """Console-script entry point."""
     cli(prog_name="pmakit")
