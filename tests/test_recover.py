@@ -1,0 +1,375 @@
+"""Spike detection on synthetic loss series, the rollback choice at its edges, and `pmakit recover` end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import run_cli, state, write_snapshot
+from pmakit.errors import PmakitError
+from pmakit.recover import (
+    Spike,
+    SpikeConfig,
+    SpikeDetector,
+    choose_rollback,
+    find_spikes,
+    recover,
+    robust_z,
+)
+from pmakit.snapshot import Snapshot, read_snapshot, write_metadata
+
+TPS = 100  # tokens per step in the synthetic series
+
+
+def series(
+    n: int, *, seed: int = 0, level: float = 3.0, noise: float = 0.02, slope: float = 0.0
+) -> list[float]:
+    """A noisy training loss: level + slope*step + gaussian noise (deterministic in seed)."""
+    rng = random.Random(seed)
+    return [level + slope * i + rng.gauss(0.0, noise) for i in range(n)]
+
+
+def feed(
+    losses: list[float], config: SpikeConfig | None = None, grads: list[float] | None = None
+) -> list[Spike]:
+    records = [
+        {
+            "kind": "train",
+            "step": i,
+            "tokens": i * TPS,
+            "loss": x,
+            "grad_norm": None if grads is None else grads[i],
+        }
+        for i, x in enumerate(losses)
+    ]
+    return find_spikes(records, config)
+
+
+# ------------------------------------------------------------------------------------------------ the detector
+
+
+def test_clean_series_has_no_spike() -> None:
+    for seed in range(5):
+        falling = [x - 0.002 * i for i, x in enumerate(series(400, seed=seed))]
+        assert feed(falling) == []
+
+
+def test_one_spike_start_is_the_first_out_of_line_step_not_the_detection() -> None:
+    losses = series(300)
+    for i in range(150, 170):  # the loss jumps at step 150 and stays up
+        losses[i] += 2.0
+    spikes = feed(losses, SpikeConfig(patience=3))
+    assert len(spikes) == 1
+    s = spikes[0]
+    assert (s.start_step, s.start_tokens) == (150, 150 * TPS)
+    assert (s.detected_step, s.detected_tokens) == (152, 152 * TPS)  # patience 3: steps 150, 151, 152
+    assert s.reason == "loss" and s.steps == 3
+    assert s.baseline == pytest.approx(3.0, abs=0.02)
+    assert s.z is not None and s.z > 50
+
+
+def test_spike_start_widens_over_a_rising_onset() -> None:
+    losses = series(300, noise=0.02)
+    losses[148] = 3.0 + 0.09  # about z=4.5: above onset 3, below threshold 6
+    losses[149] = 3.0 + 0.10
+    for i in range(150, 160):
+        losses[i] += 1.0
+    assert feed(losses)[0].start_step == 148
+    assert feed(losses, SpikeConfig(onset=None))[0].start_step == 150
+
+
+def test_slow_drift_is_not_a_spike() -> None:
+    # Rising 0.01/step (the loss climbs 4 nats over the series) is a drift, not a spike, whatever the noise.
+    for noise in (0.0, 0.02):
+        assert feed(series(400, slope=0.01, noise=noise)) == []
+    # Why: the next point of a pure ramp has robust z = ((w+1)/2) / (1.4826 * w/4), about 1.4, for any slope.
+    for slope in (0.5, 1e-4):
+        ramp = [slope * i for i in range(50)]
+        assert robust_z(slope * 50, ramp, 0.0) == pytest.approx(25.5 / (1.4826 * 12.5), rel=1e-9)
+
+
+def test_nan_and_inf_are_spikes_at_once_even_before_any_history() -> None:
+    for bad in (math.nan, math.inf):
+        losses = series(100)
+        losses[3] = bad
+        (s,) = feed(losses)
+        assert (s.start_step, s.detected_step, s.reason, s.steps) == (3, 3, "non-finite loss", 1)
+        json.dumps(s.to_dict(), allow_nan=False)  # JSON-safe record
+
+
+def test_nan_after_a_rising_excursion_starts_where_the_excursion_did() -> None:
+    losses = series(100)
+    losses[60] += 1.0
+    losses[61] += 2.0
+    losses[62] = math.nan
+    (s,) = feed(losses, SpikeConfig(patience=5))
+    assert (s.start_step, s.detected_step, s.reason) == (60, 62, "non-finite loss")
+
+
+def test_spike_during_warmup_is_ignored() -> None:
+    losses = series(300)
+    for i in range(10, 14):
+        losses[i] += 3.0
+    config = SpikeConfig(warmup_tokens=100 * TPS, min_history=5)
+    assert feed(losses, config) == []
+    # The same jump after warmup is caught.
+    losses2 = series(300)
+    for i in range(120, 124):
+        losses2[i] += 3.0
+    assert [s.start_step for s in feed(losses2, config)] == [120]
+
+
+def test_a_blip_shorter_than_patience_is_not_a_spike() -> None:
+    losses = series(300)
+    losses[100] += 2.0
+    losses[101] += 2.0
+    assert feed(losses, SpikeConfig(patience=3)) == []
+    assert [s.start_step for s in feed(losses, SpikeConfig(patience=2))] == [100]
+
+
+def test_one_report_per_excursion_and_a_second_spike_after_recovery() -> None:
+    losses = series(400)
+    for i in range(100, 150):
+        losses[i] += 2.0  # 50 steps up: one spike, not 16
+    for i in range(300, 305):
+        losses[i] += 2.0  # back in line, then a second, separate spike
+    assert [s.start_step for s in feed(losses)] == [100, 300]
+
+
+def test_grad_norm_is_watched_only_when_asked() -> None:
+    losses = series(300)
+    grads = [1.0 + 0.05 * x for x in series(300, seed=7, level=0.0, noise=1.0)]
+    for i in range(200, 210):
+        grads[i] = 20.0
+    assert feed(losses, SpikeConfig(), grads) == []
+    (s,) = feed(losses, SpikeConfig(grad_threshold=6.0), grads)
+    assert (s.start_step, s.reason) == (200, "grad norm")
+    grads[250] = math.inf  # non-finite grad norm: out of line at once (counts towards patience)
+    spikes = feed(losses, SpikeConfig(grad_threshold=6.0, patience=1), grads)
+    assert [s.start_step for s in spikes] == [200, 250]
+
+
+def test_detector_rewinds_when_tokens_go_back() -> None:
+    losses = series(300)
+    for i in range(150, 160):
+        losses[i] += 2.0
+    d = SpikeDetector()
+    for i in range(155):
+        d.update(i * TPS, losses[i], step=i)
+    assert d.in_spike
+    # The run was rolled back to 140 and continues in line: no second report, and the spike is forgotten.
+    assert all(d.update(i * TPS, 3.0 + 0.01 * (i % 3), step=i) is None for i in range(140, 200))
+    assert not d.in_spike and d.baseline == pytest.approx(3.0, abs=0.02)
+
+
+def test_detector_is_deterministic() -> None:
+    losses = series(500, seed=3)
+    for i in range(250, 260):
+        losses[i] *= 2
+    assert feed(losses) == feed(losses)
+
+
+def test_bad_config_is_a_user_error() -> None:
+    for bad in ({"window": 2}, {"patience": 0}, {"min_history": 100}, {"threshold": -1}, {"onset": 9.0}):
+        with pytest.raises(PmakitError):
+            SpikeConfig(**bad)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------------ the rollback
+
+
+def snaps(*tokens: int) -> list[Snapshot]:
+    return [Snapshot(Path(f"/nonexistent/step-{t}"), tokens=t, step=t // 10) for t in tokens]
+
+
+@pytest.mark.parametrize(
+    ("start", "k", "expected"),
+    [
+        (700, 3, [400, 500, 600]),  # a snapshot exactly at the start is excluded
+        (701, 3, [500, 600, 700]),  # one token later it is in
+        (10_000, 3, [800, 900, 1000]),  # spike after the newest snapshot
+        (300, 2, [100, 200]),  # exactly k available
+        (700, 1, [600]),  # k=1: the latest pre-spike snapshot (the control)
+    ],
+)
+def test_rollback_takes_exactly_the_last_k_strictly_before(start: int, k: int, expected: list[int]) -> None:
+    chosen = choose_rollback(snaps(*range(1000, 0, -100)), start, k)  # given newest first: sorted
+    assert [s.tokens for s in chosen] == expected
+
+
+def test_rollback_with_fewer_than_k_is_an_error_unless_allowed() -> None:
+    with pytest.raises(PmakitError, match=r"--last 3 asks for 3 snapshots before 250 tokens but only 2"):
+        choose_rollback(snaps(100, 200, 300), 250, 3)
+    assert [s.tokens for s in choose_rollback(snaps(100, 200, 300), 250, 3, allow_fewer=True)] == [100, 200]
+    for allow in (False, True):  # nothing before the start: always an error
+        with pytest.raises(PmakitError, match="no complete snapshot before 100 tokens"):
+            choose_rollback(snaps(100, 200), 100, 3, allow_fewer=allow)
+    with pytest.raises(PmakitError, match="at least 1"):
+        choose_rollback(snaps(100), 500, 0)
+
+
+# ---------------------------------------------------------------------------------------------- pmakit recover
+
+
+def build_run(root: Path, n: int = 8, every: int = 1000, spike_at: int | None = None) -> Path:
+    """RUN/snapshots/step-*/ every `every` tokens (10 tokens per step) and RUN/metrics.jsonl, spiking at spike_at."""
+    run = root / "run"
+    for i in range(1, n + 1):
+        tokens = i * every
+        write_snapshot(
+            run / "snapshots" / f"step-{tokens // 10:08d}", state(i), step=tokens // 10, tokens=tokens
+        )
+    losses = series(n * every // TPS, seed=1)
+    if spike_at is not None:
+        for i in range(spike_at // TPS, len(losses)):
+            losses[i] += 3.0
+    with open(run / "metrics.jsonl", "w") as f:
+        for i, x in enumerate(losses):
+            f.write(json.dumps({"kind": "train", "step": i * TPS // 10, "tokens": i * TPS, "loss": x}) + "\n")
+            if i % 10 == 0:
+                f.write(
+                    json.dumps({"kind": "eval", "tokens": i * TPS, "model": "latest", "val_loss": 9.9}) + "\n"
+                )
+    return run
+
+
+def load_dir(path: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(f, framework="pt") as h:
+            for k in h.keys():  # noqa: SIM118 - safe_open has no __iter__
+                out[k] = h.get_tensor(k)
+    return out
+
+
+def assert_one_line_error(proc: object, *fragments: str) -> None:
+    assert proc.returncode == 1  # type: ignore[attr-defined]
+    err = proc.stderr.strip()  # type: ignore[attr-defined]
+    assert "Traceback" not in err and "\n" not in err, err
+    assert err.startswith("Error: "), err
+    for f in fragments:
+        assert f in err, (f, err)
+
+
+def test_recover_before_equals_pmakit_merge_of_the_last_k(tmp_path: Path) -> None:
+    run = build_run(tmp_path)
+    proc = run_cli("recover", run, "--before", "7K", "--last", "3", "-o", tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr
+    assert "resume with: pmakit train --resume-from" in proc.stdout
+    ref = run_cli("merge", run, "--last", "3", "--until", "6999", "-o", tmp_path / "ref", "--quiet")
+    assert ref.returncode == 0, ref.stderr
+    got, want = load_dir(tmp_path / "out"), load_dir(tmp_path / "ref")
+    assert got.keys() == want.keys() == state(1).keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    # and against the simple reference: the bf16 cast of the fp64 mean of snapshots 4, 5, 6 (7000 is excluded)
+    mean = sum(state(i)["layers.0.attn.weight"].double() for i in (4, 5, 6)) / 3
+    assert torch.allclose(got["layers.0.attn.weight"].double(), mean, atol=1e-2, rtol=1e-2)
+
+    snap = read_snapshot(tmp_path / "out")  # a complete snapshot, at the newest merged one's step/tokens
+    assert (snap.tokens, snap.step) == (6000, 600)
+    rec = snap.meta["recovery"]
+    assert [m["tokens"] for m in rec["merged"]] == [4000, 5000, 6000]
+    assert rec["weights"] == pytest.approx([1 / 3] * 3)
+    assert (rec["before_tokens"], rec["why"], rec["spike"], rec["optimizer"]) == (
+        7000,
+        "--before given",
+        None,
+        "reset",
+    )
+    assert (tmp_path / "out" / "config.json").exists()
+    assert not list(tmp_path.glob(".out*"))  # no staging left behind
+
+
+def test_recover_finds_the_spike_in_the_metrics_log(tmp_path: Path) -> None:
+    run = build_run(tmp_path, spike_at=6500)
+    out = tmp_path / "out"
+    result = recover(run, out=out, last=2, method="wma")
+    assert result.spike is not None and result.spike.start_tokens == 6500
+    assert [s.tokens for s in result.snapshots] == [5000, 6000]
+    meta = json.loads((out / "pmakit.json").read_text())
+    assert meta["tokens"] == 6000
+    assert meta["recovery"]["spike"]["start_tokens"] == 6500
+    assert meta["recovery"]["why"] == "a loss spike found in metrics.jsonl"
+    assert meta["recovery"]["weights"] == pytest.approx([1 / 3, 2 / 3])
+    got = load_dir(out)["head.weight"].double()
+    want = (state(5)["head.weight"].double() + 2 * state(6)["head.weight"].double()) / 3
+    assert torch.allclose(got, want, atol=2e-2)
+
+
+def test_recover_keep_latest_copies_the_pre_spike_optimizer_state(tmp_path: Path) -> None:
+    run = build_run(tmp_path, spike_at=6500)
+    ckpt = run / "checkpoint"
+    write_snapshot(ckpt, state(9), step=750, tokens=7500)  # the trainer's latest checkpoint: past the spike
+    torch.save({"state": {}, "tag": "late"}, ckpt / "optimizer.pt")
+    with pytest.raises(PmakitError, match="no full checkpoint with optimizer state before 6.5K"):
+        recover(run, out=tmp_path / "out", optimizer="keep-latest")
+    # A snapshot directory that also holds optimizer state, before the spike, is used.
+    torch.save({"state": {}, "tag": "early"}, run / "snapshots" / "step-00000500" / "optimizer.pt")
+    result = recover(run, out=tmp_path / "out", optimizer="keep-latest")
+    assert result.optimizer_from is not None and result.optimizer_from.tokens == 5000
+    assert torch.load(tmp_path / "out" / "optimizer.pt", weights_only=True)["tag"] == "early"
+    assert result.record["optimizer_from"]["tokens"] == 5000
+    # reset never copies optimizer state
+    recover(run, out=tmp_path / "out2")
+    assert not (tmp_path / "out2" / "optimizer.pt").exists()
+
+
+def test_recover_errors_are_one_line_through_the_cli(tmp_path: Path) -> None:
+    run = build_run(tmp_path)  # no spike in its log
+    out = tmp_path / "out"
+    assert_one_line_error(run_cli("recover", run, "-o", out), "no loss spike found", "--before")
+    assert_one_line_error(
+        run_cli("recover", run, "--before", "2500", "-o", out), "--last 3 asks for 3", "only 2 exist"
+    )
+    assert_one_line_error(run_cli("recover", run, "--before", "5K", "--last", "0", "-o", out), "at least 1")
+
+
+def test_recover_refuses_user_mistakes(tmp_path: Path, make_run: Callable[..., Path]) -> None:
+    run = build_run(tmp_path)
+    out = tmp_path / "out"
+    with pytest.raises(PmakitError, match="no complete snapshot before 1K tokens"):
+        recover(run, out=out, before=1000)
+    with pytest.raises(PmakitError, match=r"no full checkpoint with optimizer state.*use --optimizer reset"):
+        recover(run, out=out, before=5000, optimizer="keep-latest")
+    with pytest.raises(PmakitError, match="no such run directory"):
+        recover(tmp_path / "nope", out=out, before=5000)
+    flat = make_run(5, name="flat")  # snapshots directly in RUN, no metrics.jsonl
+    with pytest.raises(PmakitError, match="metrics.jsonl not found: pass --before"):
+        recover(flat, out=out)
+    with pytest.raises(PmakitError, match="inside the run's snapshot folder"):
+        recover(flat, out=flat / "rolled-back", before=3000)
+    recover(flat, out=out, before=3000, last=2)
+    with pytest.raises(PmakitError, match="exists; pass --force"):
+        recover(flat, out=out, before=3000)
+    recover(flat, out=out, before=4000, last=2, force=True)
+    assert read_snapshot(out).tokens == 3000
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no staging or old copy left
+
+
+def test_recovered_tiny_llama_loads_with_from_pretrained(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    run = tmp_path / "run"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    for i in range(1, 5):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * torch.randn_like(p))
+        d = run / "snapshots" / f"step-{i * 10:08d}"
+        model.save_pretrained(d)
+        write_metadata(d, step=i * 10, tokens=i * 1000)
+    recover(run, out=tmp_path / "out", before=3500, last=3)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.isfinite(loaded(ids).logits).all()
