@@ -1,0 +1,297 @@
+"""Splitting a merge across torch.distributed ranks, and planning merges too big for this machine.
+
+Under ``torchrun`` (``WORLD_SIZE`` > 1) every rank computes the same plan from the headers, streams the output
+shards it owns (tensors split into contiguous groups balanced by bytes) into the shared partial directory, and
+reports whether it succeeded; rank 0 writes the index and the manifest once every rank has, and renames the whole
+output into place. The process group only carries these few agreements (gloo on CPU, NCCL with ``--device cuda``),
+never tensor data: each rank reads its own inputs from the (shared) file system.
+
+The planner turns a plan (or a layout file of names, shapes and dtypes) into bytes read and written per rank,
+work memory per rank, and an expected time from measured disk and accumulation bandwidths.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pmakit.errors import PmakitError
+
+log = logging.getLogger(__name__)
+
+TIMEOUT = datetime.timedelta(hours=12)
+"""How long a rank waits for the others at an agreement point (a rank's share of a 70B merge takes hours)."""
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place among the ranks of a merge."""
+
+    rank: int = 0
+    """This process's rank."""
+    size: int = 1
+    """Number of ranks."""
+    device: str = "cpu"
+    """Where the accumulation runs: ``cpu`` or ``cuda`` (then the process group is NCCL)."""
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    def agree(self, ok: bool) -> bool:
+        """True when every rank says ``ok`` (a collective: every rank must call it at the same point)."""
+        if not self.distributed:
+            return ok
+        import torch.distributed as dist
+
+        flag = torch.tensor([1 if ok else 0], device=self._collective_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def _collective_device(self) -> torch.device:
+        if self.device == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+def init_from_env(device: str = "cpu") -> World:
+    """The world torchrun describes (``RANK``, ``WORLD_SIZE``), with its process group up; one rank otherwise."""
+    if device not in ("cpu", "cuda"):
+        raise PmakitError(f"unknown --device {device!r}; use cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise PmakitError("--device cuda: no CUDA device is available")
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size <= 1:
+        return World(0, 1, device)
+    import torch.distributed as dist
+
+    rank = int(os.environ.get("RANK", "0"))
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=TIMEOUT)
+    return World(rank, size, device)
+
+
+def shutdown(world: World) -> None:
+    """Tear the process group down (quietly; torch warns when a process exits with it up)."""
+    if world.distributed:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def split_by_bytes(sizes: Sequence[int], parts: int) -> list[int]:
+    """Group index for each item, in order: ``parts`` contiguous groups with as equal byte totals as possible.
+
+    Item i goes to the group its midpoint falls in, on a line where every group owns total/parts bytes: contiguous,
+    deterministic, and no group is off by more than one item's bytes.
+    """
+    total = sum(sizes)
+    if parts <= 1 or total == 0:
+        return [0] * len(sizes)
+    groups, seen = [], 0
+    for s in sizes:
+        groups.append(min(parts - 1, int((seen + s / 2) * parts // total)))
+        seen += s
+    return groups
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Planning merges of any size
+
+
+@dataclass(frozen=True)
+class LayoutTensor:
+    """One tensor of a model layout."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+_DTYPE_NAMES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "f16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "f32": torch.float32,
+    "int64": torch.int64,
+    "i64": torch.int64,
+    "int32": torch.int32,
+    "fp8": torch.float8_e4m3fn,
+}
+
+
+def load_layout(path: str | os.PathLike[str]) -> list[LayoutTensor]:
+    """A layout file: JSON ``{name: {"shape": [...], "dtype": "bf16"}}`` (or ``{name: [shape]}``, bf16 assumed),
+    optionally wrapped as ``{"tensors": {...}}``."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise PmakitError(f"{path}: unreadable layout file ({e})") from e
+    if isinstance(data, Mapping) and isinstance(data.get("tensors"), Mapping):
+        data = data["tensors"]
+    if not isinstance(data, Mapping) or not data:
+        raise PmakitError(f"{path}: a layout file maps tensor names to shapes and dtypes")
+    out = []
+    for name, entry in data.items():
+        shape, dtype = (entry, "bf16") if isinstance(entry, list) else (None, None)
+        if isinstance(entry, Mapping):
+            shape, dtype = entry.get("shape"), str(entry.get("dtype", "bf16")).replace("torch.", "")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise PmakitError(f"{path}: tensor {name!r} has no valid shape (a list of sizes)")
+        if dtype not in _DTYPE_NAMES:
+            raise PmakitError(
+                f"{path}: tensor {name!r} has unknown dtype {dtype!r}; use one of {sorted(_DTYPE_NAMES)}"
+            )
+        out.append(LayoutTensor(str(name), tuple(shape), _DTYPE_NAMES[dtype]))
+    return out
+
+
+def layout_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
+    """A layout file's content for a state dict (meta tensors work: nothing is allocated)."""
+    return {
+        k: {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", "")} for k, v in tensors.items()
+    }
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    """Measured (or given) rates in bytes per second."""
+
+    read: float
+    """Sequential read from the disk, page cache dropped."""
+    write: float
+    """Sequential write to the disk, flushed."""
+    accumulate: float
+    """Input bytes per second one rank converts to fp32 and adds (bf16 input)."""
+    source: str = "measured"
+
+
+def measure_bandwidth(directory: Path, sample_bytes: int = 128 * 2**20) -> Bandwidth:
+    """Write, flush, drop from the page cache and read back ``sample_bytes`` in ``directory``; time an fp32
+    accumulation of bf16 chunks. Short and rough: a 128 MB sample, one pass."""
+    directory.mkdir(parents=True, exist_ok=True)
+    probe = directory / f".pmakit-bandwidth-{os.getpid()}"
+    block = os.urandom(2**20) * 16
+    try:
+        t0 = time.perf_counter()
+        with open(probe, "wb") as f:
+            for _ in range(max(1, sample_bytes // len(block))):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+        write = probe.stat().st_size / (time.perf_counter() - t0)
+        fd = os.open(probe, os.O_RDONLY)
+        try:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            t0 = time.perf_counter()
+            while os.read(fd, 8 * 2**20):
+                pass
+            read = probe.stat().st_size / (time.perf_counter() - t0)
+        finally:
+            os.close(fd)
+    finally:
+        probe.unlink(missing_ok=True)
+    x = torch.randn(8 * 2**20).bfloat16()
+    acc, tmp = torch.zeros(x.numel()), torch.empty(x.numel())
+    t0 = time.perf_counter()
+    for _ in range(4):
+        acc.add_(tmp.copy_(x), alpha=0.25)
+    accumulate = 4 * x.numel() * 2 / (time.perf_counter() - t0)
+    return Bandwidth(read, write, accumulate)
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's share of a merge."""
+
+    rank: int
+    read_bytes: int
+    write_bytes: int
+    memory_bytes: int
+    seconds: float
+
+
+def plan_scale(
+    tensors: Sequence[LayoutTensor],
+    *,
+    snapshots: int,
+    ranks: int,
+    bandwidth: Bandwidth,
+    nodes: int = 1,
+    out_dtype: torch.dtype | None = None,
+    chunk_elems: int | None = None,
+    unit_bytes: int = 0,
+) -> dict[str, Any]:
+    """Bytes, memory and time of merging ``snapshots`` inputs of this layout on ``ranks`` ranks over ``nodes``.
+
+    Time per rank is the larger of its I/O (reads + writes through its node's disk, shared by the node's ranks)
+    and its accumulation; the merge takes as long as its slowest rank. ``unit_bytes`` is memory each input holds
+    beyond the merge's chunks (DCP inputs: one saved chunk, see formats/dcp_io.py).
+    """
+    from pmakit.formats import is_float
+    from pmakit.merge import CHUNK_ELEMS, N_BUFFERS
+
+    if snapshots < 1 or ranks < 1 or nodes < 1:
+        raise PmakitError("--snapshots, --ranks and --nodes must be at least 1")
+    out_sizes = [
+        t.nbytes
+        if out_dtype is None or not is_float(t.dtype)
+        else t.nbytes // t.dtype.itemsize * out_dtype.itemsize
+        for t in tensors
+    ]
+    groups = split_by_bytes(out_sizes, ranks)
+    n = chunk_elems or max(
+        1, min(CHUNK_ELEMS, max((t.nbytes // t.dtype.itemsize for t in tensors), default=1))
+    )
+    per_node = -(-ranks // nodes)  # ranks sharing one node's disk
+    plans = []
+    for r in range(ranks):
+        mine = [i for i, g in enumerate(groups) if g == r]
+        read = sum(tensors[i].nbytes * (snapshots if is_float(tensors[i].dtype) else 1) for i in mine)
+        write = sum(out_sizes[i] for i in mine)
+        io = (read / bandwidth.read + write / bandwidth.write) * per_node
+        compute = (
+            sum(tensors[i].nbytes * snapshots for i in mine if is_float(tensors[i].dtype))
+            / bandwidth.accumulate
+        )
+        memory = n * 4 * (N_BUFFERS + 2) + snapshots * unit_bytes
+        plans.append(RankPlan(r, read, write, memory, max(io, compute)))
+    return {
+        "tensors": len(tensors),
+        "parameters": sum(t.nbytes // t.dtype.itemsize for t in tensors),
+        "snapshots": snapshots,
+        "ranks": ranks,
+        "nodes": nodes,
+        "read_bytes": sum(p.read_bytes for p in plans),
+        "write_bytes": sum(p.write_bytes for p in plans),
+        "largest_tensor_bytes": max((t.nbytes for t in tensors), default=0),
+        "bandwidth": vars(bandwidth),
+        "per_rank": [vars(p) for p in plans],
+        "max_memory_bytes": max(p.memory_bytes for p in plans),
+        "seconds": max(p.seconds for p in plans),
+    }

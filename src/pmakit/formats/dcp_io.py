@@ -1,0 +1,244 @@
+"""torch.distributed.checkpoint (DCP) directories: ``.metadata`` + ``__<rank>_<i>.distcp`` files.
+
+Everything goes through torch's own DCP API: ``FileSystemReader.read_metadata`` gives the keys, shapes, dtypes and
+the saved chunk layout; ``torch.distributed.checkpoint.load`` (``no_dist=True``, so no process group is needed even
+inside a distributed merge) fills preallocated tensors through a small ``LoadPlanner`` that asks for one region of
+one tensor at a time.
+
+The unit of reading is a saved chunk: DCP stores each rank's piece of a tensor as one ``torch.save`` record, and
+torch reads a record whole. So the reader loads the saved chunk (a dim-0 slab, as FSDP and single-process saves
+write them) that covers the range asked for, keeps it while the merge walks through it, and drops it once the merge
+has moved past: every byte is read once, and a DCP input holds one saved chunk in memory (the tensor divided by the
+trainer's data-parallel size; the whole tensor for a single-process save), not one merge chunk. A tensor whose
+saved chunks are not dim-0 slabs (tensor parallelism) is loaded whole.
+
+The model state may be at the top level (torchtitan) or under a top-level ``model`` key (OLMo-core); either way the
+merged names are the model's own. Optimizer, scheduler, data loader, RNG and other non-tensor entries are skipped
+and listed in ``Reader.skipped``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from pmakit.errors import PmakitError
+from pmakit.formats import FileInfo, Format, Reader, TensorInfo
+
+METADATA_FILE = ".metadata"
+MODEL_KEY = "model"
+# Top-level entries that trainers save beside the model (torchtitan, OLMo-core, torch's Stateful helpers).
+NOT_MODEL = (
+    "optimizer",
+    "optim",
+    "lr_scheduler",
+    "lr_schedulers",
+    "scheduler",
+    "dataloader",
+    "data_loader",
+    "train_state",
+    "trainer",
+    "rng",
+    "rng_state",
+    "rng_states",
+    "scaler",
+    "extra_state",
+)
+
+
+class _CachedMetadataReader(FileSystemReader):
+    """A FileSystemReader that unpickles ``.metadata`` once, not once per ``dcp.load`` call."""
+
+    def __init__(self, path: Path, metadata: Metadata) -> None:
+        super().__init__(path)
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self._metadata
+
+
+class _RegionPlanner(DefaultLoadPlanner):
+    """Loads one region (a box of offsets and sizes) of one checkpoint entry into a preallocated tensor."""
+
+    def __init__(self, key: str, md: TensorStorageMetadata, box: ChunkStorageMetadata, dest: torch.Tensor):
+        super().__init__(flatten_state_dict=False)
+        self._key, self._md, self._box, self._dest = key, md, box, dest
+
+    def create_local_plan(self) -> LoadPlan:
+        return LoadPlan(create_read_items_for_chunk_list(self._key, self._md, [self._box]))
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        out = self._dest
+        for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            out = out.narrow(dim, offset, length)
+        return out
+
+
+def read_metadata(path: Path) -> Metadata:
+    """The checkpoint's metadata, read by torch; a damaged file is one clear error."""
+    try:
+        return FileSystemReader(path).read_metadata()
+    except Exception as e:  # torch raises pickle, EOF and OS errors for a bad file
+        raise PmakitError(f"{path / METADATA_FILE}: unreadable DCP metadata ({type(e).__name__}: {e})") from e
+
+
+def _paths(metadata: Metadata) -> dict[str, tuple[str, ...]]:
+    """Flattened key -> its path in the nested state dict that was saved (``planner_data`` when present)."""
+    data = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
+    out = {}
+    for key in metadata.state_dict_metadata:
+        path = data.get(key)
+        out[key] = tuple(str(p) for p in path) if isinstance(path, (tuple, list)) and path else (key,)
+    return out
+
+
+def model_entries(metadata: Metadata) -> tuple[dict[str, str], list[str]]:
+    """(model name -> checkpoint key, skipped keys). Under ``model`` when there is one, else the top level."""
+    paths = _paths(metadata)
+    entries = metadata.state_dict_metadata
+    nested = any(p[0] == MODEL_KEY and len(p) > 1 for p in paths.values())
+    names: dict[str, str] = {}
+    skipped: list[str] = []
+    for key, path in paths.items():
+        if nested:
+            name = ".".join(path[1:]) if path[0] == MODEL_KEY and len(path) > 1 else None
+        else:
+            name = None if path[0] in NOT_MODEL or len(path) > 1 else key
+        if name is None or not isinstance(entries[key], TensorStorageMetadata):
+            skipped.append(key)
+        else:
+            names[name] = key
+    return names, skipped
+
+
+def _is_slab(chunk: ChunkStorageMetadata, size: torch.Size) -> bool:
+    """A saved chunk that is a contiguous flat range: split on dim 0 only."""
+    return all(o == 0 and s == d for o, s, d in zip(chunk.offsets[1:], chunk.sizes[1:], size[1:]))
+
+
+class DCPReader(Reader):
+    format = "dcp"
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.metadata = read_metadata(path)
+        self._storage = _CachedMetadataReader(path, self.metadata)
+        names, self.skipped = model_entries(self.metadata)
+        storage = self.metadata.storage_data if isinstance(self.metadata.storage_data, Mapping) else {}
+        files = sorted(f.name for f in path.glob("*.distcp"))
+        self.files = [
+            FileInfo(METADATA_FILE, (path / METADATA_FILE).stat().st_size, _sha256(path / METADATA_FILE))
+        ]
+        self.files += [FileInfo(f, (path / f).stat().st_size, "") for f in files]
+        self._keys: dict[str, str] = {}
+        self._md: dict[str, TensorStorageMetadata] = {}
+        self.tensors = {}
+        for name, key in names.items():
+            md = self.metadata.state_dict_metadata[key]
+            assert isinstance(md, TensorStorageMetadata)
+            info = storage.get(MetadataIndex(key, md.chunks[0].offsets)) if md.chunks else None
+            where = getattr(info, "relative_path", "")
+            order = (files.index(where) if where in files else len(files), int(getattr(info, "offset", 0)))
+            self.tensors[name] = TensorInfo(md.properties.dtype, tuple(md.size), order)
+            self._keys[name] = key
+            self._md[name] = md
+        # Loaded units of the tensor being read: (flat start, flat stop, values). See the module docstring.
+        self._units: list[tuple[int, int, torch.Tensor]] = []
+        self._current = ""
+
+    def _unit_boxes(self, name: str) -> list[tuple[int, int, ChunkStorageMetadata]]:
+        """The flat ranges the tensor is loaded in: its saved dim-0 slabs, or the whole tensor."""
+        md = self._md[name]
+        size = md.size
+        inner = 1
+        for d in size[1:]:
+            inner *= d
+        if len(size) > 0 and md.chunks and all(_is_slab(c, size) for c in md.chunks):
+            slabs = sorted(md.chunks, key=lambda c: c.offsets[0])
+            return [(c.offsets[0] * inner, (c.offsets[0] + c.sizes[0]) * inner, c) for c in slabs]
+        numel = self.tensors[name].numel
+        return [(0, numel, ChunkStorageMetadata(torch.Size([0] * len(size)), torch.Size(size)))]
+
+    def _load(self, name: str, box: ChunkStorageMetadata) -> torch.Tensor:
+        dest = torch.empty(tuple(box.sizes), dtype=self.tensors[name].dtype)
+        planner = _RegionPlanner(self._keys[name], self._md[name], box, dest)
+        try:
+            with warnings.catch_warnings():
+                # dcp.load warns that it runs without a process group: that is the intent here.
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load({}, storage_reader=self._storage, planner=planner, no_dist=True)
+        except Exception as e:
+            raise PmakitError(f"{self.path}: reading tensor {name!r} failed ({type(e).__name__}: {e})") from e
+        return dest.reshape(-1)
+
+    def read(self, name: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        if name != self._current:
+            self._units, self._current = [], name
+        self._units = [u for u in self._units if u[1] > start]  # the merge reads forward: drop what it passed
+        for lo, hi, box in self._unit_boxes(name):
+            if lo < stop and hi > start and not any(u[0] == lo for u in self._units):
+                self._units.append((lo, hi, self._load(name, box)))
+        self._units.sort(key=lambda u: u[0])
+        parts = [
+            v[max(start, lo) - lo : min(stop, hi) - lo]
+            for lo, hi, v in self._units
+            if lo < stop and hi > start
+        ]
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=self.tensors[name].dtype)
+
+    def close(self) -> None:
+        self._units, self._current = [], ""
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _detect(path: Path) -> bool:
+    return (path / METADATA_FILE).is_file()
+
+
+FORMAT = Format("dcp", _detect, DCPReader)
+
+
+def save(
+    tensors: Mapping[str, torch.Tensor],
+    directory: str | os.PathLike[str],
+    *,
+    distributed: bool = False,
+    fsync: bool = True,
+) -> None:
+    """Write ``tensors`` as a DCP checkpoint, the model's names at the top level (as torchtitan saves them).
+
+    With ``distributed``, every rank of the default process group calls this with its own disjoint tensors and
+    torch writes one ``.metadata`` for all of them (a collective).
+    """
+    writer = FileSystemWriter(Path(directory), sync_files=fsync, thread_count=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(dict(tensors), storage_writer=writer, no_dist=not distributed)
+
+
+def names_in(directory: Path) -> Sequence[str]:
+    """The model names of a DCP directory (headers only)."""
+    names, _ = model_entries(read_metadata(directory))
+    return list(names)
