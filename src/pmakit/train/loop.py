@@ -482,15 +482,10 @@ class Trainer:
 
         save_file({k: v.detach() for k, v in self.model.state_dict().items()}, tmp / "model.safetensors")
         torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(
-            {
-                "trainer": asdict(self.state),
-                "saver": self.saver.state_dict(),
-                "averager": self.averager.state_dict(),
-                "config": self.config.to_dict(),
-            },
-            tmp / TRAINER_STATE,
-        )
+        # Plain values and tensors only, so that it loads with weights_only=True.
+        state = {"trainer": asdict(self.state), "saver": self.saver.state_dict(),
+                 "averager": self.averager.state_dict(), "config": self.config.to_dict()}
+        torch.save(_plain(state), tmp / TRAINER_STATE)
         for f in self._extra_files():
             shutil.copy2(f, tmp / f.name)
         from pmakit.snapshot import write_metadata
@@ -510,16 +505,11 @@ class Trainer:
             raise PmakitError(f"{directory}: not a full training checkpoint (no {TRAINER_STATE})")
         self._load_weights(directory)
         self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
-        saved = torch.load(state_file, weights_only=False)
+        saved = torch.load(state_file, weights_only=True)
         self.state = _State(**saved["trainer"])
-        if fork:
-            self.saver.load_state_dict(
-                {**saved["saver"], "directory": str(self.saver.directory)}
-                if "directory" in saved["saver"]
-                else saved["saver"]
-            )
-        else:
-            self.saver.load_state_dict(saved["saver"])
+        # A fork keeps the token grid of its parent's saver but starts its own online merge.
+        self.saver.load_state_dict(saved["saver"])
+        if not fork:
             self.averager.load_state_dict(saved["averager"])
 
     def _load_weights(self, directory: Path) -> None:
@@ -616,6 +606,15 @@ def swapped(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> Iterat
         with torch.no_grad():
             for k, v in saved.items():
                 params[k].copy_(v)
+
+
+def _plain(x: Any) -> Any:
+    """Paths to strings and tuples to lists, recursively (what ``torch.load(weights_only=True)`` accepts)."""
+    if isinstance(x, Mapping):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return str(x) if isinstance(x, Path) else x
 
 
 def _cache_dir() -> Path:

@@ -1,0 +1,614 @@
+"""``pmakit experiment``: the paper's central comparison at CPU size, from one config.
+
+1. Train one run at constant LR after warmup (the WSD "stable" phase), saving a snapshot every V tokens and a
+   full state at each fork point F.
+2. At each fork, an anneal branch: the same run continued for D tokens with the LR decayed to 0 (the thing PMA
+   predicts without paying for it). The constant-LR run continues over the same D tokens.
+3. At each fork's end E = F + D, evaluate on the same held-out batches: the latest snapshot, the anneal, and merges
+   of snapshots ending at E over a grid of N (count), V (spacing) and weightings. Also latest vs SMA at a few points
+   of the stable phase.
+4. Write results.csv/jsonl, curves.csv, experiment.json, the merged model of the headline comparison (written by
+   the real ``pmakit merge`` engine, so it loads with ``from_pretrained``) and the report.
+
+Re-running into the same directory resumes: finished training and finished evaluations are not redone.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import logging
+import math
+import shutil
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import pmakit
+from pmakit.errors import PmakitError
+from pmakit.evaluate import EvalResult, evaluate, paired_difference
+from pmakit.schedule import WSD
+from pmakit.snapshot import Snapshot, discover
+from pmakit.train.loop import TrainConfig, Trainer
+from pmakit.units import format_tokens, parse_tokens
+from pmakit.weights import get_weights
+
+log = logging.getLogger(__name__)
+
+RESULT_COLUMNS = [
+    "fork_tokens", "model", "method", "n", "v_tokens", "alpha", "tokens", "window_start_tokens",
+    "val_loss", "val_loss_se", "bpb", "delta_vs_latest", "delta_se", "label",
+]  # fmt: skip
+EMA_METHODS = ("ema", "ema-normalized")
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """The study on top of a training run (the ``experiment:`` section of a config)."""
+
+    forks: tuple[int, ...] = (4_000_000, 6_500_000)
+    """Fork points F (tokens) where an anneal branch starts."""
+    anneal_fraction: float = 0.2
+    """Anneal length D as a fraction of F (rounded to whole snapshot intervals)."""
+    anneal_shape: str = "linear"
+    """Decay shape of the anneal branches: linear, cosine or 1sqrt."""
+    ns: tuple[int, ...] = (2, 4, 8, 16)
+    """Numbers of snapshots N merged."""
+    v_multiples: tuple[int, ...] = (1, 2, 4)
+    """Merge spacings V, as multiples of the snapshot interval."""
+    methods: tuple[str, ...] = ("sma", "wma", "ema", "ema-normalized", "wsm-1sqrt")
+    """Weightings compared at N = method_n, V = 1x."""
+    alphas: tuple[float, ...] = (0.1, 0.2)
+    """EMA factors tried for the ema weightings."""
+    method_n: int = 8
+    """N at which the weightings are compared."""
+    points: int = 6
+    """Extra points of the stable phase where latest vs SMA(method_n) is evaluated (paper E1)."""
+    eval_batches: int = 32
+    """Held-out batches every model of the grid is scored on."""
+
+    def __post_init__(self) -> None:
+        if not self.forks:
+            raise PmakitError("experiment.forks needs at least one fork point")
+        if not 0 < self.anneal_fraction <= 1:
+            raise PmakitError(f"experiment.anneal_fraction must be in (0, 1], got {self.anneal_fraction}")
+        if min(self.ns, default=0) < 1 or min(self.v_multiples, default=0) < 1:
+            raise PmakitError("experiment.ns and experiment.v_multiples must be positive integers")
+        for m in self.methods:
+            get_weights(m, 2)  # an unknown name fails here, listing the known ones
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ExperimentConfig:
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise PmakitError(
+                f"unknown experiment config keys: {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        d = dict(data)
+        if "forks" in d:
+            d["forks"] = tuple(parse_tokens(f) for f in d["forks"])
+        for key in ("ns", "v_multiples", "methods"):
+            if key in d:
+                d[key] = tuple(d[key])
+        if "alphas" in d:
+            d["alphas"] = tuple(float(a) for a in d["alphas"])
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class Fork:
+    fork_tokens: int
+    anneal_tokens: int
+
+    @property
+    def eval_tokens(self) -> int:
+        return self.fork_tokens + self.anneal_tokens
+
+
+@dataclass
+class Study:
+    """A resolved experiment: configs with fork points aligned to the snapshot grid."""
+
+    train: TrainConfig
+    exp: ExperimentConfig
+    forks: list[Fork]
+    preset: str
+    raw: dict[str, Any] = field(default_factory=dict)
+
+
+def resolve(data: Mapping[str, Any]) -> Study:
+    """Validate a loaded config and align forks and anneal lengths to whole snapshot intervals."""
+    exp = ExperimentConfig.from_dict(data.get("experiment", {}) or {})
+    train = TrainConfig.from_dict(data.get("train", {}) or {})
+    v = train.every_tokens
+    forks = []
+    for f in sorted(set(exp.forks)):
+        fork = max(v, round(f / v) * v)
+        anneal = max(v, round(exp.anneal_fraction * fork / v) * v)
+        if fork <= train.warmup_tokens:
+            raise PmakitError(
+                f"fork point {format_tokens(f)} is inside the warmup ({format_tokens(train.warmup_tokens)})"
+            )
+        forks.append(Fork(fork, anneal))
+    total = max(f.eval_tokens for f in forks)
+    # The constant-LR run goes exactly to the last fork's end; fork states are kept for the anneal branches.
+    train = replace(
+        train, total_tokens=total, decay_tokens=0, keep_checkpoints_at=tuple(f.fork_tokens for f in forks)
+    )
+    return Study(train, exp, forks, str(data.get("preset", "")), dict(data))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Running
+
+
+def run_experiment(
+    data: Mapping[str, Any], run_dir: str | Path, *, fresh: bool = False, progress: bool = True
+) -> Path:
+    """Run (or resume) the study into ``run_dir``; returns the report's path."""
+    from pmakit.train.data import prepare_corpus, val_batches
+    from pmakit.train.loop import _cache_dir
+
+    study = resolve(data)
+    run_dir = Path(run_dir)
+    if fresh and run_dir.exists():
+        _remove_run(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _check_same_config(run_dir, study)
+    seconds: dict[str, float] = {}
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    t = time.perf_counter()
+    cfg = study.train
+    corpus = prepare_corpus(
+        cfg.corpus,
+        _cache_dir(),
+        vocab_size=cfg.vocab_size,
+        val_fraction=cfg.val_fraction,
+        max_bytes=cfg.max_corpus_bytes,
+        seed=cfg.seed,
+    )
+    seconds["corpus"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    main = Trainer(cfg, run_dir / "main", corpus=corpus, progress=progress)
+    _log_phase(
+        f"constant-LR run to {format_tokens(cfg.total_tokens)} tokens "
+        f"({main.describe()['parameters'] / 1e6:.2f}M parameters)",
+        main.tokens,
+        cfg.total_tokens,
+    )
+    main.fit()
+    main.saver.wait()
+    seconds["train"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    for fork in study.forks:
+        _anneal(study, fork, run_dir, corpus, progress)
+    seconds["anneal"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    batches = val_batches(
+        corpus.val, batch_size=cfg.batch_size, seq_len=cfg.model.seq_len, max_batches=study.exp.eval_batches
+    )
+    grid = _Grid(study, run_dir, main, batches, corpus.bytes_per_token)
+    grid.run(progress)
+    seconds["merge_eval"] = time.perf_counter() - t
+    main.close()
+
+    _write_curves(run_dir, study)
+    headline = grid.write_headline_merge()
+    seconds["total"] = sum(seconds.values())
+    _write_experiment_json(run_dir, study, main, corpus, seconds, started, headline)
+    from pmakit.report import write_report
+
+    paths = write_report(run_dir)
+    return Path(getattr(paths, "html", run_dir / "report.html"))
+
+
+def _log_phase(what: str, done: int, total: int) -> None:
+    if done >= total:
+        log.info("%s: already done", what)
+    else:
+        log.info("%s", what)
+
+
+def _anneal(study: Study, fork: Fork, run_dir: Path, corpus: Any, progress: bool) -> None:
+    cfg = study.train
+    branch = run_dir / f"anneal-{fork.fork_tokens}"
+    schedule = WSD(
+        peak_lr=cfg.lr,
+        warmup=cfg.warmup_tokens,
+        decay_start=fork.fork_tokens,
+        decay_end=fork.eval_tokens,
+        shape=study.exp.anneal_shape,
+    )
+    resume_from = (
+        None
+        if (branch / "checkpoint").exists()
+        else run_dir / "main" / "checkpoints" / f"tokens-{fork.fork_tokens}"
+    )
+    branch_cfg = replace(cfg, keep_checkpoints_at=(), total_tokens=fork.eval_tokens)
+    trainer = Trainer(
+        branch_cfg, branch, corpus=corpus, schedule=schedule, resume_from=resume_from, progress=progress
+    )
+    _log_phase(
+        f"anneal branch from {format_tokens(fork.fork_tokens)} over {format_tokens(fork.anneal_tokens)} "
+        "tokens",
+        trainer.tokens,
+        fork.eval_tokens,
+    )
+    try:
+        trainer.fit(until_tokens=fork.eval_tokens)
+    finally:
+        trainer.close()
+
+
+class _Grid:
+    """Evaluates latest, annealed and merged models at each fork's end, appending rows as they finish."""
+
+    def __init__(
+        self,
+        study: Study,
+        run_dir: Path,
+        trainer: Trainer,
+        batches: Sequence[Any],
+        bytes_per_token: float | None,
+    ) -> None:
+        self.study = study
+        self.run_dir = run_dir
+        self.trainer = trainer
+        self.batches = batches
+        self.bytes_per_token = bytes_per_token
+        self.snapshots = {s.tokens: s for s in discover(run_dir / "main" / "snapshots")}
+        self._states: dict[int, dict[str, torch.Tensor]] = {}
+        self.rows = _read_rows(run_dir / "results.jsonl")
+        self._done = {_key(r) for r in self.rows}
+        self._latest: dict[int, EvalResult] = {}
+
+    # -- what to evaluate
+
+    def plan(self) -> list[dict[str, Any]]:
+        exp, v0 = self.study.exp, self.study.train.every_tokens
+        items: list[dict[str, Any]] = []
+        for fork in self.study.forks:
+            e = fork.eval_tokens
+            base = {"fork_tokens": fork.fork_tokens, "tokens": e}
+            items.append({**base, "model": "latest"})
+            items.append({**base, "model": "annealed"})
+            for n in exp.ns:
+                for vm in exp.v_multiples:
+                    items.append({**base, "model": "merged", "method": "sma", "n": n, "v_tokens": vm * v0})
+            for method in exp.methods:
+                for alpha in exp.alphas if method in EMA_METHODS else (None,):
+                    item = {
+                        **base,
+                        "model": "merged",
+                        "method": method,
+                        "n": exp.method_n,
+                        "v_tokens": v0,
+                        "alpha": alpha,
+                    }
+                    if method != "sma":
+                        items.append(item)
+        # E1: latest vs SMA along the stable phase (fork_tokens empty)
+        end = self.study.train.total_tokens
+        first = self.study.train.warmup_tokens + exp.method_n * v0
+        for k in range(1, exp.points + 1):
+            e = round((first + (end - first) * k / (exp.points + 1)) / v0) * v0
+            items.append({"fork_tokens": None, "tokens": e, "model": "latest"})
+            items.append(
+                {
+                    "fork_tokens": None,
+                    "tokens": e,
+                    "model": "merged",
+                    "method": "sma",
+                    "n": exp.method_n,
+                    "v_tokens": v0,
+                }
+            )
+        # the latest row at each point first: merges are compared with it
+        return [i for i in items if i["model"] == "latest"] + [i for i in items if i["model"] != "latest"]
+
+    def run(self, progress: bool) -> None:
+        todo = [i for i in self.plan() if _key(i) not in self._done]
+        if not todo:
+            log.info("evaluations: already done")
+            return
+        log.info("evaluating %d models on %d held-out batches", len(todo), len(self.batches))
+        with _bar(len(todo), progress, "evaluating") as advance:
+            for item in todo:
+                row = self._evaluate(item)
+                if row is not None:
+                    self._append(row)
+                advance()
+
+    # -- evaluation
+
+    def _evaluate(self, item: dict[str, Any]) -> dict[str, Any] | None:
+        tokens = item["tokens"]
+        if item["model"] == "latest":
+            snap = self._snapshot_at(tokens)
+            result = self._score(self._state(snap))
+            self._latest[tokens] = result
+            row = {**item, "label": f"latest snapshot ({format_tokens(tokens)})"}
+        elif item["model"] == "annealed":
+            branch = self.run_dir / f"anneal-{item['fork_tokens']}" / "checkpoint"
+            result = self._score(_load_state(branch))
+            row = {**item, "label": f"anneal from {format_tokens(item['fork_tokens'])}"}
+        else:
+            chosen = self._window(tokens, item["n"], item["v_tokens"])
+            if chosen is None:
+                return None  # the window reaches back before the first snapshot: not evaluated
+            weights = get_weights(item["method"], len(chosen), alpha=item.get("alpha") or 0.2)
+            result = self._score(self._average(chosen, weights))
+            row = {**item, "window_start_tokens": chosen[0].tokens, "label": _label(item, self.study.train)}
+        latest = self._latest_result(tokens)
+        delta, se = paired_difference(result, latest) if item["model"] != "latest" else (0.0, 0.0)
+        return {
+            **{c: None for c in RESULT_COLUMNS},
+            **row,
+            "val_loss": result.loss,
+            "val_loss_se": result.loss_se,
+            "bpb": result.bpb,
+            "delta_vs_latest": delta,
+            "delta_se": se,
+            "batch_losses": result.batch_losses,
+        }
+
+    def _score(self, state: Mapping[str, torch.Tensor]) -> EvalResult:
+        from pmakit.train.loop import swapped
+
+        with swapped(self.trainer.model, state):
+            return evaluate(self.trainer.model, self.batches, bytes_per_token=self.bytes_per_token)
+
+    def _latest_result(self, tokens: int) -> EvalResult:
+        if tokens not in self._latest:
+            row = next((r for r in self.rows if r["model"] == "latest" and r["tokens"] == tokens), None)
+            if row is None:
+                raise PmakitError(f"internal: no latest evaluation at {tokens} tokens")
+            self._latest[tokens] = EvalResult(
+                row["val_loss"], row["val_loss_se"], row["bpb"], row["batch_losses"]
+            )
+        return self._latest[tokens]
+
+    def _snapshot_at(self, tokens: int) -> Snapshot:
+        if tokens not in self.snapshots:
+            raise PmakitError(f"no snapshot at {tokens} tokens in {self.run_dir / 'main' / 'snapshots'}")
+        return self.snapshots[tokens]
+
+    def _window(self, end: int, n: int, v: int) -> list[Snapshot] | None:
+        targets = [end - k * v for k in range(n)][::-1]
+        if any(t not in self.snapshots for t in targets):
+            return None
+        return [self.snapshots[t] for t in targets]
+
+    def _state(self, snap: Snapshot) -> dict[str, torch.Tensor]:
+        if snap.tokens not in self._states:
+            self._states[snap.tokens] = _load_state(snap.path)
+        return self._states[snap.tokens]
+
+    def _average(self, chosen: Sequence[Snapshot], weights: Sequence[float]) -> dict[str, torch.Tensor]:
+        """fp32 weighted sum, the same arithmetic as ``pmakit merge`` (checked against it in the tests)."""
+        states = [self._state(s) for s in chosen]
+        out = {}
+        for name, ref in states[-1].items():
+            if ref.is_floating_point():
+                acc = torch.zeros_like(ref, dtype=torch.float32)
+                for st, w in zip(states, weights):
+                    acc.add_(st[name].float(), alpha=w)
+                out[name] = acc
+            else:
+                out[name] = ref
+        return out
+
+    def _append(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        self._done.add(_key(row))
+        with open(self.run_dir / "results.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        _write_results_csv(self.run_dir, self.rows)
+
+    # -- the headline merge, written by the real engine
+
+    def write_headline_merge(self) -> dict[str, Any] | None:
+        """The best SMA at the last fork, merged by ``pmakit merge`` into RUN/merged (loads with from_pretrained)."""
+        from pmakit.merge import merge
+
+        last = self.study.forks[-1]
+        rows = [
+            r
+            for r in self.rows
+            if r["model"] == "merged" and r["fork_tokens"] == last.fork_tokens and r["method"] == "sma"
+        ]
+        if not rows:
+            return None
+        best = min(rows, key=lambda r: r["val_loss"])
+        chosen = self._window(best["tokens"], best["n"], best["v_tokens"])
+        assert chosen is not None
+        out = self.run_dir / "merged"
+        merge(
+            chosen,
+            get_weights("sma", len(chosen)),
+            out,
+            force=True,
+            manifest_extra={
+                "method": "sma",
+                "selection": {"last": best["n"], "every": best["v_tokens"], "until": best["tokens"]},
+                "experiment_row": best["label"],
+            },
+        )
+        return {"path": str(out), "label": best["label"], "val_loss": best["val_loss"]}
+
+
+def _key(row: Mapping[str, Any]) -> tuple[Any, ...]:
+    return tuple(row.get(k) for k in ("fork_tokens", "model", "method", "n", "v_tokens", "alpha", "tokens"))
+
+
+def _label(item: Mapping[str, Any], cfg: TrainConfig) -> str:
+    method = item["method"].upper() if item["method"] in ("sma", "wma", "ema") else item["method"]
+    alpha = f"({item['alpha']:g})" if item.get("alpha") is not None else ""
+    vm = item["v_tokens"] // cfg.every_tokens
+    return f"{method}{alpha} N={item['n']} V={vm}x ({format_tokens(item['v_tokens'])})"
+
+
+def _load_state(directory: Path) -> dict[str, torch.Tensor]:
+    from pmakit.formats import open_reader
+
+    with open_reader(directory) as reader:
+        return {k: reader.read(k, 0, i.numel).clone().reshape(i.shape) for k, i in reader.tensors.items()}
+
+
+def _read_rows(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:  # a torn last line from an interrupted run: that model is evaluated again
+            continue
+    return rows
+
+
+def _write_results_csv(run_dir: Path, rows: Sequence[Mapping[str, Any]]) -> None:
+    tmp = run_dir / ".results.csv.tmp"
+    with open(tmp, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(RESULT_COLUMNS)
+        for r in rows:
+            w.writerow(["" if r.get(c) is None else r[c] for c in RESULT_COLUMNS])
+    tmp.replace(run_dir / "results.csv")
+
+
+def _write_curves(run_dir: Path, study: Study) -> None:
+    """Loss-vs-tokens of the constant-LR run, its online merge, and each anneal branch (from metrics.jsonl)."""
+    from pmakit.metrics import read_metrics
+
+    rows: list[tuple[str, int, float, float]] = []
+    for r in read_metrics(run_dir / "main"):
+        if r.get("kind") == "eval":
+            rows.append((r["model"], r["tokens"], r["val_loss"], r["val_loss_se"]))
+    for fork in study.forks:
+        series = f"anneal@{fork.fork_tokens}"
+        for r in read_metrics(run_dir / f"anneal-{fork.fork_tokens}"):
+            if r.get("kind") == "eval" and r.get("model") == "latest":
+                rows.append((series, r["tokens"], r["val_loss"], r["val_loss_se"]))
+    seen = set()
+    with open(run_dir / "curves.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["series", "tokens", "val_loss", "val_loss_se"])
+        for row in rows:
+            if row[:2] not in seen:  # a resumed run may have evaluated a point twice
+                seen.add(row[:2])
+                w.writerow(row)
+
+
+def _write_experiment_json(
+    run_dir: Path,
+    study: Study,
+    trainer: Trainer,
+    corpus: Any,
+    seconds: dict[str, float],
+    started: str,
+    headline: dict[str, Any] | None,
+) -> None:
+    previous = {}
+    path = run_dir / "experiment.json"
+    if path.exists():
+        previous = json.loads(path.read_text())
+    record = {
+        "preset": study.preset,
+        "config": {"train": _jsonable(study.train.to_dict()), "experiment": _jsonable(asdict(study.exp))},
+        "started": previous.get("started", started),
+        "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "seconds": {k: round(v, 1) for k, v in seconds.items()},
+        "model": trainer.describe(),
+        "corpus": _jsonable(corpus.files),
+        "forks": [{**asdict(f), "eval_tokens": f.eval_tokens} for f in study.forks],
+        "base_every_tokens": study.train.every_tokens,
+        "tokens_per_step": study.train.tokens_per_step,
+        "headline_merge": headline,
+        "pmakit_version": pmakit.__version__,
+        "torch_version": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+    path.write_text(json.dumps(record, indent=2) + "\n")
+
+
+def _jsonable(x: Any) -> Any:
+    return json.loads(json.dumps(x, default=str))
+
+
+def _check_same_config(run_dir: Path, study: Study) -> None:
+    """Resuming with another config would mix two studies in one results file: refuse it."""
+    stamp = run_dir / "config.json"
+    current = {"train": _jsonable(study.train.to_dict()), "experiment": _jsonable(asdict(study.exp))}
+    if stamp.exists():
+        saved = json.loads(stamp.read_text())
+        if saved != current:
+            changed = sorted(
+                f"{section}.{k}"
+                for section in current
+                for k in current[section]
+                if saved.get(section, {}).get(k) != current[section][k]
+            )
+            raise PmakitError(
+                f"{run_dir} holds a study with another config (changed: {', '.join(changed)}); "
+                "pass --fresh to start over or use another -o"
+            )
+    else:
+        stamp.write_text(json.dumps(current, indent=2) + "\n")
+
+
+def _remove_run(run_dir: Path) -> None:
+    """--fresh: remove what an earlier study wrote (only that), so nothing unrelated is deleted."""
+    if not (run_dir / "config.json").exists() and any(run_dir.iterdir()):
+        raise PmakitError(f"{run_dir} is not empty and not a pmakit experiment; refusing to clear it")
+    shutil.rmtree(run_dir)
+
+
+class _bar:  # noqa: N801 - used as a context manager like a function
+    """A progress bar over the models evaluated (rich, on a terminal only)."""
+
+    def __init__(self, total: int, enabled: bool, label: str) -> None:
+        import sys
+
+        self._p: Any = None
+        if enabled and sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._p = Progress(
+                TextColumn(label),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+                transient=True,
+            )
+            self._task = self._p.add_task(label, total=total)
+
+    def __enter__(self) -> Any:
+        if self._p is not None:
+            self._p.start()
+            return lambda: self._p.advance(self._task)
+        return lambda: None
+
+    def __exit__(self, *exc: object) -> None:
+        if self._p is not None:
+            self._p.stop()
+
+
+def iter_rows(run_dir: Path) -> Iterator[dict[str, Any]]:
+    """The results of a finished or partial study."""
+    yield from _read_rows(Path(run_dir) / "results.jsonl")
+
+
+def nan_to_none(x: float | None) -> float | None:
+    return None if x is None or math.isnan(x) else x
