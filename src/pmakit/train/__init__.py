@@ -1,0 +1,10 @@
+"""Our own small trainer for PMA studies on a CPU: data, model, loop.
+
+- ``pmakit.train.data``: a text corpus (the Python standard library by default) -> a locally trained byte-level
+  BPE tokenizer + train/val token arrays (split by file, cached); deterministic batches.
+- ``pmakit.train.model``: a small ``LlamaForCausalLM`` built from a config (no downloads).
+- ``pmakit.train.loop``: the training loop with the WSD schedule, the snapshot saver and the online averager.
+
+Nothing is imported here, so that ``import pmakit.train.data`` stays light and entry points can set up the
+environment before torch is imported.
+"""
