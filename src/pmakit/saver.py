@@ -354,7 +354,12 @@ class SnapshotSaver:
         self.close()
 
     def state_dict(self) -> dict[str, Any]:
-        """What a resumed run needs to save at the same token counts (plain JSON-able values)."""
+        """What a resumed run needs to save at the same token counts (plain JSON-able values).
+
+        Waits for the write in flight first, so that a checkpoint taken now never records a save whose snapshot
+        (and ``on_save`` callbacks, e.g. the averager's update) might not have happened.
+        """
+        self.wait()
         last = self.last_saved
         return {
             "every_tokens": self.every_tokens,
