@@ -1,0 +1,205 @@
+"""The experiment report: reads RUN/experiment.json, results.csv, curves.csv; writes plots, report.md, report.html.
+
+    from pmakit.report import write_report, summary_text
+    paths = write_report(run_dir)      # RUN/plots/*.png, RUN/report.md, RUN/report.html
+    print(summary_text(run_dir))       # one terminal screen
+
+Parts: load.py (files -> rows), analysis.py (rows -> numbers), plots.py (figures), document.py (content and
+captions), markdown.py / html.py (two renderings of the same content), fmt.py (number formats).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pmakit.errors import PmakitError
+from pmakit.report import document, fmt
+from pmakit.report.analysis import (
+    ForkSummary,
+    base_interval,
+    n_for_v_sweep,
+    stable_points,
+    summarize_forks,
+    v_for_n_sweep,
+    v_for_weightings,
+    verdict,
+)
+from pmakit.report.load import RunData, load_run
+
+__all__ = ["ReportPaths", "summary_text", "write_report"]
+
+log = logging.getLogger(__name__)
+
+PLOT_FILES = {
+    "curves": "loss_vs_tokens.png",
+    "fork_gains": "fork_gains.png",
+    "heatmap": "sma_n_by_v.png",
+    "weightings": "weightings.png",
+    "sweeps": "n_v_sweeps.png",
+}
+
+
+@dataclass(frozen=True)
+class ReportPaths:
+    """Where the report was written."""
+
+    markdown: Path
+    """RUN/report.md"""
+    html: Path
+    """RUN/report.html (self-contained)"""
+    plots: list[Path] = field(default_factory=list)
+    """RUN/plots/*.png that were drawn."""
+
+
+def _check_dir(run_dir: Path) -> None:
+    if not run_dir.is_dir():
+        raise PmakitError(
+            f"run directory {run_dir} does not exist (run `pmakit experiment -o {run_dir}` first)"
+        )
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def draw_figures(data: RunData, forks: list[ForkSummary], base: int | None) -> document.Figures:
+    """Draw every plot the data allows; a failing plot becomes a note, never a failed report."""
+    figs = document.Figures()
+    out = data.run_dir / "plots"
+    try:
+        from pmakit.report import plots
+    except ImportError as e:
+        figs.failures.append(f"matplotlib is not available ({e}); install `pmakit[report]` for the plots.")
+        return figs
+    figs.weightings_v = v_for_weightings(forks)
+    figs.sweep_v, figs.sweep_n = v_for_n_sweep(forks), n_for_v_sweep(forks)
+    jobs = {
+        "curves": lambda p: plots.plot_curves(data.curves, forks, p),
+        "fork_gains": lambda p: plots.plot_fork_gains(forks, base, p),
+        "heatmap": lambda p: plots.plot_heatmaps(forks, base, p),
+        "weightings": lambda p: plots.plot_weightings(forks, figs.weightings_v, base, p),
+        "sweeps": lambda p: plots.plot_sweeps(
+            forks, v_fixed=figs.sweep_v, n_fixed=figs.sweep_n, base=base, path=p
+        ),
+    }
+    for name, job in jobs.items():
+        path = out / PLOT_FILES[name]
+        try:
+            drawn = job(path)
+        except Exception as e:  # a plot must not take the tables down with it
+            log.warning("report: the %s plot failed: %s", name, e, exc_info=True)
+            figs.failures.append(f"The {name} plot could not be drawn ({e.__class__.__name__}: {e}).")
+            drawn = None
+        if drawn is None:
+            path.unlink(missing_ok=True)  # no stale plot from an earlier run
+        else:
+            setattr(figs, name, drawn.relative_to(data.run_dir))
+    return figs
+
+
+def write_report(run_dir: str | Path) -> ReportPaths:
+    """Write RUN/plots/*.png, RUN/report.md and RUN/report.html from the run's experiment outputs.
+
+    Missing or partial inputs (no anneal rows, one fork, no curves) give a shorter report with notes, not an
+    error; only a missing run directory is an error.
+    """
+    run_dir = Path(run_dir)
+    _check_dir(run_dir)
+    data = load_run(run_dir)
+    forks = summarize_forks(data)
+    base = base_interval(data)
+    figs = draw_figures(data, forks, base)
+    blocks = document.build(data, forks, stable_points(data), figs, base)
+
+    from pmakit.report import html, markdown
+
+    md_path, html_path = run_dir / "report.md", run_dir / "report.html"
+    _write_text(md_path, markdown.render(blocks))
+    _write_text(html_path, html.render(blocks, run_dir))
+    drawn = [
+        run_dir / p for p in (figs.curves, figs.fork_gains, figs.heatmap, figs.weightings, figs.sweeps) if p
+    ]
+    return ReportPaths(markdown=md_path, html=html_path, plots=drawn)
+
+
+def _row_line(name: str, loss: str, delta: str, z: str) -> str:
+    return f"  {name[:38]:<38} {loss:>17}  {delta:>17}  {z:>6}"
+
+
+def summary_text(run_dir: str | Path) -> str:
+    """The headline numbers and the report's paths, in one terminal screen (about 25 lines at most)."""
+    run_dir = Path(run_dir)
+    _check_dir(run_dir)
+    data = load_run(run_dir)
+    base = base_interval(data)
+    forks = summarize_forks(data)
+    exp = data.experiment
+    total = exp.get("seconds", {}).get("total") if isinstance(exp.get("seconds"), dict) else None
+    head = f"PMA experiment: {run_dir}"
+    extras = [f"preset {exp['preset']}" if isinstance(exp.get("preset"), str) else ""]
+    extras.append(f"total {fmt.seconds(total)}" if isinstance(total, int | float) else "")
+    lines = [head + (f" ({', '.join(e for e in extras if e)})" if any(extras) else "")]
+    if forks:
+        f = forks[-1]
+        lines.append(
+            f"Final fork F{len(forks)}: forked at {fmt.tokens(f.fork_tokens)}, anneal {fmt.tokens(f.anneal_tokens)}, "
+            f"evaluated at {fmt.tokens(f.eval_tokens)} tokens"
+        )
+        lines.append(_row_line("model", "val loss ± s.e.", "Δ vs latest ± s.e.", "Δ/s.e."))
+        shown = [
+            ("latest snapshot", f.latest),
+            ("best merge: " + document.describe(f.best_merge, base), f.best_merge),
+        ]
+        if f.best_sma is not None and f.best_sma is not f.best_merge:
+            shown.append(("best SMA: " + document.describe(f.best_sma, base), f.best_sma))
+        shown.append(("annealed branch", f.annealed))
+        for name, row in shown:
+            if row is None:
+                lines.append(_row_line(name, "not in results", "", ""))
+                continue
+            g = None if row is f.latest else f.gain(row)
+            lines.append(
+                _row_line(
+                    name,
+                    fmt.loss_se(row.val_loss, row.val_loss_se),
+                    document.delta_text(g),
+                    document.z_text(g),
+                )
+            )
+        g_best = f.gain(f.best_merge)
+        if g_best is not None:
+            lines.append("  " + verdict(g_best.z, "The best merge") + ".")
+        rec = f.recovered(f.best_merge)
+        if rec is not None:
+            lines.append(
+                f"  It recovers {document.recovered_text(rec)} of the anneal's gain over the latest snapshot."
+            )
+        elif f.annealed is None:
+            lines.append("  No annealed branch in the results: nothing to compare the merge with.")
+        if len(forks) > 1:
+            lines.append("Each fork: best merge Δ ± s.e. (Δ/s.e.), share of the anneal's gain recovered")
+            for i, fk in enumerate(forks[-6:], start=len(forks) - min(6, len(forks)) + 1):
+                g = fk.gain(fk.best_merge)
+                lines.append(
+                    f"  F{i} at {fmt.tokens(fk.fork_tokens):>7}: {document.delta_text(g)} ({document.z_text(g)}), "
+                    f"recovered {document.recovered_text(fk.recovered(fk.best_merge))}"
+                )
+    elif data.rows:
+        lines.append("No fork comparison in results.csv.")
+    for note in data.notes[:3]:
+        lines.append(f"Note: {note}")
+    md, page = run_dir / "report.md", run_dir / "report.html"
+    if page.is_file():
+        lines.append(f"Report: {page}")
+        lines.append(f"        {md}")
+    else:
+        lines.append(f"Report: not written yet ({page})")
+    pngs = sorted((run_dir / "plots").glob("*.png")) if (run_dir / "plots").is_dir() else []
+    if pngs:
+        lines.append(f"Plots:  {run_dir / 'plots'} ({', '.join(p.name for p in pngs)})")
+    return "\n".join(lines)

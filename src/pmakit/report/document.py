@@ -1,0 +1,601 @@
+"""The report's content as a list of neutral blocks (headings, paragraphs, tables, figures).
+
+Markdown and HTML are two renderings of the same blocks (markdown.py, html.py), so both say exactly the same
+thing. Every number comes from the run's files through analysis.py; every sentence that judges an outcome is
+chosen by a computed z-score, never written in advance.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pmakit.report import fmt
+from pmakit.report.analysis import (
+    NOISE_Z,
+    ForkSummary,
+    Gain,
+    Ratio,
+    StablePoint,
+    difference,
+    gain_over_latest,
+    judge,
+    sweep,
+    verdict,
+    weighting_key,
+    weighting_label,
+    weighting_sort_key,
+)
+from pmakit.report.load import Row, RunData
+
+
+@dataclass(frozen=True)
+class Heading:
+    """A section title."""
+
+    text: str
+    """The title."""
+    level: int = 2
+    """1 for the document title, 2 for sections, 3 for subsections."""
+
+
+@dataclass(frozen=True)
+class Paragraph:
+    """Plain text; `code` and **bold** are the only inline markup."""
+
+    text: str
+    """The text."""
+    note: bool = False
+    """Shown as a warning box (missing data and the like)."""
+
+
+@dataclass(frozen=True)
+class Bullets:
+    """A bulleted list."""
+
+    items: list[str]
+    """One string per bullet."""
+
+
+@dataclass(frozen=True)
+class Table:
+    """A table of already formatted cells."""
+
+    header: list[str]
+    """Column titles."""
+    rows: list[list[str]]
+    """Cells, row by row."""
+    align: str = ""
+    """One character per column, 'l' or 'r' (default: first column left, the rest right)."""
+
+
+@dataclass(frozen=True)
+class FigureBlock:
+    """A plot with a title and a caption."""
+
+    path: Path
+    """The PNG, relative to the run directory."""
+    title: str
+    """Short title."""
+    caption: list[str] = field(default_factory=list)
+    """Caption paragraphs: what the figure shows, what the paper found, what this run shows."""
+
+
+Block = Heading | Paragraph | Bullets | Table | FigureBlock
+
+
+@dataclass
+class Figures:
+    """Relative paths of the plots that were drawn (None = not drawn) and the settings they used."""
+
+    curves: Path | None = None
+    """Loss vs tokens."""
+    fork_gains: Path | None = None
+    """Best merges and anneal vs latest at each fork."""
+    heatmap: Path | None = None
+    """SMA N x V per fork."""
+    weightings: Path | None = None
+    """Weightings side by side."""
+    sweeps: Path | None = None
+    """N and V sweeps."""
+    weightings_v: int | None = None
+    """The interval V of the weightings plot."""
+    sweep_v: int | None = None
+    """The V held fixed in the N sweep."""
+    sweep_n: int | None = None
+    """The N held fixed in the V sweep."""
+    failures: list[str] = field(default_factory=list)
+    """Plots that could not be drawn, for the notes."""
+
+
+def describe(row: Row | None, base: int | None) -> str:
+    """The model's label for tables and sentences."""
+    if row is None:
+        return fmt.MISSING
+    return fmt.merge_label(row.label, row.method, row.n, row.v_tokens, base)
+
+
+def delta_text(g: Gain | None) -> str:
+    """Δ vs latest ± paired s.e."""
+    return fmt.signed_se(None if g is None else -g.value, None if g is None else g.se)
+
+
+def z_text(g: Gain | None) -> str:
+    """Δ / paired s.e."""
+    return fmt.z(None if g is None or g.z is None else -g.z)
+
+
+def with_z(g: Gain | None) -> str:
+    """-0.0123 ± 0.0010 (-12.3)"""
+    return delta_text(g) + (f" ({z_text(g)})" if g is not None and g.z is not None else "")
+
+
+def gap_text(r: Ratio | None) -> str:
+    """merge − anneal ± ≤ upper bound of its s.e."""
+    return fmt.signed_se(None if r is None else r.value, None if r is None else r.se_bound, bound=True)
+
+
+def recovered_text(r: Ratio | None) -> str:
+    """88% (s.e. ≤ 3%)"""
+    return fmt.percent(None if r is None else r.value, None if r is None else r.se_bound)
+
+
+# --- headline --------------------------------------------------------------------------------------------
+
+
+def headline(fork: ForkSummary, index: int, base: int | None) -> list[Block]:
+    """Latest vs best merge vs annealed at the final fork, with sentences computed from the z-scores."""
+    blocks: list[Block] = [
+        Heading(f"Headline: final fork F{index}"),
+        Paragraph(
+            f"The constant-LR run was forked at {fmt.tokens(fork.fork_tokens)} tokens: one branch kept the LR, "
+            f"one annealed it for {fmt.tokens(fork.anneal_tokens)} tokens. Every model below is evaluated at "
+            f"{fmt.tokens(fork.eval_tokens)} tokens on the same held-out batches; Δ = model − latest snapshot "
+            "(negative = better), with the paired standard error of that difference."
+        ),
+    ]
+    candidates: list[tuple[str, Row | None]] = [("latest snapshot", fork.latest)]
+    best, best_sma = fork.best_merge, fork.best_sma
+    if best is not None:
+        candidates.append((f"best merge: {describe(best, base)}", best))
+    if best_sma is not None and best_sma is not best:
+        candidates.append((f"best SMA: {describe(best_sma, base)}", best_sma))
+    candidates.append(("annealed branch", fork.annealed))
+    rows = []
+    for name, row in candidates:
+        if row is None:
+            rows.append([name, "not in results", "", "", "", ""])
+            continue
+        g = None if row is fork.latest else fork.gain(row)
+        rows.append(
+            [
+                name,
+                fmt.tokens(row.tokens),
+                fmt.loss_se(row.val_loss, row.val_loss_se),
+                fmt.loss(row.bpb),
+                delta_text(g),
+                z_text(g),
+            ]
+        )
+    blocks.append(
+        Table(
+            ["model", "tokens", "val loss ± s.e.", "bits/byte", "Δ vs latest ± paired s.e.", "Δ / s.e."], rows
+        )
+    )
+    blocks.append(Bullets(headline_sentences(fork, base)))
+    return blocks
+
+
+def headline_sentences(fork: ForkSummary, base: int | None) -> list[str]:
+    """The computed verdicts under the headline table."""
+    out: list[str] = []
+    best, anneal = fork.best_merge, fork.annealed
+    g_best, g_anneal = fork.gain(best), fork.gain(anneal)
+    if fork.latest is None:
+        out.append("The latest snapshot at this fork is not in results.csv, so no gain can be shown.")
+    if best is not None and g_best is not None:
+        out.append(
+            f"The best merge ({describe(best, base)}) changes the loss by {delta_text(g_best)} (paired s.e.): "
+            + verdict(g_best.z, "it")
+            + f". It is the lowest of {len(fork.merges)} merges evaluated here; picking the minimum after the "
+            "fact flatters it slightly when many merges are within noise of each other."
+        )
+    elif best is None:
+        out.append("No merged model was evaluated at this fork.")
+    sma = fork.best_sma
+    if sma is not None and sma is not best:
+        g = fork.gain(sma)
+        if g is not None:
+            text = f"The best SMA ({describe(sma, base)}): Δ {delta_text(g)}; " + verdict(g.z, "it")
+            rec = fork.recovered(sma)
+            if rec is not None:
+                text += f"; it recovers {recovered_text(rec)} of the anneal's gain"
+            out.append(text + ".")
+    if anneal is None:
+        out.append(
+            "No annealed branch is in results.csv for this fork, so the merge cannot be compared to it."
+        )
+        return out
+    if g_anneal is not None:
+        out.append(f"The annealed branch: Δ {delta_text(g_anneal)}; " + verdict(g_anneal.z, "it") + ".")
+    out.extend(_anneal_sentences(fork, best, g_anneal))
+    return out
+
+
+def _anneal_sentences(fork: ForkSummary, best: Row | None, g_anneal: Gain | None) -> list[str]:
+    out = []
+    rec = fork.recovered(best)
+    if rec is not None:
+        text = (
+            "Share of the anneal's gain recovered by the best merge, (latest − merged) / (latest − annealed): "
+            f"{recovered_text(rec)}"
+        )
+        if g_anneal is not None and g_anneal.z is not None and g_anneal.z < NOISE_Z:
+            text += "; the anneal's own gain is within noise, so this ratio is not meaningful"
+        out.append(text + ".")
+    elif best is not None and g_anneal is not None:
+        out.append(
+            "The anneal did not lower the loss below the latest snapshot, so the share of its gain a merge "
+            "recovers is undefined."
+        )
+    g = fork.gap_to_anneal(best)
+    if g is not None:
+        out.append(f"Best merge − annealed: {gap_text(g)} ({gap_verdict(g)}).")
+    return out
+
+
+def gap_verdict(g: Ratio) -> str:
+    """Judge merge − anneal, whose paired s.e. is only bounded (see analysis.Ratio)."""
+    return judge(g, "the anneal is better", "the merge is better")
+
+
+# --- per-fork table --------------------------------------------------------------------------------------
+
+
+def fork_table(forks: Sequence[ForkSummary], base: int | None) -> list[Block]:
+    """One row per fork: gain of the best merge over latest and its gap to the anneal."""
+    rows = []
+    for i, f in enumerate(forks, start=1):
+        best = f.best_merge
+        latest = f.latest
+        rows.append(
+            [
+                f"F{i}",
+                fmt.tokens(f.fork_tokens),
+                fmt.tokens(f.anneal_tokens),
+                fmt.tokens(f.eval_tokens),
+                fmt.loss_se(latest.val_loss, latest.val_loss_se) if latest else fmt.MISSING,
+                describe(best, base),
+                with_z(f.gain(best)),
+                with_z(f.gain(f.annealed)),
+                gap_text(f.gap_to_anneal(best)),
+                recovered_text(f.recovered(best)),
+            ]
+        )
+    header = [
+        "fork",
+        "F (tokens)",
+        "anneal D",
+        "eval at",
+        "latest ± s.e.",
+        "best merge",
+        "merge Δ ± s.e. (Δ/s.e.)",
+        "anneal Δ ± s.e. (Δ/s.e.)",
+        "merge − anneal ± ≤s.e.",
+        "recovered",
+    ]
+    blocks: list[Block] = [
+        Heading("At each fork"),
+        Paragraph(
+            "Δ is the model's val loss minus the latest snapshot's at the same tokens, ± its paired s.e. over the "
+            "same validation batches. The merge − anneal difference has no recorded paired s.e.; the upper bound "
+            "shown (the sum of the two paired s.e.) holds for any correlation. 'recovered' = (latest − merged) / "
+            "(latest − annealed), with a first-order upper bound of its s.e."
+        ),
+        Table(header, rows, align="lrrrrlrrrr"),
+    ]
+    sentences = []
+    for i, f in enumerate(forks, start=1):
+        g = f.gain(f.best_merge)
+        if g is not None:
+            sentences.append(f"F{i}: " + verdict(g.z, "the best merge") + ".")
+    if sentences:
+        blocks.append(Bullets(sentences))
+    return blocks
+
+
+def stable_table(points: Sequence[StablePoint], base: int | None) -> list[Block]:
+    """Latest vs the best merge at points of the stable phase outside the forks (paper E1)."""
+    rows = []
+    for p in points:
+        best = p.best_merge
+        g = gain_over_latest(best, p.latest)
+        rows.append(
+            [
+                fmt.tokens(p.tokens),
+                fmt.loss_se(p.latest.val_loss, p.latest.val_loss_se) if p.latest else fmt.MISSING,
+                describe(best, base),
+                fmt.loss_se(best.val_loss, best.val_loss_se) if best else fmt.MISSING,
+                delta_text(g),
+                z_text(g),
+            ]
+        )
+    return [
+        Heading("Along the stable phase (E1)"),
+        Paragraph(
+            "Merges of the snapshots ending at points of the constant-LR phase, against the latest snapshot "
+            "there. The paper finds merged stable-phase snapshots beat the latest one."
+        ),
+        Table(
+            ["tokens", "latest ± s.e.", "best merge", "merged ± s.e.", "Δ ± paired s.e.", "Δ / s.e."],
+            rows,
+            align="rrlrrr",
+        ),
+    ]
+
+
+# --- figures ---------------------------------------------------------------------------------------------
+
+
+def figure_blocks(forks: Sequence[ForkSummary], figs: Figures, base: int | None) -> list[Block]:
+    """Each drawn plot with its caption."""
+    out: list[Block] = []
+    if figs.curves:
+        out.append(
+            FigureBlock(
+                figs.curves,
+                "Validation loss vs tokens",
+                [
+                    "Black: the latest snapshot of the constant-LR run. Blue: the online merge of its recent "
+                    "snapshots, evaluated along the way. Vermillion: each anneal branch, forked at a dotted line "
+                    "(F1, F2, ...) and decayed to LR ≈ 0. Stars: the best merge at each fork's evaluation point. "
+                    "Per-model s.e. bands are left out: the models are compared on the same batches, so the "
+                    "paired s.e. in the tables is the right yardstick.",
+                    "Paper (findings 1, 2): the merge sits below the constant-LR curve and close to the anneal; "
+                    "early in a fork it is clearly better, late the anneal catches up or edges ahead slightly.",
+                ],
+            )
+        )
+    if figs.fork_gains:
+        out.append(
+            FigureBlock(
+                figs.fork_gains,
+                "Gain over the latest snapshot at each fork",
+                [
+                    "Bars: Δ vs the latest snapshot (below zero = better) of the best SMA, of the best merge of "
+                    "any weighting when that is not SMA (hatched), and of the anneal branch; error bars are paired "
+                    "s.e.",
+                    *[s for s in (_fork_gap_sentence(i, f) for i, f in enumerate(forks, start=1)) if s],
+                ],
+            )
+        )
+    if figs.heatmap:
+        out.append(FigureBlock(figs.heatmap, "SMA over N and V", _heatmap_caption(forks, base)))
+    if figs.weightings:
+        out.append(
+            FigureBlock(
+                figs.weightings,
+                "Weightings side by side",
+                _weightings_caption(forks, figs.weightings_v, base),
+            )
+        )
+    if figs.sweeps:
+        out.append(FigureBlock(figs.sweeps, "N sweep and V sweep", _sweeps_caption(forks, figs, base)))
+    return out
+
+
+def _fork_gap_sentence(i: int, f: ForkSummary) -> str:
+    g = f.gap_to_anneal(f.best_merge)
+    if g is None:
+        return ""
+    return f"F{i}: best merge − annealed = {gap_text(g)}, {gap_verdict(g)}."
+
+
+def _heatmap_caption(forks: Sequence[ForkSummary], base: int | None) -> list[str]:
+    lines = [
+        "Each cell: Δ val loss of an SMA merge vs the latest snapshot (blue = better, red = worse) and its z-score "
+        "(Δ / paired s.e.), for N snapshots spaced V apart; one panel per fork.",
+        "Paper (findings 5, 6): early in training a large V or N pulls in stale weights and can be worse than no "
+        "merge; later, larger N helps.",
+    ]
+    for i, f in enumerate(forks, start=1):
+        cells = [(r, f.gain(r)) for r in f.merges if r.method == "sma" and r.n and r.v_tokens]
+        scored = [(r, g) for r, g in cells if g is not None]
+        if len(scored) < 2:
+            continue
+        best = max(scored, key=lambda c: c[1].value)
+        worst = min(scored, key=lambda c: c[1].value)
+        lines.append(
+            f"F{i}: best cell N={best[0].n}, V={fmt.interval(best[0].v_tokens, base)} (Δ {delta_text(best[1])}); "
+            f"worst N={worst[0].n}, V={fmt.interval(worst[0].v_tokens, base)} (Δ {delta_text(worst[1])}), "
+            + verdict(worst[1].z, "which")
+            + "."
+        )
+    return lines
+
+
+def _weightings_caption(forks: Sequence[ForkSummary], v: int | None, base: int | None) -> list[str]:
+    lines = [
+        f"Bars: Δ vs the latest snapshot for each weighting at V = {fmt.interval(v, base)} (the interval with "
+        "the most weightings evaluated), grouped by N; error bars are paired s.e.",
+        "Paper (finding 4): early in training WMA and EMA(0.2), which weight recent snapshots more, are best; "
+        "later the differences between weightings shrink to noise.",
+    ]
+    for i, f in enumerate(forks, start=1):
+        rows = [(r, f.gain(r)) for r in f.merges if r.v_tokens == v and r.method and r.n]
+        scored = [(r, g) for r, g in rows if g is not None]
+        if len({weighting_key(r) for r, _ in scored}) < 2:
+            continue
+        best_r, best_g = max(scored, key=lambda c: c[1].value)
+        same_n = [(r, g) for r, g in scored if r.n == best_r.n and r is not best_r]
+        text = f"F{i}: best is {weighting_label(weighting_key(best_r))} N={best_r.n} (Δ {delta_text(best_g)})"
+        if same_n:
+            runner, g2 = max(same_n, key=lambda c: c[1].value)
+            d = difference(best_g, g2)
+            text += (
+                f"; the next weighting at the same N, {weighting_label(weighting_key(runner))}, is "
+                f"{fmt.loss(d.value)} behind: " + judge(d, "a real difference", "a real difference")
+            )
+        lines.append(text + ".")
+    return lines
+
+
+def _sweeps_caption(forks: Sequence[ForkSummary], figs: Figures, base: int | None) -> list[str]:
+    lines = [
+        f"Left: SMA with N snapshots at V = {fmt.interval(figs.sweep_v, base)}. Right: SMA with N = "
+        f"{figs.sweep_n if figs.sweep_n is not None else fmt.MISSING} at increasing V (the N evaluated at the "
+        "most V). One line per fork, light = early, dark = late; error bars are paired s.e.; the dashed line is "
+        "the latest snapshot.",
+        "Paper (findings 5, 6): too large V early is worse than no merge; large N hurts early and helps late.",
+    ]
+    for i, f in enumerate(forks, start=1):
+        parts = []
+        for name, pts, shown in (
+            ("N", sweep(f, method="sma", v=figs.sweep_v) if figs.sweep_v else [], lambda x: str(x)),
+            (
+                "V",
+                sweep(f, method="sma", n=figs.sweep_n) if figs.sweep_n else [],
+                lambda x: fmt.interval(x, base),
+            ),
+        ):
+            if len(pts) < 2:
+                continue
+            x_best, g_best = max(pts, key=lambda p: p[1].value)
+            x_last, g_last = pts[-1]
+            text = f"best {name} = {shown(x_best)} (Δ {delta_text(g_best)})"
+            if x_last != x_best:
+                text += f", largest {name} = {shown(x_last)}: " + verdict(g_last.z, "it")
+            parts.append(text)
+        if parts:
+            lines.append(f"F{i}: " + "; ".join(parts) + ".")
+    return lines
+
+
+# --- run description -------------------------------------------------------------------------------------
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, float | int) and not isinstance(v, bool):
+        return repr(v)
+    if isinstance(v, str):
+        return v
+    return json.dumps(v, ensure_ascii=False)
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> list[tuple[str, str]]:
+    """{'a': {'b': 1}} -> [('a.b', '1')], keeping the file's order."""
+    out: list[tuple[str, str]] = []
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.extend(flatten(v, key + "."))
+        else:
+            out.append((key, _value(v)))
+    return out
+
+
+def run_blocks(experiment: dict[str, Any]) -> list[Block]:
+    """Model, corpus, timings, fork plan and every configuration knob, from experiment.json as written."""
+    if not experiment:
+        return []
+    blocks: list[Block] = [Heading("The run")]
+    facts: list[tuple[str, str]] = [
+        (k, _value(experiment[k]))
+        for k in ("preset", "pmakit_version", "started", "finished")
+        if k in experiment
+    ]
+    for k in ("tokens_per_step", "base_every_tokens"):
+        if isinstance(experiment.get(k), int | float):
+            facts.append((k, f"{_value(experiment[k])} ({fmt.tokens(experiment[k])})"))
+    if facts:
+        blocks.append(Table(["", "value"], [list(f) for f in facts], align="ll"))
+    for key, title in (("model", "Model"), ("corpus", "Corpus"), ("seconds", "Time (seconds)")):
+        part = experiment.get(key)
+        if isinstance(part, dict) and part:
+            rows = [
+                [
+                    k,
+                    fmt.seconds(float(part[k]))
+                    if key == "seconds" and isinstance(part[k], int | float)
+                    else v,
+                ]
+                for k, v in flatten(part)
+            ]
+            if key == "model" and isinstance(part.get("parameters"), int | float):
+                rows = [
+                    [k, f"{v} ({fmt.tokens(part['parameters'])})" if k == "parameters" else v]
+                    for k, v in rows
+                ]
+            blocks += [Heading(title, 3), Table(["", "value"], rows, align="ll")]
+    forks = experiment.get("forks")
+    if isinstance(forks, list) and forks:
+        rows = [
+            [
+                _value(f.get(k)) if isinstance(f, dict) else ""
+                for k in ("fork_tokens", "anneal_tokens", "eval_tokens")
+            ]
+            for f in forks
+        ]
+        blocks += [
+            Heading("Fork plan", 3),
+            Table(["fork_tokens", "anneal_tokens", "eval_tokens"], rows, "rrr"),
+        ]
+    config = experiment.get("config")
+    if isinstance(config, dict) and config:
+        blocks += [
+            Heading("Configuration", 3),
+            Table(["knob", "value"], [list(kv) for kv in flatten(config)], "ll"),
+        ]
+    return blocks
+
+
+# --- the whole document ----------------------------------------------------------------------------------
+
+
+def build(
+    data: RunData,
+    forks: Sequence[ForkSummary],
+    stable: Sequence[StablePoint],
+    figs: Figures,
+    base: int | None,
+) -> list[Block]:
+    """All blocks of the report, in reading order."""
+    exp = data.experiment
+    blocks: list[Block] = [Heading(f"PMA experiment report: {data.run_dir.name}", 1)]
+    intro = (
+        "Pre-trained Model Averaging: snapshots of a constant-LR run are merged and compared with the latest "
+        "snapshot and with a real anneal of the LR, all evaluated on the same held-out batches."
+    )
+    if isinstance(exp.get("preset"), str):
+        intro += f" Preset: `{exp['preset']}`."
+    blocks.append(Paragraph(intro))
+    for note in [*data.notes, *figs.failures]:
+        blocks.append(Paragraph(note, note=True))
+    if forks:
+        blocks += headline(forks[-1], len(forks), base)
+        blocks += fork_table(forks, base)
+    elif data.rows:
+        blocks.append(Paragraph("No result row has a fork point, so there is no fork comparison.", note=True))
+    if stable:
+        blocks += stable_table(stable, base)
+    figure_list = figure_blocks(forks, figs, base)
+    if figure_list:
+        blocks.append(Heading("Figures"))
+        blocks += figure_list
+    blocks += run_blocks(exp)
+    blocks.append(Heading("Files"))
+    files = [
+        f"`{name}`"
+        for name in ("experiment.json", "results.csv", "curves.csv")
+        if (data.run_dir / name).is_file()
+    ]
+    blocks.append(Paragraph("Inputs: " + (", ".join(files) or "none found") + ". Plots: `plots/`."))
+    return blocks
+
+
+def weighting_keys(forks: Sequence[ForkSummary]) -> list[str]:
+    """Every weighting evaluated, in display order."""
+    return sorted({weighting_key(r) for f in forks for r in f.merges if r.method}, key=weighting_sort_key)

@@ -1,0 +1,447 @@
+"""The report's figures (matplotlib, Agg canvas, no pyplot: nothing global is touched in the caller's process).
+
+Each function draws one PNG from analysed data and returns its path, or None when there is nothing to draw.
+Colours are colour-blind safe (Okabe-Ito) and fixed per series across figures: latest black, merges by weighting
+(SMA blue), anneal vermillion; fork points from light (early) to dark (late).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import TwoSlopeNorm
+from matplotlib.figure import Figure
+from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+from pmakit.report import fmt
+from pmakit.report.analysis import (
+    ForkSummary,
+    Gain,
+    sweep,
+    weighting_key,
+    weighting_label,
+    weighting_sort_key,
+)
+from pmakit.report.load import CurvePoint
+
+LATEST = "#000000"
+ANNEAL = "#D55E00"
+MERGE = "#0072B2"
+WEIGHTING_COLORS = {
+    "sma": MERGE,
+    "wma": "#009E73",
+    "ema@0.1": "#56B4E9",
+    "ema@0.2": "#E69F00",
+    "wsm-1sqrt": "#CC79A7",
+    "wsm-linear": "#999999",
+    "wsm-cosine": "#882255",
+    "ema-normalized@0.1": "#44AA99",
+    "ema-normalized@0.2": "#AA4499",
+}
+_SPARE = ("#332288", "#117733", "#DDCC77", "#661100", "#6699CC", "#888888")
+DPI = 110
+
+
+def weighting_color(key: str) -> str:
+    """A fixed colour per weighting; unknown ones get a spare colour chosen by their name."""
+    if key in WEIGHTING_COLORS:
+        return WEIGHTING_COLORS[key]
+    return _SPARE[sum(map(ord, key)) % len(_SPARE)]
+
+
+def fork_colors(k: int) -> list[tuple[float, float, float, float]]:
+    """k colours from light green (early fork) to dark purple (late fork), viridis being colour-blind safe."""
+    from matplotlib import colormaps
+
+    cmap = colormaps["viridis"]
+    stops = [0.45] if k == 1 else list(np.linspace(0.78, 0.05, k))
+    return [tuple(cmap(s)) for s in stops]
+
+
+def _new(width: float, height: float, ncols: int = 1) -> tuple[Figure, list[Axes]]:
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, ncols, squeeze=False)[0]
+    return fig, list(axes)
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    """Write to a temporary sibling and rename, so a reader never sees half a PNG."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fig.savefig(tmp, dpi=DPI, format="png", facecolor="white")
+    os.replace(tmp, path)
+    return path
+
+
+def _token_axis(ax: Axes, axis: str = "x") -> None:
+    formatter = FuncFormatter(lambda x, _: fmt.tokens(x) if x > 0 else "0")
+    (ax.xaxis if axis == "x" else ax.yaxis).set_major_formatter(formatter)
+
+
+def _zero_line(ax: Axes) -> None:
+    ax.axhline(0, color=LATEST, lw=1.0, ls="--", zorder=1)
+
+
+def _log2_axis(ax: Axes, values: Sequence[int], labels: Sequence[str]) -> None:
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(FixedLocator(list(values)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: dict(zip(values, labels)).get(round(x), "")))
+    ax.xaxis.set_minor_locator(NullLocator())
+    lo, hi = min(values), max(values)
+    ax.set_xlim(lo / 2**0.35, hi * 2**0.35)
+
+
+DELTA_LABEL = "Δ val loss vs latest (nats/token)\n< 0: better than the latest snapshot"
+
+
+# --- (2) loss vs tokens ----------------------------------------------------------------------------------
+
+
+def _series_style(name: str) -> tuple[str, str, float, str]:
+    """(label, colour, line width, line style) of a curves.csv series."""
+    if name == "latest":
+        return "latest snapshot (constant LR)", LATEST, 1.4, "-"
+    if name.startswith("merged"):
+        parts = name.split(":")
+        desc = " ".join(p.upper() if i == 0 else f"N={p}" for i, p in enumerate(parts[1:3]))
+        return f"online merge ({desc})" if desc else "online merge", MERGE, 1.6, "-"
+    if name.startswith("anneal"):
+        return "anneal branches (LR → 0)", ANNEAL, 1.8, "-"
+    return name, "#999999", 1.0, ":"
+
+
+def plot_curves(curves: dict[str, list[CurvePoint]], forks: Sequence[ForkSummary], path: Path) -> Path | None:
+    """Validation loss vs tokens: the constant-LR run, its online merge, each anneal branch; forks marked."""
+    if not curves:
+        return None
+    has_forks = bool(forks)
+    fig, axes = _new(12.5 if has_forks else 8, 4.6, 2 if has_forks else 1)
+    order = sorted(curves, key=lambda s: (not s.startswith("anneal"), s != "latest", s))
+    for ax in axes:
+        seen: set[str] = set()
+        for name in order:
+            pts = curves[name]
+            label, color, lw, ls = _series_style(name)
+            x = [p.tokens for p in pts]
+            y = [p.val_loss for p in pts]
+            marker = "o" if len(pts) <= 2 else None
+            ax.plot(
+                x, y, color=color, lw=lw, ls=ls, marker=marker, ms=3, label=None if label in seen else label
+            )
+            seen.add(label)
+        for i, f in enumerate(forks, start=1):
+            ax.axvline(f.fork_tokens, color="#666666", lw=0.9, ls=":", zorder=0)
+            ax.annotate(
+                f"F{i}",
+                (f.fork_tokens, 0.0),
+                xycoords=("data", "axes fraction"),
+                xytext=(3, 4),
+                textcoords="offset points",
+                fontsize=9,
+                color="#444444",
+            )
+        _token_axis(ax)
+        ax.set_xlabel("training tokens")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("validation loss (nats/token)")
+    axes[0].set_yscale("log")
+    axes[0].yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+    axes[0].yaxis.set_minor_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+    axes[0].set_title("whole run (log loss axis)")
+    if has_forks:
+        _zoom_on_forks(axes[1], curves, forks)
+    axes[0].legend(loc="upper right", fontsize=9, framealpha=0.9)
+    return _save(fig, path)
+
+
+def _zoom_on_forks(ax: Axes, curves: dict[str, list[CurvePoint]], forks: Sequence[ForkSummary]) -> None:
+    """Limit the second panel to the fork region and mark each fork's best merge and anneal end point."""
+    first = min(f.fork_tokens for f in forks)
+    ends = [f.eval_tokens for f in forks if f.eval_tokens] + [p.tokens for c in curves.values() for p in c]
+    last = max(ends)
+    span = max((f.anneal_tokens or 0) for f in forks) or (last - first) * 0.25 or 1
+    x0, x1 = max(0, first - span), last + 0.03 * (last - first + span)
+    ys = [p.val_loss for c in curves.values() for p in c if x0 <= p.tokens <= x1]
+    for f in forks:
+        best = f.best_merge
+        if best is not None and best.val_loss is not None and f.eval_tokens:
+            ax.plot(
+                f.eval_tokens,
+                best.val_loss,
+                marker="*",
+                ms=13,
+                color=MERGE,
+                mec="white",
+                zorder=5,
+                ls="none",
+                label="best merge at a fork",
+            )
+            ys.append(best.val_loss)
+    handles, labels = ax.get_legend_handles_labels()
+    if "best merge at a fork" in labels:
+        i = labels.index("best merge at a fork")
+        ax.legend([handles[i]], [labels[i]], loc="upper right", fontsize=9)
+    ax.set_xlim(x0, x1)
+    if ys:
+        lo, hi = min(ys), max(ys)
+        pad = 0.08 * (hi - lo) or 0.01
+        ax.set_ylim(lo - pad, hi + pad)
+    ax.set_title("around the fork points")
+
+
+# --- (1)/(6) gains at each fork --------------------------------------------------------------------------
+
+
+def _fork_names(forks: Sequence[ForkSummary]) -> list[str]:
+    return [
+        f"F{i}: fork {fmt.tokens(f.fork_tokens)}\neval {fmt.tokens(f.eval_tokens)}"
+        for i, f in enumerate(forks, start=1)
+    ]
+
+
+def plot_fork_gains(forks: Sequence[ForkSummary], base: int | None, path: Path) -> Path | None:
+    """At each fork: best SMA, best merge of any weighting (when it is not SMA) and the anneal, Δ ± paired s.e."""
+    bars: list[tuple[int, str, str, str, float, float | None]] = []  # fork idx, kind, colour, note, Δ, se
+    for i, f in enumerate(forks):
+        candidates = [("best SMA", f.best_sma)]
+        if f.best_merge is not None and f.best_merge.method != "sma":
+            candidates.append(("best merge", f.best_merge))
+        candidates.append(("annealed", f.annealed))
+        for kind, row in candidates:
+            g = f.gain(row)
+            if row is None or g is None:
+                continue
+            if kind == "annealed":
+                color, note = ANNEAL, "anneal"
+            else:
+                color = weighting_color(weighting_key(row))
+                note = (
+                    f"{weighting_label(weighting_key(row))}\nN={row.n} V={fmt.interval(row.v_tokens, base)}"
+                )
+            bars.append((i, kind, color, note, -g.value, g.se))
+    if not bars:
+        return None
+    fig, (ax,) = _new(max(7.0, 2.6 * len(forks) + 1.5), 4.6)
+    width = 0.26
+    for i in range(len(forks)):
+        group = [b for b in bars if b[0] == i]
+        for j, (_, kind, color, note, delta, se) in enumerate(group):
+            x = i + (j - (len(group) - 1) / 2) * width * 1.1
+            ax.bar(
+                x,
+                delta,
+                width,
+                color=color,
+                yerr=se,
+                capsize=4,
+                edgecolor="black",
+                lw=0.5,
+                hatch="//" if kind == "best merge" else None,
+            )
+            tip = delta - (se or 0.0) if delta < 0 else delta + (se or 0.0)  # below the error bar
+            ax.annotate(
+                note,
+                (x, tip),
+                xytext=(0, -3 if delta < 0 else 3),
+                textcoords="offset points",
+                ha="center",
+                va="top" if delta < 0 else "bottom",
+                fontsize=7.5,
+            )
+    _zero_line(ax)
+    ax.set_xticks(range(len(forks)), _fork_names(forks))
+    ax.set_xlim(-0.75, len(forks) - 0.25)
+    ax.set_ylabel(DELTA_LABEL)
+    ax.margins(y=0.25)
+    ax.grid(axis="y", alpha=0.3)
+    from matplotlib.patches import Patch
+
+    kinds = {b[1] for b in bars}
+    legend = [
+        Patch(facecolor=MERGE, edgecolor="black", label="best SMA merge"),
+        Patch(facecolor="white", edgecolor="black", hatch="//", label="best merge, other weighting"),
+        Patch(facecolor=ANNEAL, edgecolor="black", label="annealed branch"),
+    ]
+    shown = [h for h, kind in zip(legend, ("best SMA", "best merge", "annealed")) if kind in kinds]
+    ax.legend(handles=shown, loc="best", fontsize=9)
+    ax.set_title("Gain over the latest snapshot at each fork\n(error bars: paired s.e.)", fontsize=11)
+    return _save(fig, path)
+
+
+# --- (3) N x V heat map ----------------------------------------------------------------------------------
+
+
+def plot_heatmaps(
+    forks: Sequence[ForkSummary], base: int | None, path: Path, method: str = "sma"
+) -> Path | None:
+    """One N x V panel of Δ vs latest per fork, for one weighting; cells: Δ and its z-score."""
+    panels = []
+    for i, f in enumerate(forks, start=1):
+        cells: dict[tuple[int, int], Gain] = {}
+        for r in f.merges:
+            g = f.gain(r)
+            if r.method == method and r.n and r.v_tokens and g is not None:
+                cells[(r.n, r.v_tokens)] = g
+        if cells:
+            panels.append((i, f, cells))
+    if not panels:
+        return None
+    fig, axes = _new(4.6 * len(panels) + 0.6, 4.2, len(panels))
+    for ax, (i, f, cells) in zip(axes, panels):
+        ns = sorted({k[0] for k in cells})
+        vs = sorted({k[1] for k in cells})
+        grid = np.full((len(ns), len(vs)), np.nan)
+        for (n, v), g in cells.items():
+            grid[ns.index(n), vs.index(v)] = -g.value
+        extent = float(np.nanmax(np.abs(grid))) or 1e-9
+        norm = TwoSlopeNorm(vcenter=0.0, vmin=-extent, vmax=extent)
+        ax.set_facecolor("#DDDDDD")
+        im = ax.imshow(np.ma.masked_invalid(grid), cmap="RdBu_r", norm=norm, aspect="auto", origin="lower")
+        for (n, v), g in cells.items():
+            y, x = ns.index(n), vs.index(v)
+            delta = -g.value
+            text = fmt.signed(delta) + (f"\nz = {-g.z:+.1f}" if g.z is not None else "")
+            dark = abs(delta) > 0.6 * extent
+            ax.text(x, y, text, ha="center", va="center", fontsize=8.5, color="white" if dark else "black")
+        for y, n in enumerate(ns):
+            for x, v in enumerate(vs):
+                if (n, v) not in cells:
+                    ax.text(x, y, "not run", ha="center", va="center", fontsize=8, color="#555555")
+        ax.set_xticks(range(len(vs)), [f"{fmt.interval(v, base)}\n({fmt.tokens(v)})" for v in vs])
+        ax.set_yticks(range(len(ns)), [str(n) for n in ns])
+        ax.set_xlabel("interval V between merged snapshots")
+        ax.set_ylabel("N snapshots merged")
+        final = " (final fork)" if f is forks[-1] else ""
+        ax.set_title(f"F{i}{final}: eval at {fmt.tokens(f.eval_tokens)}", fontsize=10)
+        bar = fig.colorbar(im, ax=ax, shrink=0.85)
+        bar.set_label("Δ val loss vs latest (< 0 better)", fontsize=8)
+    fig.suptitle(
+        f"{weighting_label(method)} merges: Δ vs the latest snapshot\nover N and V (blue = better)",
+        fontsize=11,
+    )
+    return _save(fig, path)
+
+
+# --- (4) weightings side by side -------------------------------------------------------------------------
+
+
+def plot_weightings(forks: Sequence[ForkSummary], v: int | None, base: int | None, path: Path) -> Path | None:
+    """Per fork, grouped by N: one bar per weighting at interval ``v``, Δ vs latest ± paired s.e."""
+    panels = []
+    for i, f in enumerate(forks, start=1):
+        rows = [r for r in f.merges if r.method and r.n and r.v_tokens == v and f.gain(r) is not None]
+        if rows:
+            panels.append((i, f, rows))
+    keys = sorted({weighting_key(r) for _, _, rows in panels for r in rows}, key=weighting_sort_key)
+    if not panels or len(keys) < 2:
+        return None
+    fig, axes = _new(max(6.0, 5.2 * len(panels)), 4.6, len(panels))
+    width = 0.8 / len(keys)
+    for ax, (i, f, rows) in zip(axes, panels):
+        ns = sorted({r.n for r in rows if r.n})
+        for k, key in enumerate(keys):
+            xs, ys, es = [], [], []
+            for r in rows:
+                g = f.gain(r)
+                if weighting_key(r) == key and r.n in ns and g is not None:
+                    xs.append(ns.index(r.n) + (k - (len(keys) - 1) / 2) * width)
+                    ys.append(-g.value)
+                    es.append(g.se if g.se is not None else 0.0)
+            ax.bar(
+                xs,
+                ys,
+                width * 0.95,
+                yerr=es,
+                capsize=2,
+                color=weighting_color(key),
+                edgecolor="black",
+                lw=0.4,
+                label=weighting_label(key),
+                error_kw={"lw": 0.8},
+            )
+        _zero_line(ax)
+        ax.set_xticks(range(len(ns)), [f"N={n}" for n in ns])
+        ax.set_title(f"F{i}: fork {fmt.tokens(f.fork_tokens)}, eval {fmt.tokens(f.eval_tokens)}", fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel(DELTA_LABEL)
+    fig.legend(
+        *axes[0].get_legend_handles_labels(),
+        loc="outside lower center",
+        ncols=min(len(keys), 7),
+        fontsize=9,
+        frameon=False,
+    )
+    fig.suptitle(
+        f"Weightings side by side at V = {fmt.interval(v, base)}\n(error bars: paired s.e.)", fontsize=11
+    )
+    return _save(fig, path)
+
+
+# --- (5) N and V sweeps ----------------------------------------------------------------------------------
+
+
+def plot_sweeps(
+    forks: Sequence[ForkSummary],
+    *,
+    v_fixed: int | None,
+    n_fixed: int | None,
+    base: int | None,
+    path: Path,
+    method: str = "sma",
+) -> Path | None:
+    """Left: Δ vs N at V = v_fixed; right: Δ vs V at N = n_fixed; one line per fork."""
+    colors = fork_colors(len(forks))
+    specs = [
+        ("N", v_fixed, lambda f: sweep(f, method=method, v=v_fixed) if v_fixed else []),
+        ("V", n_fixed, lambda f: sweep(f, method=method, n=n_fixed) if n_fixed else []),
+    ]
+    data = [(axis, fixed, [(f, c, get(f)) for f, c in zip(forks, colors)]) for axis, fixed, get in specs]
+    data = [d for d in data if any(len(pts) >= 2 for _, _, pts in d[2])]
+    if not data:
+        return None
+    fig, axes = _new(5.6 * len(data), 4.4, len(data))
+    for ax, (axis, fixed, lines) in zip(axes, data):
+        xs_all: set[int] = set()
+        for i, (f, color, pts) in enumerate(lines, start=1):
+            if not pts:
+                continue
+            xs = [x for x, _ in pts]
+            xs_all.update(xs)
+            ys = [-g.value for _, g in pts]
+            es = [g.se if g.se is not None else 0.0 for _, g in pts]
+            final = ", final" if f is forks[-1] else ""
+            ax.errorbar(
+                xs,
+                ys,
+                yerr=es,
+                color=color,
+                marker="o",
+                ms=5,
+                lw=1.8,
+                capsize=3,
+                label=f"F{i}: fork {fmt.tokens(f.fork_tokens)}{final}",
+            )
+        _zero_line(ax)
+        ticks = sorted(xs_all)
+        if axis == "N":
+            _log2_axis(ax, ticks, [str(t) for t in ticks])
+            ax.set_xlabel("N snapshots merged (log scale)")
+            ax.set_title(f"N sweep at V = {fmt.interval(fixed, base)}", fontsize=10)
+        else:
+            _log2_axis(ax, ticks, [fmt.interval(t, base) for t in ticks])
+            ax.set_xlabel("interval V between merged snapshots (log scale)")
+            ax.set_title(f"V sweep at N = {fixed}", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=9)
+    axes[0].set_ylabel(DELTA_LABEL)
+    fig.suptitle(
+        f"{weighting_label(method)} merges: how N and V change the gain\n(error bars: paired s.e.)",
+        fontsize=11,
+    )
+    return _save(fig, path)
