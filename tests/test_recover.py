@@ -20,6 +20,7 @@ from pmakit.recover import (
     SpikeDetector,
     choose_rollback,
     find_spikes,
+    loss_lag_tokens,
     recover,
     robust_z,
 )
@@ -219,20 +220,20 @@ def test_rollback_with_fewer_than_k_is_an_error_unless_allowed() -> None:
 
 
 def build_run(root: Path, n: int = 8, every: int = 1000, spike_at: int | None = None) -> Path:
-    """RUN/snapshots/step-*/ every `every` tokens (10 tokens per step) and RUN/metrics.jsonl, spiking at spike_at."""
+    """RUN/snapshots/step-*/ every `every` tokens and RUN/metrics.jsonl, one step = TPS tokens, spiking at spike_at."""
     run = root / "run"
     for i in range(1, n + 1):
         tokens = i * every
         write_snapshot(
-            run / "snapshots" / f"step-{tokens // 10:08d}", state(i), step=tokens // 10, tokens=tokens
+            run / "snapshots" / f"step-{tokens // TPS:08d}", state(i), step=tokens // TPS, tokens=tokens
         )
-    losses = series(n * every // TPS, seed=1)
+    losses = series(n * every // TPS + 1, seed=1)
     if spike_at is not None:
         for i in range(spike_at // TPS, len(losses)):
             losses[i] += 3.0
     with open(run / "metrics.jsonl", "w") as f:
         for i, x in enumerate(losses):
-            f.write(json.dumps({"kind": "train", "step": i * TPS // 10, "tokens": i * TPS, "loss": x}) + "\n")
+            f.write(json.dumps({"kind": "train", "step": i, "tokens": i * TPS, "loss": x}) + "\n")
             if i % 10 == 0:
                 f.write(
                     json.dumps({"kind": "eval", "tokens": i * TPS, "model": "latest", "val_loss": 9.9}) + "\n"
@@ -274,7 +275,7 @@ def test_recover_before_equals_pmakit_merge_of_the_last_k(tmp_path: Path) -> Non
     assert torch.allclose(got["layers.0.attn.weight"].double(), mean, atol=1e-2, rtol=1e-2)
 
     snap = read_snapshot(tmp_path / "out")  # a complete snapshot, at the newest merged one's step/tokens
-    assert (snap.tokens, snap.step) == (6000, 600)
+    assert (snap.tokens, snap.step) == (6000, 60)
     rec = snap.meta["recovery"]
     assert [m["tokens"] for m in rec["merged"]] == [4000, 5000, 6000]
     assert rec["weights"] == pytest.approx([1 / 3] * 3)
@@ -293,15 +294,34 @@ def test_recover_finds_the_spike_in_the_metrics_log(tmp_path: Path) -> None:
     out = tmp_path / "out"
     result = recover(run, out=out, last=2, method="wma")
     assert result.spike is not None and result.spike.start_tokens == 6500
+    assert result.before_tokens == 6400  # the loss logged at 6500 was measured on the weights at 6400
     assert [s.tokens for s in result.snapshots] == [5000, 6000]
     meta = json.loads((out / "pmakit.json").read_text())
     assert meta["tokens"] == 6000
     assert meta["recovery"]["spike"]["start_tokens"] == 6500
-    assert meta["recovery"]["why"] == "a loss spike found in metrics.jsonl"
+    assert meta["recovery"]["loss_lag_tokens"] == TPS
+    assert "a loss spike in metrics.jsonl" in meta["recovery"]["why"]
     assert meta["recovery"]["weights"] == pytest.approx([1 / 3, 2 / 3])
     got = load_dir(out)["head.weight"].double()
     want = (state(5)["head.weight"].double() + 2 * state(6)["head.weight"].double()) / 3
     assert torch.allclose(got, want, atol=2e-2)
+
+
+def test_recover_excludes_the_snapshot_whose_weights_made_the_first_bad_loss(tmp_path: Path) -> None:
+    # The first bad loss is logged at 6100 tokens: it came from the weights after step 60, i.e. at 6000 tokens.
+    run = build_run(tmp_path, spike_at=6100)
+    result = recover(run, out=tmp_path / "out", last=2)
+    assert (result.before_tokens, [s.tokens for s in result.snapshots]) == (6000, [4000, 5000])
+    # one step later the 6000 snapshot is clean again
+    run2 = build_run(tmp_path / "b", spike_at=6200)
+    assert [s.tokens for s in recover(run2, out=tmp_path / "out2", last=2).snapshots] == [5000, 6000]
+
+
+def test_loss_lag_from_steps_or_from_the_smallest_gap() -> None:
+    with_steps = [{"tokens": 2560 * s, "step": s} for s in (10, 20, 30)]  # logged every 10 steps
+    assert loss_lag_tokens(with_steps) == 2560
+    assert loss_lag_tokens([{"tokens": t} for t in (100, 300, 400, 400)]) == 100
+    assert loss_lag_tokens([{"tokens": 5}]) == 0
 
 
 def test_recover_keep_latest_copies_the_pre_spike_optimizer_state(tmp_path: Path) -> None:
@@ -309,14 +329,20 @@ def test_recover_keep_latest_copies_the_pre_spike_optimizer_state(tmp_path: Path
     ckpt = run / "checkpoint"
     write_snapshot(ckpt, state(9), step=750, tokens=7500)  # the trainer's latest checkpoint: past the spike
     torch.save({"state": {}, "tag": "late"}, ckpt / "optimizer.pt")
-    with pytest.raises(PmakitError, match="no full checkpoint with optimizer state before 6.5K"):
+    with pytest.raises(PmakitError, match="no full checkpoint with optimizer state before 6.4K"):
         recover(run, out=tmp_path / "out", optimizer="keep-latest")
     # A snapshot directory that also holds optimizer state, before the spike, is used.
-    torch.save({"state": {}, "tag": "early"}, run / "snapshots" / "step-00000500" / "optimizer.pt")
+    torch.save({"state": {}, "tag": "early"}, run / "snapshots" / "step-00000050" / "optimizer.pt")
     result = recover(run, out=tmp_path / "out", optimizer="keep-latest")
     assert result.optimizer_from is not None and result.optimizer_from.tokens == 5000
     assert torch.load(tmp_path / "out" / "optimizer.pt", weights_only=True)["tag"] == "early"
     assert result.record["optimizer_from"]["tokens"] == 5000
+    # A full state the trainer kept at a fork point (RUN/checkpoints/tokens-T) and newer still wins.
+    kept = write_snapshot(run / "checkpoints" / "tokens-6300", state(9), step=63, tokens=6300)
+    torch.save({"state": {}, "tag": "kept"}, kept / "optimizer.pt")
+    result = recover(run, out=tmp_path / "out", optimizer="keep-latest", force=True)
+    assert result.optimizer_from is not None and result.optimizer_from.tokens == 6300
+    assert torch.load(tmp_path / "out" / "optimizer.pt", weights_only=True)["tag"] == "kept"
     # reset never copies optimizer state
     recover(run, out=tmp_path / "out2")
     assert not (tmp_path / "out2" / "optimizer.pt").exists()

@@ -7,13 +7,16 @@ Three pieces, each usable alone:
   of line. The spike's ``start_tokens`` is the FIRST step of the excursion (widened back over the steps just before
   it that were already rising), not the step at which patience ran out: snapshots from the excursion must never be
   merged. A NaN/Inf loss is a spike at once. Pure and deterministic: the same series gives the same spikes.
-- ``choose_rollback``: exactly the last K complete snapshots with tokens strictly below the spike's start.
+- ``choose_rollback``: exactly the last K complete snapshots with tokens strictly below a boundary: for a detected
+  spike, ``spike_boundary`` = its start minus one step's tokens, because a logged loss was measured on the weights
+  from before that step's update.
 - ``recover``: the offline command (``pmakit recover``) writes that merge as a resumable snapshot with a record of
   what was merged and why.
 """
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import logging
@@ -30,6 +33,7 @@ from typing import Any
 import pmakit
 from pmakit.errors import PmakitError
 from pmakit.snapshot import METADATA_FILE, IncompleteSnapshot, Snapshot, read_snapshot, sort_snapshots
+from pmakit.train.loop import Callback, StopTraining
 from pmakit.units import format_tokens
 
 log = logging.getLogger(__name__)
@@ -87,7 +91,8 @@ class Spike:
     """A detected loss spike."""
 
     start_tokens: int
-    """Tokens of the first step of the excursion: snapshots at or after this are never merged."""
+    """Tokens of the first step of the excursion. Its loss was measured on the weights one step earlier, so
+    snapshots from ``spike_boundary(spike, tokens_per_step)`` on are never merged."""
     start_step: int | None
     """Step of the first step of the excursion, when steps were given."""
     detected_tokens: int
@@ -412,21 +417,55 @@ def snapshot_dir(run_dir: Path) -> Path:
     return sub if sub.is_dir() else run_dir
 
 
-def spike_from_metrics(run_dir: Path, config: SpikeConfig | None = None) -> tuple[Spike, list[Spike]]:
-    """The spike to recover from (the last one found in RUN/metrics.jsonl) and all spikes found."""
+def spike_from_metrics(run_dir: Path, config: SpikeConfig | None = None) -> tuple[Spike, list[Spike], int]:
+    """The spike to recover from (the last one found in RUN/metrics.jsonl), all spikes found, and the loss lag.
+
+    The loss lag (``loss_lag_tokens``) is how many tokens before a train record's ``tokens`` the weights it was
+    measured on were saved: one step's tokens (see ``spike_boundary``).
+    """
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         raise PmakitError(f"{metrics} not found: pass --before TOKENS to say where the spike began")
     records = read_metrics(metrics)
-    n_train = sum(1 for r in records if r.get("kind", "train") == "train" and "loss" in r)
+    train = [r for r in records if r.get("kind", "train") == "train" and "loss" in r and "tokens" in r]
     cfg = config or SpikeConfig()
-    spikes = find_spikes(records, cfg)
+    spikes = find_spikes(train, cfg)
     if not spikes:
         raise PmakitError(
-            f"no loss spike found in {metrics} ({n_train} training records; window {cfg.window}, threshold "
+            f"no loss spike found in {metrics} ({len(train)} training records; window {cfg.window}, threshold "
             f"{cfg.threshold:g}, patience {cfg.patience}): pass --before TOKENS, or a lower --threshold"
         )
-    return spikes[-1], spikes
+    return spikes[-1], spikes, loss_lag_tokens(train)
+
+
+def loss_lag_tokens(records: Sequence[dict[str, Any]]) -> int:
+    """Tokens of one step, from train records: the median of d(tokens)/d(step) over consecutive records with steps.
+
+    Without step numbers, the smallest gap between consecutive records' tokens: when records are logged every k
+    steps this overestimates the lag k-fold, which only excludes more snapshots (the safe side).
+    """
+    rates, gaps = [], []
+    for a, b in zip(records, records[1:]):
+        dt = int(b["tokens"]) - int(a["tokens"])
+        if dt <= 0:
+            continue
+        gaps.append(dt)
+        sa, sb = a.get("step"), b.get("step")
+        if isinstance(sa, int) and isinstance(sb, int) and sb > sa:
+            rates.append(dt / (sb - sa))
+    if rates:
+        return math.ceil(statistics.median(rates))
+    return min(gaps) if gaps else 0
+
+
+def spike_boundary(spike: Spike, loss_lag_tokens: int) -> int:
+    """Snapshots strictly below this are safe to merge.
+
+    A train record's loss is measured on the weights BEFORE its step's update, while its ``tokens`` count that
+    step: the first out-of-line loss, logged at T tokens, came from the weights saved at T - (one step's tokens).
+    Those are the first bad weights, so the boundary is ``spike.start_tokens - loss_lag_tokens``.
+    """
+    return spike.start_tokens - loss_lag_tokens
 
 
 def recover(
@@ -448,8 +487,9 @@ def recover(
         run_dir: the run (snapshots in ``RUN/snapshots/`` or directly in RUN; ``RUN/metrics.jsonl``;
             ``RUN/checkpoint/`` for ``keep-latest``).
         out: the output snapshot directory (built in a hidden sibling, renamed into place when complete).
-        before: merge only snapshots with tokens strictly below this; None finds the spike's start in
-            ``RUN/metrics.jsonl`` with ``detector`` (the last spike there, when there are several).
+        before: merge only snapshots with tokens strictly below this; None finds the spike in
+            ``RUN/metrics.jsonl`` with ``detector`` (the last spike there, when there are several) and uses
+            ``spike_boundary``: its start minus one step's tokens.
         last: K, how many snapshots to merge.
         method, alpha: the weighting (``pmakit.weights``).
         optimizer: ``reset`` (no optimizer state: the trainer starts a fresh one) or ``keep-latest`` (copy the
@@ -479,9 +519,9 @@ def recover(
         )
     if out.exists() and not force:
         raise PmakitError(f"{out} exists; pass --force to replace it")
-    spike, spikes = (None, []) if before is not None else spike_from_metrics(run_dir, detector)
+    spike, spikes, lag = (None, [], 0) if before is not None else spike_from_metrics(run_dir, detector)
     if spike is not None:
-        before = spike.start_tokens
+        before = spike_boundary(spike, lag)
         if len(spikes) > 1:
             log.warning("%d spikes in the metrics log; recovering from the last one", len(spikes))
     assert before is not None
@@ -494,14 +534,19 @@ def recover(
     if optimizer == "keep-latest" and source is None:
         raise PmakitError(
             f"--optimizer keep-latest: no full checkpoint with optimizer state before {format_tokens(before)} "
-            f"tokens in {run_dir / CHECKPOINT_DIR} or beside the snapshots (snapshots hold weights only); "
+            f"tokens in {run_dir / CHECKPOINT_DIR}, {run_dir / KEPT_CHECKPOINTS_DIR}/ or beside the snapshots "
+            "(snapshots hold weights only); "
             "use --optimizer reset"
         )
     newest = chosen[-1]
     record = {
         "run_dir": str(run_dir.resolve()),
         "before_tokens": before,
-        "why": "a loss spike found in metrics.jsonl" if spike is not None else "--before given",
+        "why": "--before given"
+        if spike is None
+        else f"a loss spike in metrics.jsonl; its first out-of-line loss, logged at {spike.start_tokens} tokens, "
+        f"was measured on the weights of {before} tokens ({lag} tokens per step earlier)",
+        "loss_lag_tokens": lag,
         "spike": spike.to_dict() if spike is not None else None,
         "spikes_found": len(spikes),
         "method": method,
@@ -546,6 +591,8 @@ def recover(
 
 CHECKPOINT_DIR = "checkpoint"
 """``RUN/checkpoint/``: the trainer's latest full resume state (weights, optimizer, trainer state)."""
+KEPT_CHECKPOINTS_DIR = "checkpoints"
+"""``RUN/checkpoints/tokens-T/``: full states the trainer keeps at chosen token counts."""
 OPTIMIZER_PREFIX = "optimizer"
 """Files whose names start with this hold optimizer state (``optimizer.pt``, HF Trainer's too)."""
 
@@ -557,15 +604,20 @@ def _has_optimizer(directory: Path) -> bool:
 
 
 def latest_optimizer_checkpoint(run_dir: Path, snapshots: Sequence[Snapshot], before: int) -> Snapshot | None:
-    """The newest directory with optimizer state and known tokens strictly below ``before``: ``RUN/checkpoint/``
-    (the trainer overwrites it, so it is often past the spike) or a snapshot directory that also holds one."""
+    """The newest directory with optimizer state and known tokens strictly below ``before``.
+
+    Looked for in ``RUN/checkpoint/`` (the trainer overwrites it, so it is often past the spike),
+    ``RUN/checkpoints/*/`` (full states kept at chosen token counts) and the snapshot directories (when they hold
+    one, as HF Trainer checkpoints do).
+    """
     candidates = [s for s in snapshots if _has_optimizer(s.path)]
-    ckpt = run_dir / CHECKPOINT_DIR
-    if _has_optimizer(ckpt):
-        try:
-            candidates.append(read_snapshot(ckpt))
-        except IncompleteSnapshot as e:
-            log.warning("ignoring %s", e)
+    kept = run_dir / KEPT_CHECKPOINTS_DIR
+    for d in [run_dir / CHECKPOINT_DIR, *(sorted(kept.iterdir()) if kept.is_dir() else [])]:
+        if _has_optimizer(d):
+            try:
+                candidates.append(read_snapshot(d))
+            except IncompleteSnapshot as e:
+                log.warning("ignoring %s", e)
     eligible = [s for s in candidates if s.tokens < before]
     return max(eligible, key=lambda s: s.tokens) if eligible else None
 
@@ -601,3 +653,212 @@ def _replace(staging: Path, out: Path) -> None:
     os.replace(staging, out)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------- during training
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    """What ``SpikeRecovery`` does when the detector fires."""
+
+    detector: SpikeConfig = field(default_factory=SpikeConfig)
+    """When a run of steps counts as a spike."""
+    last: int = 3
+    """K: merge the last K snapshots saved before the spike began."""
+    method: str = "sma"
+    """Weighting of the K snapshots (``pmakit.weights``)."""
+    alpha: float = 0.2
+    """EMA factor for ema weightings."""
+    optimizer: str = "reset"
+    """``reset`` (fresh AdamW moments) or ``keep-latest`` (the optimizer state of the newest pre-spike snapshot)."""
+    lr_factor: float = 1.0
+    """Multiply the scheduled LR by this after a recovery (1: resume as scheduled)."""
+    lr_factor_tokens: int = 0
+    """For this many tokens after a recovery."""
+    max_recoveries: int = 3
+    """Stop the run with a clear message at the spike after this many recoveries, rather than loop."""
+    discard_spiked: bool = True
+    """Move snapshots saved at or after the spike's boundary out of the snapshot folder (into RUN/discarded/), so
+    that no later merge picks them up."""
+    keep_optimizer_states: int = 4
+    """With ``keep-latest``: optimizer states kept in CPU memory, one per recent snapshot (2 x model size each)."""
+
+    def __post_init__(self) -> None:
+        from pmakit.weights import get_weights
+
+        if self.last < 1 or self.max_recoveries < 0 or self.keep_optimizer_states < 1:
+            raise PmakitError("recovery last and keep_optimizer_states must be >= 1, max_recoveries >= 0")
+        if self.optimizer not in OPTIMIZER_POLICIES:
+            raise PmakitError(
+                f"unknown optimizer policy {self.optimizer!r}; use {' or '.join(OPTIMIZER_POLICIES)}"
+            )
+        if not (math.isfinite(self.lr_factor) and self.lr_factor > 0) or self.lr_factor_tokens < 0:
+            raise PmakitError("recovery lr_factor must be positive and lr_factor_tokens non-negative")
+        get_weights(self.method, self.last, alpha=self.alpha)  # validates method and alpha
+
+
+class SpikeRecovery(Callback):
+    """A ``pmakit.train.loop`` callback: on a loss spike, roll the weights back onto the merge of the last K
+    snapshots saved before the spike began, and go on.
+
+    Per recovery: an ``event: spike`` record, then the trainer's ``event: rollback`` record carrying what was
+    merged (paths, tokens, weights), the optimizer policy and where its state came from, and the snapshots
+    discarded. The token count does not go back (the trainer continues from where it stopped, on fresh data), so
+    later snapshots land at the next multiples of V as before; the online merge is rebuilt from the pre-spike
+    snapshots. After ``max_recoveries`` (counted across resumes) the next spike stops the run with a clear message.
+    """
+
+    def __init__(self, config: RecoveryConfig | None = None) -> None:
+        self.config = config or RecoveryConfig()
+        self.detector = SpikeDetector(self.config.detector)
+        self.events: list[dict[str, Any]] = []
+        """The rollback reasons of this process, oldest first (also in RUN/metrics.jsonl)."""
+        self._optimizer_states: deque[tuple[int, dict[str, Any]]] = deque(
+            maxlen=self.config.keep_optimizer_states
+        )
+
+    def on_train_start(self, trainer: Any) -> None:
+        self.detector.reset()
+
+    def on_snapshot(self, trainer: Any, snapshot: Any) -> None:
+        if self.config.optimizer == "keep-latest":
+            self._optimizer_states.append((snapshot.tokens, copy.deepcopy(trainer.optimizer.state_dict())))
+
+    def on_step_end(self, trainer: Any, record: dict[str, Any]) -> None:
+        grad = record.get("grad_norm")
+        spike = self.detector.update(
+            int(record["tokens"]),
+            float(record["loss"]),
+            None if grad is None else float(grad),
+            step=record.get("step"),
+        )
+        if spike is not None:
+            self.recover(trainer, spike)
+
+    def recover(self, trainer: Any, spike: Spike) -> dict[str, Any]:
+        """Roll ``trainer`` back from ``spike``; returns the reason recorded with the rollback event.
+
+        Raises:
+            StopTraining: after ``max_recoveries``, or when there is nothing to roll back to.
+        """
+        cfg = self.config
+        done = int(getattr(trainer.state, "recoveries", len(self.events)))
+        trainer.metrics.write(
+            {
+                "kind": "event",
+                "event": "spike",
+                "tokens": trainer.tokens,
+                "step": trainer.step,
+                **spike.to_dict(),
+            }
+        )
+        log.warning("%s", spike.describe())
+        if done >= cfg.max_recoveries:
+            raise StopTraining(
+                f"{spike.describe()}; {done} recoveries already (max_recoveries={cfg.max_recoveries}): the run "
+                "does not stay on track at this learning rate; lower it, or allow more recoveries"
+            )
+        trainer.saver.wait()  # snapshots in flight must be complete (or failed) before choosing among them
+        from pmakit.snapshot import discover
+
+        snapshots = discover(trainer.saver.directory)
+        before = spike_boundary(spike, trainer.config.tokens_per_step)
+        try:
+            chosen = choose_rollback(snapshots, before, cfg.last, allow_fewer=True)
+        except PmakitError as e:
+            raise StopTraining(f"{spike.describe()}; cannot recover: {e}") from None
+        optimizer, opt_tokens = self._optimizer_for(trainer, before, snapshots)
+        state, weights = merged_state(chosen, cfg.method, cfg.alpha, Path(trainer.run_dir))
+        discarded = self._discard(trainer, snapshots, before, spike) if cfg.discard_spiked else []
+        reason = {
+            "recovery": done + 1,
+            "spike": spike.to_dict(),
+            "before_tokens": before,
+            "method": cfg.method,
+            "merged": [
+                {"path": str(s.path), "step": s.step, "tokens": s.tokens, "weight": w}
+                for s, w in zip(chosen, weights)
+            ],
+            "optimizer_policy": cfg.optimizer,
+            "optimizer_from_tokens": opt_tokens,
+            "discarded": [str(p) for p in discarded],
+        }
+        if cfg.lr_factor != 1.0 and cfg.lr_factor_tokens > 0:
+            until = trainer.tokens + cfg.lr_factor_tokens
+            trainer.set_lr_factor(cfg.lr_factor, until)
+            reason.update(lr_factor=cfg.lr_factor, lr_factor_until=until)
+        trainer.rollback(state, optimizer=optimizer, reason=reason)
+        # The online merge must not average the spiked snapshots with what comes next.
+        kept = [s for s in snapshots if s.tokens < before]
+        trainer.averager.rebuild_from(kept)
+        self.detector.rewind(spike.start_tokens)
+        self.events.append(reason)
+        log.warning(
+            "rolled back onto the %s of %d snapshot(s) at %s tokens (optimizer: %s)",
+            cfg.method,
+            len(chosen),
+            ", ".join(format_tokens(s.tokens) for s in chosen),
+            cfg.optimizer,
+        )
+        return reason
+
+    def _optimizer_for(
+        self, trainer: Any, before: int, snapshots: Sequence[Snapshot]
+    ) -> tuple[str | dict[str, Any], int | None]:
+        """``reset``, or the newest pre-spike optimizer state (kept in memory, else from a full checkpoint)."""
+        if self.config.optimizer == "reset":
+            return "reset", None
+        in_memory = [(t, s) for t, s in self._optimizer_states if t < before]
+        on_disk = latest_optimizer_checkpoint(Path(trainer.run_dir), snapshots, before)
+        if in_memory and (on_disk is None or in_memory[-1][0] >= on_disk.tokens):
+            return copy.deepcopy(in_memory[-1][1]), in_memory[-1][0]
+        if on_disk is not None:
+            import torch
+
+            return torch.load(on_disk.path / "optimizer.pt", weights_only=True), on_disk.tokens
+        raise StopTraining(
+            f"optimizer keep-latest: no optimizer state before {format_tokens(before)} tokens (in memory: "
+            f"{[t for t, _ in self._optimizer_states]}; none in the run's checkpoints); use optimizer reset"
+        )
+
+    def _discard(self, trainer: Any, snapshots: Sequence[Snapshot], before: int, spike: Spike) -> list[Path]:
+        spiked = [s for s in snapshots if s.tokens >= before]
+        if not spiked:
+            return []
+        # Three levels below RUN: `pmakit merge RUN` (which looks two levels down) never sees them.
+        target = Path(trainer.run_dir) / DISCARDED_DIR / f"spike-{spike.start_tokens}"
+        target.mkdir(parents=True, exist_ok=True)
+        moved = []
+        for s in spiked:
+            dest = target / s.path.name
+            shutil.rmtree(dest, ignore_errors=True)
+            os.replace(s.path, dest)
+            moved.append(dest)
+        return moved
+
+
+DISCARDED_DIR = "discarded"
+"""``RUN/discarded/spike-T/``: snapshots saved during a spike, moved out of the snapshot folder."""
+
+
+def merged_state(
+    snapshots: Sequence[Snapshot], method: str, alpha: float, scratch: Path
+) -> tuple[dict[str, Any], list[float]]:
+    """The ``pmakit.merge`` of ``snapshots`` as a state dict (written to a hidden scratch folder, read, removed)."""
+    from safetensors.torch import load_file
+
+    from pmakit.merge import merge
+    from pmakit.weights import get_weights
+
+    weights = get_weights(method, len(snapshots), alpha=alpha)
+    out = scratch / ".pmakit-recover-merge"
+    shutil.rmtree(out, ignore_errors=True)
+    try:
+        merge(snapshots, weights, out, fsync=False)
+        state: dict[str, Any] = {}
+        for f in sorted(out.glob("*.safetensors")):
+            state.update(load_file(f))
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    return state, weights
