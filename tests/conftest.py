@@ -91,14 +91,16 @@ def make_run(tmp_path: Path) -> Callable[..., Path]:
     return build
 
 
-def run_cli(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    *args: str | Path, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
     """Run the real `pmakit` entry point (python -m pmakit) on this checkout's sources."""
-    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_WAIT_POLICY": "PASSIVE"}
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_WAIT_POLICY": "PASSIVE", **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "pmakit", *map(str, args)],
         capture_output=True,
         text=True,
         env=env,
         cwd=cwd,
-        timeout=300,
+        timeout=timeout,
     )

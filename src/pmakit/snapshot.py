@@ -194,7 +194,8 @@ def scan(
     """Every snapshot-like directory of a run: a ``Snapshot`` when complete, else the reason it is not.
 
     A run directory is a folder of snapshot directories; they may also sit one level down (``RUN/snapshots/``).
-    Hidden directories (a merge's temporary output) and merged models (``pmakit-merge.json``) are ignored.
+    Hidden directories (a merge's temporary output), merged models (``pmakit-merge.json``) and full training
+    checkpoints (``"kind": "checkpoint"`` in ``pmakit.json``) are ignored.
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -204,9 +205,13 @@ def scan(
         if (candidate / MERGE_MANIFEST).exists() and not (candidate / METADATA_FILE).exists():
             continue
         try:
-            found.append(read_snapshot(candidate, tokens_per_step))
+            snap = read_snapshot(candidate, tokens_per_step)
         except IncompleteSnapshot as e:
             found.append(e)
+            continue
+        # A trainer's full resume state (``"kind": "checkpoint"``) duplicates a snapshot of the series.
+        if snap.meta.get("kind") != "checkpoint":
+            found.append(snap)
     return found
 
 

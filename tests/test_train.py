@@ -1,0 +1,148 @@
+"""The training loop: snapshots at the right tokens, online merge == pmakit merge, resume, fork, rollback."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_cli
+from pmakit.errors import PmakitError
+from pmakit.merge import merge
+from pmakit.metrics import read_metrics
+from pmakit.snapshot import discover
+from pmakit.train.loop import Callback, StopTraining, Trainer, TrainConfig
+from pmakit.train.model import ModelConfig
+from pmakit.weights import get_weights
+
+TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}  # line {i}\n" for i in range(3000))
+
+
+@pytest.fixture
+def corpus_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("PMAKIT_CACHE", str(tmp_path / "cache"))
+    d = tmp_path / "corpus"
+    d.mkdir()
+    for i in range(8):
+        (d / f"m{i}.py").write_text(TEXT[i * 15000 : (i + 1) * 15000 + 40000])
+    return d
+
+
+def tiny(corpus: Path, **kw: object) -> TrainConfig:
+    base: dict[str, object] = dict(
+        corpus=str(corpus), vocab_size=300, val_fraction=0.25, max_corpus_bytes=None,
+        model=ModelConfig(layers=1, hidden=32, heads=2, seq_len=32), batch_size=4, total_tokens=128 * 24,
+        lr=3e-3, warmup_tokens=256, every_tokens=128 * 3, average_last=3, eval_every=2, eval_batches=2,
+        threads=1, log_every=1,
+    )  # fmt: skip
+    base.update(kw)
+    return TrainConfig(**base)  # type: ignore[arg-type]
+
+
+def test_snapshots_land_every_v_tokens_and_load_in_transformers(corpus_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run = tmp_path / "run"
+    cfg = tiny(corpus_dir)
+    Trainer(cfg, run).fit().close()
+    snaps = discover(run)
+    # 128 tokens a step, V = 384 tokens = 3 steps: 24 steps -> snapshots at steps 3, 6, ..., 24
+    assert [s.tokens for s in snaps] == [384 * k for k in range(1, 9)]
+    assert [s.step for s in snaps] == [3 * k for k in range(1, 9)]
+    model = AutoModelForCausalLM.from_pretrained(snaps[-1].path)
+    tok = AutoTokenizer.from_pretrained(snaps[-1].path)
+    ids = tok("def f(x):", return_tensors="pt").input_ids
+    assert model(input_ids=ids).logits.shape[-1] == 300
+
+
+def test_online_merge_equals_pmakit_merge_and_is_logged(corpus_dir: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    trainer = Trainer(tiny(corpus_dir), run)
+    trainer.fit()
+    trainer.close()
+    snaps = discover(run)[-3:]
+    merged = merge(snaps, get_weights("sma", 3), tmp_path / "m")
+    from safetensors.torch import load_file
+
+    reference = load_file(merged.path / "model.safetensors")
+    online = trainer.averager.average()
+    for k, v in reference.items():
+        torch.testing.assert_close(online[k].float(), v.float(), rtol=1e-6, atol=1e-6)
+    evals = [r for r in read_metrics(run) if r["kind"] == "eval"]
+    assert {r["model"] for r in evals} == {"latest", "merged:sma:3"}
+    merged_rows = [r for r in evals if r["model"] == "merged:sma:3"]
+    assert all(r["val_loss"] > 0 and "delta_se" in r for r in merged_rows)
+
+
+def test_resume_continues_exactly(corpus_dir: Path, tmp_path: Path) -> None:
+    cfg = tiny(corpus_dir)
+    straight = Trainer(cfg, tmp_path / "a")
+    straight.fit()
+    straight.close()
+
+    class Crash(Callback):
+        def on_step_end(self, trainer: Trainer, record: dict[str, object]) -> None:
+            if trainer.step == 13:
+                raise KeyboardInterrupt
+
+    first = Trainer(cfg, tmp_path / "b", callbacks=[Crash()])
+    with pytest.raises(KeyboardInterrupt):
+        first.fit()
+    first.close()
+    second = Trainer(cfg, tmp_path / "b")
+    assert second.step == 13  # the interrupt saved the state at the step it stopped
+    second.fit()
+    second.close()
+    for k, v in straight.model.state_dict().items():
+        torch.testing.assert_close(second.model.state_dict()[k], v, rtol=0, atol=0)
+    assert [s.tokens for s in discover(tmp_path / "b")] == [s.tokens for s in discover(tmp_path / "a")]
+
+
+def test_rollback_and_stop(corpus_dir: Path, tmp_path: Path) -> None:
+    class Roll(Callback):
+        def on_step_end(self, trainer: Trainer, record: dict[str, object]) -> None:
+            if trainer.step == 10:
+                trainer.rollback(trainer.averager.average(), optimizer="reset", reason={"why": "test"})
+                trainer.set_lr_factor(0.5, trainer.tokens + 256)
+            if trainer.step == 15:
+                raise StopTraining("enough")
+
+    run = tmp_path / "run"
+    trainer = Trainer(tiny(corpus_dir), run, callbacks=[Roll()])
+    trainer.fit()
+    trainer.close()
+    events = [r for r in read_metrics(run) if r["kind"] == "event"]
+    assert [e["event"] for e in events] == ["rollback", "stop"]
+    assert events[0]["why"] == "test" and trainer.step == 15
+    # lowered from the rollback (1280 tokens) until 1536 tokens, scheduled after
+    assert trainer.lr_at(1500) == pytest.approx(trainer.schedule(1500) * 0.5)
+    assert trainer.lr_at(1600) == pytest.approx(trainer.schedule(1600))
+
+
+def test_bad_config_is_one_error(corpus_dir: Path) -> None:
+    with pytest.raises(PmakitError, match="multiple of the tokens per step"):
+        tiny(corpus_dir, every_tokens=100)
+    with pytest.raises(PmakitError, match="unknown train config keys: lr_max"):
+        TrainConfig.from_dict({"lr_max": 1})
+
+
+def test_train_cli_writes_a_run_and_resumes(corpus_dir: Path, tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "preset: smoke\ntrain:\n  corpus: " + str(corpus_dir) + "\n  vocab_size: 300\n  val_fraction: 0.25\n"
+        "  max_corpus_bytes: null\n  model: {layers: 1, hidden: 32, heads: 2, seq_len: 32}\n  batch_size: 4\n"
+        "  total_tokens: 1536\n  warmup_tokens: 128\n  every_tokens: 256\n  eval_every: 2\n  eval_batches: 2\n"
+    )
+    env_cache = {"PMAKIT_CACHE": str(tmp_path / "cache")}
+    proc = run_cli("train", config, "-o", tmp_path / "run", env=env_cache)
+    assert proc.returncode == 0, proc.stderr
+    assert "trained 1,536 tokens" in proc.stdout
+    assert len(discover(tmp_path / "run")) == 6
+    state = json.loads((tmp_path / "run" / "checkpoint" / "pmakit.json").read_text())
+    assert state["tokens"] == 1536
+    again = run_cli("train", config, "-o", tmp_path / "run", env=env_cache)
+    assert again.returncode == 0 and "trained 1,536 tokens" in again.stdout  # nothing left to do
+    bad = run_cli("train", config, "-o", tmp_path / "r2", "--corpus", tmp_path / "missing", env=env_cache)
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr and bad.stderr.startswith("Error: ")
