@@ -36,7 +36,7 @@ $(VENV)/.chromium: | $(VENV)/.torch
 	@if ($(HAVE_CHROMIUM)) >/dev/null 2>&1; then touch $@; fi
 
 demo: install
-	$(VENV)/bin/pmakit demo
+	$(VENV)/bin/pmakit experiment -o runs/demo
 
 test: install $(VENV)/.chromium
 	$(PY) -m pytest -q
