@@ -274,14 +274,6 @@ def test_stdlib_files_skip_third_party_and_need_sources(
     assert "\n" not in str(err.value)
 
 
-def test_default_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("PMAKIT_CACHE", str(tmp_path / "c"))
-    assert data.default_cache_dir() == tmp_path / "c"
-    monkeypatch.delenv("PMAKIT_CACHE")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert data.default_cache_dir() == tmp_path / "xdg" / "pmakit"
-
-
 def test_stdlib_slice(tmp_path: Path) -> None:
     corpus = prepare_corpus(None, tmp_path / "cache", vocab_size=512, max_bytes=200_000)
     f = corpus.files

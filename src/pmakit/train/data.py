@@ -61,7 +61,7 @@ _SNIFF_BYTES = 8192
 # Encode (and count for BPE training) in pieces of at most this many characters, so that one big file still
 # spreads over every core; pieces are cut where the pre-tokenizer would cut anyway (see _pieces).
 _PIECE_CHARS = 1 << 20
-_BATCH_CHARS = 8 << 20
+_BATCH_CHARS = 2 << 20
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 _TOKEN_SUFFIXES = {".npy", ".bin"}
 
@@ -196,16 +196,6 @@ def val_batches(
     # Evenly spaced window indices (distinct because total <= n_windows): every held-out file gets a say.
     starts = (np.arange(total, dtype=np.int64) * n_windows // total) * seq_len
     return [_windows(val, starts[i * batch_size : (i + 1) * batch_size], seq_len) for i in range(n_batches)]
-
-
-def default_cache_dir() -> Path:
-    """A cache directory shared by runs: ``$PMAKIT_CACHE``, else ``$XDG_CACHE_HOME/pmakit``, else ``~/.cache/pmakit``.
-
-    Sharing it means the standard library is tokenized once per machine and option set, not once per run.
-    """
-    if os.environ.get("PMAKIT_CACHE"):
-        return Path(os.environ["PMAKIT_CACHE"]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "pmakit"
 
 
 def stdlib_root() -> Path:
