@@ -7,7 +7,9 @@ import math
 import random
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -15,16 +17,18 @@ from safetensors import safe_open
 from conftest import run_cli, state, write_snapshot
 from pmakit.errors import PmakitError
 from pmakit.recover import (
+    RecoveryConfig,
     Spike,
     SpikeConfig,
     SpikeDetector,
+    SpikeRecovery,
     choose_rollback,
     find_spikes,
     loss_lag_tokens,
     recover,
     robust_z,
 )
-from pmakit.snapshot import Snapshot, read_snapshot, write_metadata
+from pmakit.snapshot import Snapshot, discover, read_snapshot, write_metadata
 
 TPS = 100  # tokens per step in the synthetic series
 
@@ -399,3 +403,144 @@ def test_recovered_tiny_llama_loads_with_from_pretrained(tmp_path: Path) -> None
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     ids = torch.tensor([[1, 2, 3]])
     assert torch.isfinite(loaded(ids).logits).all()
+
+
+# ------------------------------------------------------------------------------------- SpikeRecovery in training
+
+TRAIN_TPS = 8 * 32  # batch 8 x seq_len 32
+EVERY = 8 * TRAIN_TPS  # a snapshot every 8 steps
+
+
+def tiny_corpus(vocab: int = 64, n: int = 40_000, seed: int = 0) -> Any:
+    """Learnable tokens: next = (3 * prev + 1) mod vocab, with 10% random tokens (loss settles near 0.8 nats)."""
+    from pmakit.train.data import Corpus
+
+    rng = np.random.default_rng(seed)
+    noise, rnd = rng.random(n) < 0.1, rng.integers(0, vocab, n)
+    out = np.empty(n, dtype=np.uint16)
+    t = 0
+    for i in range(n):
+        t = int(rnd[i]) if noise[i] else (3 * t + 1) % vocab
+        out[i] = t
+    split = n * 9 // 10
+    return Corpus(
+        train=out[:split], val=out[split:], tokenizer_dir=None, val_bytes=None, vocab_size=vocab, files={}
+    )
+
+
+def tiny_trainer(run: Path, callbacks: list[Any], lr_burst: tuple[int, int, float] | None, **kw: Any) -> Any:
+    """A 1-layer Llama trained at LR 3e-3, except steps first..last (1-based) at LR `high`."""
+    from pmakit.train.loop import TrainConfig, Trainer
+    from pmakit.train.model import ModelConfig
+
+    cfg = TrainConfig(
+        model=ModelConfig(layers=1, hidden=32, heads=2, seq_len=32),
+        batch_size=8,
+        total_tokens=kw.pop("total_steps", 140) * TRAIN_TPS,
+        lr=3e-3,
+        warmup_tokens=10 * TRAIN_TPS,
+        every_tokens=EVERY,
+        average_last=3,
+        eval_every=0,
+        eval_batches=1,
+        log_every=1,
+        threads=1,
+    )
+
+    def schedule(tokens: float) -> float:  # the LR of the step that ends at `tokens`
+        step = round(tokens / TRAIN_TPS)
+        if lr_burst is not None and lr_burst[0] <= step <= lr_burst[1]:
+            return lr_burst[2]
+        return 3e-3
+
+    return Trainer(cfg, run, corpus=tiny_corpus(), schedule=schedule, callbacks=callbacks, **kw)
+
+
+def train_records(run: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in open(run / "metrics.jsonl")]
+
+
+DETECT = SpikeConfig(window=20, min_history=10, patience=3, warmup_tokens=20 * TRAIN_TPS)
+
+
+def test_spike_recovery_rolls_back_and_the_run_goes_on(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    rec = SpikeRecovery(RecoveryConfig(detector=DETECT, last=3))
+    # LR 100x too high for steps 102-104: the weights after step 102 are the first bad ones, their loss is
+    # logged with step 103; patience 3 -> detected at step 105, after the snapshot of step 104 was taken.
+    trainer = tiny_trainer(run, [rec], (102, 104, 0.3), resume=False)
+    trainer.fit()
+    trainer.close()
+    records = train_records(run)
+    events = [r for r in records if r["kind"] == "event"]
+    assert [e["event"] for e in events] == ["spike", "rollback"]
+    spike, rollback = events
+    # The first bad loss is step 103's; the onset rule may widen the start back by a step whose loss was merely
+    # high (z > 3): earlier is the safe side. Patience 3 from step 103 -> detected at step 105.
+    assert spike["detected_step"] == 105 and spike["start_step"] in (102, 103)
+    # the weights of the step before the start made its loss: the boundary is one step earlier
+    assert rollback["before_tokens"] == (spike["start_step"] - 1) * TRAIN_TPS
+    # the last 3 snapshots strictly before it: steps 80, 88, 96
+    assert [m["step"] for m in rollback["merged"]] == [80, 88, 96]
+    assert [m["weight"] for m in rollback["merged"]] == pytest.approx([1 / 3] * 3)
+    assert rollback["optimizer"] == "reset" and rollback["recovery"] == 1
+    assert [Path(p).name for p in rollback["discarded"]] == ["step-00000104"]
+    moved = run / "discarded" / f"spike-{spike['start_tokens']}" / "step-00000104"
+    assert Path(rollback["discarded"][0]) == moved and (moved / "pmakit.json").exists()
+
+    # The run went on: snapshots on the same token grid (minus the discarded one), token counts consistent.
+    snaps = discover(run / "snapshots")
+    assert [s.tokens for s in snaps] == [k * EVERY for k in range(1, 18) if k != 13]
+    assert all(s.step is not None and s.step * TRAIN_TPS == s.tokens for s in snaps)
+    assert trainer.tokens == 140 * TRAIN_TPS and trainer.state.recoveries == 1
+    # ... and back on track: the last 20 losses are near the pre-spike baseline, not the spike's.
+    losses = {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+    assert spike["loss"] > spike["baseline"] + 1
+    assert float(np.mean([losses[s] for s in range(121, 141)])) < spike["baseline"] + 0.3
+    # The online merge after the recovery never averaged the discarded snapshot.
+    assert 104 * TRAIN_TPS not in [t for t, _ in trainer.averager.window]
+
+    # Resuming the recovered run (a crash, then the same command) keeps saving on the same grid.
+    resumed = tiny_trainer(run, [SpikeRecovery(RecoveryConfig(detector=DETECT))], None, total_steps=156)
+    assert (resumed.tokens, resumed.state.recoveries) == (140 * TRAIN_TPS, 1)
+    resumed.fit()
+    resumed.close()
+    assert [s.tokens for s in discover(run / "snapshots")][-3:] == [17 * EVERY, 18 * EVERY, 19 * EVERY]
+
+
+def test_spike_recovery_keeps_the_pre_spike_optimizer_and_lowers_the_lr(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    config = RecoveryConfig(
+        detector=DETECT, last=2, optimizer="keep-latest", lr_factor=0.01, lr_factor_tokens=35 * TRAIN_TPS
+    )
+    # LR 100x too high for 30 steps: only the lowered LR after the recovery keeps the run from spiking again.
+    trainer = tiny_trainer(run, [SpikeRecovery(config)], (102, 131, 0.3), resume=False, total_steps=150)
+    trainer.fit()
+    trainer.close()
+    records = train_records(run)
+    events = [r for r in records if r["kind"] == "event"]
+    assert [e["event"] for e in events] == ["spike", "rollback"], events
+    rollback = events[1]
+    assert rollback["optimizer"] == "loaded" and rollback["optimizer_policy"] == "keep-latest"
+    assert (
+        rollback["optimizer_from_tokens"] == rollback["merged"][-1]["tokens"]
+    )  # the newest pre-spike snapshot
+    r = rollback["step"]
+    assert rollback["lr_factor"] == 0.01 and rollback["lr_factor_until"] == (r + 35) * TRAIN_TPS
+    lrs = {x["step"]: x["lr"] for x in records if x["kind"] == "train"}
+    for s in range(r + 1, 151):
+        scheduled = 0.3 if s <= 131 else 3e-3
+        assert lrs[s] == pytest.approx(scheduled * (0.01 if s <= r + 35 else 1.0)), s
+    assert math.isfinite(trainer.score().loss)
+
+
+def test_spike_recovery_stops_after_max_recoveries(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    rec = SpikeRecovery(RecoveryConfig(detector=DETECT, max_recoveries=1))
+    trainer = tiny_trainer(run, [rec], (102, 10_000, 0.3), resume=False)  # the LR stays far too high
+    trainer.fit()
+    trainer.close()
+    events = [r for r in train_records(run) if r["kind"] == "event"]
+    assert [e["event"] for e in events] == ["spike", "rollback", "spike", "stop"]
+    assert "max_recoveries=1" in events[-1]["reason"] and "lower it" in events[-1]["reason"]
+    assert trainer.tokens < 140 * TRAIN_TPS
