@@ -241,6 +241,21 @@ def test_max_bytes_caps_the_text(corpus_dir: tuple[Path, dict[str, str]], tmp_pa
     assert all(d.endswith("\n") and any(t.startswith(d) for t in texts.values()) for d in partial)
 
 
+def test_max_bytes_reads_only_the_head_of_a_big_file(tmp_path: Path) -> None:
+    text = "".join(_text(i) for i in range(6))
+    path = tmp_path / "big.txt"
+    path.write_text(text)
+    cap = len(text.encode()) // 2
+    corpus = prepare_corpus(path, tmp_path / "cache", vocab_size=VOCAB, max_bytes=cap)
+    used = "".join(_docs(corpus, corpus.train) + _docs(corpus, corpus.val))
+    assert text.startswith(used) and used.endswith("\n")
+    assert cap - len(max(text.splitlines(), key=len)) - 1 <= len(used.encode()) <= cap
+    # A cap inside a two-byte character keeps the characters before it, not an error.
+    (tmp_path / "e.txt").write_text("é" * 1000)
+    assert data._read_text(tmp_path / "e.txt", 1001) == ("é" * 500, True)
+    assert data._read_text(tmp_path / "e.txt", 2000) == ("é" * 1000, False)
+
+
 def test_glob_takes_only_matching_files(corpus_dir: tuple[Path, dict[str, str]], tmp_path: Path) -> None:
     root, texts = corpus_dir
     corpus = prepare_corpus(str(root / "**" / "mod0*.py"), tmp_path / "cache", vocab_size=VOCAB)

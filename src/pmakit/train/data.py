@@ -290,49 +290,50 @@ def _files_below(directory: Path) -> list[Path]:
     return sorted(p for p in found if p.is_file())
 
 
-def _read_text(path: Path) -> str | None:
-    """The file's text, or None when it is binary (a NUL byte near the start) or not UTF-8."""
+def _read_text(path: Path, limit: int | None = None) -> tuple[str | None, bool]:
+    """``(text, truncated)``: the file's text (at most ``limit`` bytes of it), None when binary or not UTF-8.
+
+    Binary means a NUL byte near the start. Reading stops at ``limit``, so a cap on a huge file reads only the cap.
+    """
     with open(path, "rb") as f:
         head = f.read(_SNIFF_BYTES)
         if b"\0" in head:
-            return None
-        data = head + f.read()
+            return None, False
+        raw = head + (f.read() if limit is None else f.read(max(limit - len(head), 0) + 1))
+    truncated = limit is not None and len(raw) > limit
+    if truncated:
+        raw = raw[:limit]
     try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError:
-        return None
-
-
-def _cut_at_line(text: str, limit_bytes: int) -> str:
-    """The longest prefix of whole lines within ``limit_bytes`` UTF-8 bytes (a hard cut if no line fits)."""
-    head = text.encode("utf-8")[:limit_bytes].decode("utf-8", errors="ignore")
-    end = head.rfind("\n")
-    return head[: end + 1] if end >= 0 else head
+        return raw.decode("utf-8-sig"), truncated
+    except UnicodeDecodeError as e:
+        if truncated and e.start >= len(raw) - 3:  # the cut fell inside a multi-byte character
+            return raw[: e.start].decode("utf-8-sig", errors="replace"), truncated
+        return None, False
 
 
 def _select_docs(
     paths: Sequence[Path], *, order: np.ndarray, max_bytes: int | None
 ) -> tuple[list[tuple[str, str]], int]:
-    """Read files in ``order`` until ``max_bytes`` of text: ``([(path, text), ...], n_skipped)``."""
+    """Read files in ``order`` until ``max_bytes`` of text: ``([(path, text), ...], n_skipped)``.
+
+    The file that reaches the cap is cut at its last line end within the cap, and is the last one read.
+    """
     docs: list[tuple[str, str]] = []
     skipped, total = 0, 0
     for i in order:
-        if max_bytes is not None and total >= max_bytes:
+        remaining = None if max_bytes is None else max_bytes - total
+        if remaining is not None and remaining <= 0:
             break
-        text = _read_text(paths[i])
+        text, truncated = _read_text(paths[i], remaining)
         if text is None:
             log.debug("corpus: skipping %s (binary or not UTF-8)", paths[i])
             skipped += 1
             continue
-        if not text:
-            continue
-        size = len(text.encode("utf-8"))
-        if max_bytes is not None and total + size > max_bytes:
-            text = _cut_at_line(text, max_bytes - total)
-            size = len(text.encode("utf-8"))
-            total = max_bytes  # stop after this one even if the cut left little
+        if truncated:
+            text = text[: text.rfind("\n") + 1] or text  # whole lines, unless not even one fits
+            total = max_bytes or 0
         else:
-            total += size
+            total += len(text.encode("utf-8"))
         if text:
             docs.append((str(paths[i]), text))
     return docs, skipped
