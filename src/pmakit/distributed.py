@@ -88,6 +88,9 @@ def shutdown(world: World) -> None:
         import torch.distributed as dist
 
         if dist.is_initialized():
+            # Everyone past its last collective first: a rank that tears down while a peer still finishes an
+            # all-reduce makes gloo abort that peer.
+            dist.barrier()
             dist.destroy_process_group()
 
 
@@ -295,3 +298,110 @@ def plan_scale(
         "max_memory_bytes": max(p.memory_bytes for p in plans),
         "seconds": max(p.seconds for p in plans),
     }
+
+
+def plan_report(
+    chosen: Sequence[Any] | None,
+    layout: Path | None,
+    *,
+    snapshots: int = 10,
+    ranks: int = 1,
+    nodes: int = 1,
+    dtype: str = "same",
+    disk_bandwidth: float | None = None,
+    accumulate_bandwidth: float | None = None,
+) -> dict[str, Any]:
+    """``pmakit inspect --plan``: plan the merge of ``chosen`` snapshots, or of ``snapshots`` inputs of a layout.
+
+    Rates not given are measured here (a short disk probe in the inputs' directory, or the current one).
+    """
+    from pmakit.formats import open_reader
+    from pmakit.merge import DTYPES
+
+    unit_bytes = 0
+    if layout is not None:
+        tensors = load_layout(layout)
+        where = Path.cwd()
+        source = str(layout)
+    else:
+        if not chosen:
+            raise PmakitError("--plan needs snapshots or a --layout file")
+        snapshots = len(chosen)
+        with open_reader(chosen[-1].path) as reader:
+            order = sorted(reader.tensors, key=lambda k: reader.tensors[k].order)
+            tensors = [LayoutTensor(k, reader.tensors[k].shape, reader.tensors[k].dtype) for k in order]
+            unit_bytes = _unit_bytes(reader)
+        where = Path(chosen[-1].path).parent
+        source = ", ".join(str(s.path) for s in chosen)
+    if disk_bandwidth is None or accumulate_bandwidth is None:
+        measured = measure_bandwidth(where)
+        bandwidth = Bandwidth(
+            disk_bandwidth or measured.read,
+            disk_bandwidth or measured.write,
+            accumulate_bandwidth or measured.accumulate,
+            "measured" if disk_bandwidth is None and accumulate_bandwidth is None else "given and measured",
+        )
+    else:
+        bandwidth = Bandwidth(disk_bandwidth, disk_bandwidth, accumulate_bandwidth, "given")
+    out_dtype = None if dtype == "same" else DTYPES[dtype]
+    report = plan_scale(
+        tensors,
+        snapshots=snapshots,
+        ranks=ranks,
+        bandwidth=bandwidth,
+        nodes=nodes,
+        out_dtype=out_dtype,
+        unit_bytes=unit_bytes,
+    )
+    report["source"] = source
+    return report
+
+
+def _unit_bytes(reader: Any) -> int:
+    """What a DCP input holds in memory beyond the merge's chunks: its largest saved chunk (0 for mapped files)."""
+    md = getattr(reader, "_md", None)
+    if not md:
+        return 0
+    best = 0
+    for name, tensor_md in md.items():
+        itemsize = reader.tensors[name].dtype.itemsize
+        for c in tensor_md.chunks:
+            n = itemsize
+            for d in c.sizes:
+                n *= d
+            best = max(best, n)
+    return best
+
+
+def render_plan(report: Mapping[str, Any]) -> str:
+    """The plan as a few lines of text."""
+    from pmakit.units import format_bytes
+
+    bw = report["bandwidth"]
+    lines = [
+        f"plan: {report['snapshots']} inputs of {report['tensors']} tensors, {report['parameters']:,} parameters "
+        f"(largest tensor {format_bytes(report['largest_tensor_bytes'])}) from {report['source']}",
+        f"reads {format_bytes(report['read_bytes'])}, writes {format_bytes(report['write_bytes'])}; "
+        f"{report['ranks']} rank(s) on {report['nodes']} node(s)",
+        f"rates ({bw['source']}): disk read {format_bytes(bw['read'])}/s, write {format_bytes(bw['write'])}/s "
+        f"per node; accumulate {format_bytes(bw['accumulate'])}/s per rank",
+    ]
+    for r in report["per_rank"]:
+        lines.append(
+            f"  rank {r['rank']:>3}: reads {format_bytes(r['read_bytes']):>10}, writes "
+            f"{format_bytes(r['write_bytes']):>10}, memory {format_bytes(r['memory_bytes']):>10}, "
+            f"{_duration(r['seconds'])}"
+        )
+    lines.append(
+        f"expected time {_duration(report['seconds'])}; peak work memory per rank "
+        f"{format_bytes(report['max_memory_bytes'])}"
+    )
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.2f} h"

@@ -19,28 +19,21 @@ and listed in ``Reader.skipped``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from pmakit.errors import PmakitError
 from pmakit.formats import FileInfo, Format, Reader, TensorInfo
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
 
 METADATA_FILE = ".metadata"
 MODEL_KEY = "model"
@@ -63,38 +56,67 @@ NOT_MODEL = (
 )
 
 
-class _CachedMetadataReader(FileSystemReader):
-    """A FileSystemReader that unpickles ``.metadata`` once, not once per ``dcp.load`` call."""
+@functools.cache
+def _dcp() -> Any:
+    """torch's DCP modules and our two small extensions of them, imported on first use (the import costs seconds
+    and only DCP inputs and outputs need it)."""
+    import types
 
-    def __init__(self, path: Path, metadata: Metadata) -> None:
-        super().__init__(path)
-        self._metadata = metadata
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorStorageMetadata,
+    )
+    from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        return self._metadata
+    class CachedMetadataReader(FileSystemReader):
+        """A FileSystemReader that unpickles ``.metadata`` once, not once per ``dcp.load`` call."""
 
+        def __init__(self, path: Path, metadata: Metadata) -> None:
+            super().__init__(path)
+            self._metadata = metadata
 
-class _RegionPlanner(DefaultLoadPlanner):
-    """Loads one region (a box of offsets and sizes) of one checkpoint entry into a preallocated tensor."""
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            return self._metadata
 
-    def __init__(self, key: str, md: TensorStorageMetadata, box: ChunkStorageMetadata, dest: torch.Tensor):
-        super().__init__(flatten_state_dict=False)
-        self._key, self._md, self._box, self._dest = key, md, box, dest
+    class RegionPlanner(DefaultLoadPlanner):
+        """Loads one region (a box of offsets and sizes) of one checkpoint entry into a preallocated tensor."""
 
-    def create_local_plan(self) -> LoadPlan:
-        return LoadPlan(create_read_items_for_chunk_list(self._key, self._md, [self._box]))
+        def __init__(
+            self, key: str, md: TensorStorageMetadata, box: ChunkStorageMetadata, dest: torch.Tensor
+        ) -> None:
+            super().__init__(flatten_state_dict=False)
+            self._key, self._md, self._box, self._dest = key, md, box, dest
 
-    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        out = self._dest
-        for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
-            out = out.narrow(dim, offset, length)
-        return out
+        def create_local_plan(self) -> LoadPlan:
+            return LoadPlan(create_read_items_for_chunk_list(self._key, self._md, [self._box]))
+
+        def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+            out = self._dest
+            for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+                out = out.narrow(dim, offset, length)
+            return out
+
+    return types.SimpleNamespace(
+        dcp=dcp,
+        FileSystemReader=FileSystemReader,
+        FileSystemWriter=FileSystemWriter,
+        ChunkStorageMetadata=ChunkStorageMetadata,
+        MetadataIndex=MetadataIndex,
+        TensorStorageMetadata=TensorStorageMetadata,
+        CachedMetadataReader=CachedMetadataReader,
+        RegionPlanner=RegionPlanner,
+    )
 
 
 def read_metadata(path: Path) -> Metadata:
     """The checkpoint's metadata, read by torch; a damaged file is one clear error."""
     try:
-        return FileSystemReader(path).read_metadata()
+        return _dcp().FileSystemReader(path).read_metadata()
     except Exception as e:  # torch raises pickle, EOF and OS errors for a bad file
         raise PmakitError(f"{path / METADATA_FILE}: unreadable DCP metadata ({type(e).__name__}: {e})") from e
 
@@ -121,7 +143,7 @@ def model_entries(metadata: Metadata) -> tuple[dict[str, str], list[str]]:
             name = ".".join(path[1:]) if path[0] == MODEL_KEY and len(path) > 1 else None
         else:
             name = None if path[0] in NOT_MODEL or len(path) > 1 else key
-        if name is None or not isinstance(entries[key], TensorStorageMetadata):
+        if name is None or not isinstance(entries[key], _dcp().TensorStorageMetadata):
             skipped.append(key)
         else:
             names[name] = key
@@ -139,7 +161,7 @@ class DCPReader(Reader):
     def __init__(self, path: Path) -> None:
         super().__init__(path)
         self.metadata = read_metadata(path)
-        self._storage = _CachedMetadataReader(path, self.metadata)
+        self._storage = _dcp().CachedMetadataReader(path, self.metadata)
         names, self.skipped = model_entries(self.metadata)
         storage = self.metadata.storage_data if isinstance(self.metadata.storage_data, Mapping) else {}
         files = sorted(f.name for f in path.glob("*.distcp"))
@@ -151,9 +173,10 @@ class DCPReader(Reader):
         self._md: dict[str, TensorStorageMetadata] = {}
         self.tensors = {}
         for name, key in names.items():
-            md = self.metadata.state_dict_metadata[key]
-            assert isinstance(md, TensorStorageMetadata)
-            info = storage.get(MetadataIndex(key, md.chunks[0].offsets)) if md.chunks else None
+            md = cast(
+                "TensorStorageMetadata", self.metadata.state_dict_metadata[key]
+            )  # model_entries checked
+            info = storage.get(_dcp().MetadataIndex(key, md.chunks[0].offsets)) if md.chunks else None
             where = getattr(info, "relative_path", "")
             order = (files.index(where) if where in files else len(files), int(getattr(info, "offset", 0)))
             self.tensors[name] = TensorInfo(md.properties.dtype, tuple(md.size), order)
@@ -174,16 +197,16 @@ class DCPReader(Reader):
             slabs = sorted(md.chunks, key=lambda c: c.offsets[0])
             return [(c.offsets[0] * inner, (c.offsets[0] + c.sizes[0]) * inner, c) for c in slabs]
         numel = self.tensors[name].numel
-        return [(0, numel, ChunkStorageMetadata(torch.Size([0] * len(size)), torch.Size(size)))]
+        return [(0, numel, _dcp().ChunkStorageMetadata(torch.Size([0] * len(size)), torch.Size(size)))]
 
     def _load(self, name: str, box: ChunkStorageMetadata) -> torch.Tensor:
         dest = torch.empty(tuple(box.sizes), dtype=self.tensors[name].dtype)
-        planner = _RegionPlanner(self._keys[name], self._md[name], box, dest)
+        planner = _dcp().RegionPlanner(self._keys[name], self._md[name], box, dest)
         try:
             with warnings.catch_warnings():
                 # dcp.load warns that it runs without a process group: that is the intent here.
                 warnings.simplefilter("ignore", UserWarning)
-                dcp.load({}, storage_reader=self._storage, planner=planner, no_dist=True)
+                _dcp().dcp.load({}, storage_reader=self._storage, planner=planner, no_dist=True)
         except Exception as e:
             raise PmakitError(f"{self.path}: reading tensor {name!r} failed ({type(e).__name__}: {e})") from e
         return dest.reshape(-1)
@@ -232,13 +255,7 @@ def save(
     With ``distributed``, every rank of the default process group calls this with its own disjoint tensors and
     torch writes one ``.metadata`` for all of them (a collective).
     """
-    writer = FileSystemWriter(Path(directory), sync_files=fsync, thread_count=1)
+    writer = _dcp().FileSystemWriter(Path(directory), sync_files=fsync, thread_count=1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save(dict(tensors), storage_writer=writer, no_dist=not distributed)
-
-
-def names_in(directory: Path) -> Sequence[str]:
-    """The model names of a DCP directory (headers only)."""
-    names, _ = model_entries(read_metadata(directory))
-    return list(names)
+        _dcp().dcp.save(dict(tensors), storage_writer=writer, no_dist=not distributed)

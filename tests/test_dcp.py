@@ -1,0 +1,174 @@
+"""DCP snapshots (torch.distributed.checkpoint.save, 1 and 2 ranks) merge like the equivalent HF snapshots."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from click.testing import CliRunner
+
+import pmakit.merge as merge_mod
+from conftest import SHAPES, state, write_snapshot
+from pmakit.cli import cli
+from pmakit.formats import open_reader
+from pmakit.merge import merge
+from pmakit.snapshot import discover, write_metadata
+from pmakit.weights import get_weights
+from test_merge import load_dir
+
+# Uneven dim-0 sizes so that two ranks save slabs of different sizes, and a 3-d tensor.
+DCP_SHAPES = {**SHAPES, "layers.1.experts": (5, 3, 4)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _extras(seed: int) -> dict[str, object]:
+    """What trainers save beside the model: optimizer moments, a step counter, RNG bytes."""
+    return {
+        "optimizer": {
+            "state": {"embed.weight": {"exp_avg": torch.full((64, 16), float(seed))}},
+            "step": seed,
+        },
+        "train_state": {"step": seed, "rng": torch.ByteTensor([1, 2, 3])},
+    }
+
+
+def _save_two_ranks(rank: int, port: int, saves: list[tuple[str, int]]) -> None:
+    """One rank of FSDP-like saves: each tensor a DTensor sharded on dim 0, under ``model`` (OLMo-core)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        for directory, seed in saves:
+            model = {
+                k: distribute_tensor(v, mesh, [Shard(0)]) if v.dim() > 0 and v.is_floating_point() else v
+                for k, v in state(seed, shapes=DCP_SHAPES).items()
+            }
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                dcp.save({"model": model, **_extras(seed)}, checkpoint_id=directory)
+    finally:
+        dist.destroy_process_group()
+
+
+def _dcp_snapshot(path: Path, seed: int, *, ranks: int, nested: bool) -> Path:
+    """A DCP snapshot directory; ``ranks=2`` expects the checkpoint already saved there by ``_save_two_ranks``."""
+    path.mkdir(parents=True, exist_ok=True)
+    if ranks == 1:
+        model = state(seed, shapes=DCP_SHAPES)
+        tree = (
+            {"model": model, **_extras(seed)} if nested else {**model, **_extras(seed)}
+        )  # torchtitan: top level
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(tree, checkpoint_id=path, no_dist=True)
+    (path / "config.json").write_text('{"model_type": "toy"}')
+    write_metadata(path, step=seed * 100, tokens=seed * 1000)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The same 3 snapshots as HF safetensors, as single-process DCP (top level) and as 2-rank DCP (nested)."""
+    root = tmp_path_factory.mktemp("dcp")
+    for i in range(1, 4):
+        write_snapshot(
+            root / "hf" / f"step-{i * 100:04d}", state(i, shapes=DCP_SHAPES), step=i * 100, tokens=i * 1000
+        )
+        _dcp_snapshot(root / "dcp1" / f"step-{i * 100:04d}", i, ranks=1, nested=False)
+    two = [(str(root / "dcp2" / "step-0100"), 1), (str(root / "dcp2" / "step-0300"), 3)]
+    mp.spawn(_save_two_ranks, args=(_free_port(), two), nprocs=2)  # one process group for both saves
+    _dcp_snapshot(root / "dcp2" / "step-0100", 1, ranks=2, nested=True)
+    _dcp_snapshot(root / "dcp2" / "step-0200", 2, ranks=1, nested=True)
+    _dcp_snapshot(root / "dcp2" / "step-0300", 3, ranks=2, nested=True)
+    return {"hf": root / "hf", "dcp1": root / "dcp1", "dcp2": root / "dcp2", "root": root}
+
+
+def test_reader_names_shapes_and_skipped_entries(runs: dict[str, Path]) -> None:
+    for run in ("dcp1", "dcp2"):
+        with open_reader(runs[run] / "step-0300") as reader:
+            assert reader.format == "dcp"
+            want = state(3, shapes=DCP_SHAPES)
+            assert set(reader.tensors) == set(want)
+            for name, t in want.items():
+                assert reader.tensors[name].shape == tuple(t.shape) and reader.tensors[name].dtype == t.dtype
+                flat = t.reshape(-1)
+                for start, stop in [
+                    (0, flat.numel()),
+                    (3, max(3, flat.numel() - 5)),
+                    (flat.numel() - 1, flat.numel()),
+                ]:
+                    assert torch.equal(reader.read(name, start, stop), flat[start:stop]), (run, name, start)
+            assert any("optimizer" in s or "exp_avg" in s for s in reader.skipped)
+            assert any("train_state" in s for s in reader.skipped)
+
+
+def test_two_rank_save_is_read_in_saved_slabs(runs: dict[str, Path]) -> None:
+    with open_reader(runs["dcp2"] / "step-0300") as reader:
+        units = reader._unit_boxes("layers.1.experts")  # type: ignore[attr-defined]
+        assert [(lo, hi) for lo, hi, _ in units] == [(0, 36), (36, 60)]  # 5 rows of 12 split 3 + 2
+
+
+@pytest.mark.parametrize("run", ["dcp1", "dcp2"])
+def test_dcp_merge_equals_hf_merge(
+    runs: dict[str, Path], tmp_path: Path, run: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Chunks of 100 elements cross the saved slabs' boundaries.
+    monkeypatch.setattr(merge_mod, "CHUNK_ELEMS", 100)
+    w = get_weights("ema", 3)
+    merge(discover(runs["hf"]), w, tmp_path / "hf", fsync=False)
+    merge(discover(runs[run]), w, tmp_path / "dcp", fsync=False)
+    assert load_dir(tmp_path / "hf").keys() == load_dir(tmp_path / "dcp").keys()
+    for name, t in load_dir(tmp_path / "hf").items():
+        assert torch.equal(t, load_dir(tmp_path / "dcp")[name]), name
+    manifest = json.loads((tmp_path / "dcp" / "pmakit-merge.json").read_text())
+    assert manifest["inputs"][0]["format"] == "dcp"
+    assert any("exp_avg" in s for s in manifest["skipped_entries"])
+    assert (tmp_path / "dcp" / "config.json").exists()
+
+
+def test_dcp_output_round_trip(runs: dict[str, Path], tmp_path: Path) -> None:
+    w = get_weights("sma", 3)
+    merge(discover(runs["hf"]), w, tmp_path / "hf", fsync=False)
+    merge(discover(runs["hf"]), w, tmp_path / "dcp", out_format="dcp", fsync=False)
+    assert (tmp_path / "dcp" / ".metadata").exists()
+    assert not list((tmp_path / "dcp").glob("*.safetensors"))
+    want = load_dir(tmp_path / "hf")
+    # Back through torch's own loader, into a preallocated state dict.
+    got = {k: torch.empty_like(v) for k, v in want.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(got, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+    files = json.loads((tmp_path / "dcp" / "pmakit-merge.json").read_text())["output"]["files"]
+    assert {f["name"] for f in files} >= {".metadata"}
+
+
+def test_inspect_lists_skipped_entries_and_bad_metadata(runs: dict[str, Path], tmp_path: Path) -> None:
+    # The real command, in-process (a subprocess costs seconds of torch import on a loaded machine).
+    r = CliRunner().invoke(cli, ["inspect", str(runs["dcp1"]), "--json"])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout)["snapshots"]
+    assert rows[0]["format"] == "dcp" and any("exp_avg" in s for s in rows[0]["skipped_entries"])
+    bad = write_snapshot(tmp_path / "run" / "step-1", state(1), step=1, tokens=10)
+    (bad / "model.safetensors").unlink()
+    (bad / ".metadata").write_bytes(b"not a pickle")
+    r = CliRunner().invoke(cli, ["merge", str(bad), "-o", str(tmp_path / "out")])
+    assert (r.exit_code == 1 and r.exception is None) or isinstance(r.exception, SystemExit)
+    assert "unreadable DCP metadata" in r.stderr and len(r.stderr.strip().splitlines()) == 1
