@@ -347,6 +347,10 @@ def _write(tmp_path: Path, case: str) -> str:
     if case == "vocab-too-large":
         (tmp_path / "small.txt").write_text(_text(0))
         return str(tmp_path / "small.txt")
+    if case == "cache-is-a-file":
+        (tmp_path / "a.txt").write_text(_text(0))
+        (tmp_path / "cache").write_text("")
+        return str(tmp_path / "a.txt")
     if case == "odd-bin":
         (tmp_path / "ids.bin").write_bytes(b"\1\0\2")
         return str(tmp_path / "ids.bin")
@@ -365,6 +369,7 @@ def _write(tmp_path: Path, case: str) -> str:
         ("glob", "matches no files"),
         ("binary-file", "is not UTF-8 text"),
         ("vocab-too-large", "vocab_size 4096 is too large for this corpus.*at most"),
+        ("cache-is-a-file", "cannot create the corpus cache directory"),
         ("odd-bin", "uint16 token ids"),
         ("float-npy", "1-D integer array"),
     ],
@@ -374,7 +379,7 @@ def test_user_mistakes_are_one_line_errors(tmp_path: Path, case: str, message: s
     with pytest.raises(PmakitError, match=message) as err:
         prepare_corpus(source, tmp_path / "cache")
     assert "\n" not in str(err.value)
-    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").iterdir())
+    assert not (tmp_path / "cache").is_dir() or not list((tmp_path / "cache").iterdir())
 
 
 @pytest.mark.parametrize(

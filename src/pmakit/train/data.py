@@ -135,7 +135,12 @@ def prepare_corpus(
     if entry.exists() and not (entry / "meta.json").is_file():
         # Entries appear by rename with meta.json inside, so this one was cut short by something else: rebuild.
         shutil.rmtree(entry, ignore_errors=True)
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PmakitError(
+            f"cannot create the corpus cache directory {cache_dir}: {e.strerror or e}"
+        ) from None
     tmp = cache_dir / f".tmp-corpus-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         meta = _build_entry(tmp, kind, label, paths, vocab_size, val_fraction, max_bytes, seed)
@@ -324,7 +329,10 @@ def _select_docs(
         remaining = None if max_bytes is None else max_bytes - total
         if remaining is not None and remaining <= 0:
             break
-        text, truncated = _read_text(paths[i], remaining)
+        try:
+            text, truncated = _read_text(paths[i], remaining)
+        except OSError as e:
+            raise PmakitError(f"cannot read {paths[i]}: {e.strerror or e}") from None
         if text is None:
             log.debug("corpus: skipping %s (binary or not UTF-8)", paths[i])
             skipped += 1
