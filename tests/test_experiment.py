@@ -1,0 +1,113 @@
+"""`pmakit experiment --preset smoke` end to end through the real CLI: the study, its files, resuming."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import run_cli
+from pmakit.experiment import RESULT_COLUMNS, ExperimentConfig, resolve
+from pmakit.snapshot import discover
+from pmakit.weights import get_weights
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    run = tmp_path_factory.mktemp("exp") / "smoke"
+    proc = run_cli("experiment", "--preset", "smoke", "-o", run, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run, proc.stdout
+
+
+def rows(run: Path) -> list[dict[str, str]]:
+    with open(run / "results.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_results_have_the_contract_columns_and_every_kind_of_model(smoke: tuple[Path, str]) -> None:
+    run, _ = smoke
+    with open(run / "results.csv") as f:
+        assert next(csv.reader(f))[: len(RESULT_COLUMNS)] == RESULT_COLUMNS
+    kinds = {(r["model"], r["method"]) for r in rows(run)}
+    assert {
+        ("latest", ""),
+        ("annealed", ""),
+        ("merged", "sma"),
+        ("merged", "wma"),
+        ("merged", "ema"),
+    } <= kinds
+    exp = json.loads((run / "experiment.json").read_text())
+    forks = [f["fork_tokens"] for f in exp["forks"]]
+    assert sorted({int(r["fork_tokens"]) for r in rows(run) if r["fork_tokens"]}) == forks
+    for r in rows(run):
+        assert float(r["val_loss"]) > 0 and float(r["val_loss_se"]) > 0
+
+
+def test_smoke_shows_the_merge_beating_the_latest_snapshot(smoke: tuple[Path, str]) -> None:
+    """The product's first promise, at the final fork: the best SMA beats the latest snapshot beyond noise."""
+    run, _ = smoke
+    last = max(int(r["fork_tokens"]) for r in rows(run) if r["fork_tokens"])
+    sma = [r for r in rows(run) if r["fork_tokens"] == str(last) and r["method"] == "sma"]
+    best = min(sma, key=lambda r: float(r["val_loss"]))
+    assert float(best["delta_vs_latest"]) < -5 * float(best["delta_se"]), best
+    annealed = next(r for r in rows(run) if r["fork_tokens"] == str(last) and r["model"] == "annealed")
+    assert float(annealed["delta_vs_latest"]) < 0  # annealing helps too: the baseline is a real one
+
+
+def test_headline_merge_is_the_real_engine_and_matches_the_grid(smoke: tuple[Path, str]) -> None:
+    run, _ = smoke
+    manifest = json.loads((run / "merged" / "pmakit-merge.json").read_text())
+    snaps = {s.path.resolve(): s for s in discover(run / "main")}
+    chosen = [snaps[Path(i["path"])] for i in manifest["inputs"]]
+    states = [load_file(s.path / "model.safetensors") for s in chosen]
+    merged = load_file(run / "merged" / "model.safetensors")
+    for name, value in merged.items():
+        expected = sum(w * st[name].double() for st, w in zip(states, get_weights("sma", len(states))))
+        torch.testing.assert_close(value.double(), expected, rtol=1e-6, atol=1e-7)
+
+
+def test_report_and_summary(smoke: tuple[Path, str]) -> None:
+    run, stdout = smoke
+    for name in ("report.md", "report.html", "curves.csv", "results.jsonl"):
+        assert (run / name).stat().st_size > 0, name
+    assert "report" in stdout
+
+
+def test_rerun_resumes_without_redoing(smoke: tuple[Path, str]) -> None:
+    run, _ = smoke
+    before = (run / "results.csv").read_text()
+    proc = run_cli("experiment", "--preset", "smoke", "-o", run, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "already done" in proc.stderr
+    assert (run / "results.csv").read_text() == before
+
+
+def test_changed_config_on_resume_is_refused(smoke: tuple[Path, str], tmp_path: Path) -> None:
+    run, _ = smoke
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("preset: smoke\ntrain:\n  lr: 0.01\n")
+    proc = run_cli("experiment", cfg, "-o", run)
+    assert proc.returncode != 0 and proc.stderr.startswith("Error: ") and "train.lr" in proc.stderr
+
+
+def test_forks_are_aligned_to_the_snapshot_grid() -> None:
+    study = resolve(
+        {"train": {"every_tokens": 10240, "warmup_tokens": 1000}, "experiment": {"forks": ["400K"]}}
+    )
+    # 400K rounds to 39 x 10240 = 399,360; D = 0.2 x F = 79,872 -> 8 intervals = 81,920
+    assert [(f.fork_tokens, f.anneal_tokens) for f in study.forks] == [(399_360, 81_920)]
+    assert study.train.total_tokens == 399_360 + 81_920 and study.train.decay_tokens == 0
+
+
+def test_bad_experiment_configs() -> None:
+    from pmakit.errors import PmakitError
+
+    with pytest.raises(PmakitError, match="unknown method"):
+        ExperimentConfig(methods=("sma", "bogus"))
+    with pytest.raises(PmakitError, match="unknown experiment config keys: fork"):
+        ExperimentConfig.from_dict({"fork": [1]})
