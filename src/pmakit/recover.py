@@ -17,6 +17,7 @@ Three pieces, each usable alone:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 import json
 import logging
@@ -549,6 +550,7 @@ def recover(
         "loss_lag_tokens": lag,
         "spike": spike.to_dict() if spike is not None else None,
         "spikes_found": len(spikes),
+        "detector": asdict(detector or SpikeConfig()) if spike is not None else None,
         "method": method,
         "alpha": alpha,
         "last": last,
@@ -663,7 +665,7 @@ class RecoveryConfig:
     """What ``SpikeRecovery`` does when the detector fires."""
 
     detector: SpikeConfig = field(default_factory=SpikeConfig)
-    """When a run of steps counts as a spike."""
+    """When a run of steps counts as a spike (``warmup_tokens`` 0 takes the trainer's LR warmup)."""
     last: int = 3
     """K: merge the last K snapshots saved before the spike began."""
     method: str = "sma"
@@ -719,7 +721,11 @@ class SpikeRecovery(Callback):
         )
 
     def on_train_start(self, trainer: Any) -> None:
-        self.detector.reset()
+        detector = self.config.detector
+        warmup = getattr(trainer.config, "warmup_tokens", 0)
+        if detector.warmup_tokens == 0 and warmup:
+            detector = dataclasses.replace(detector, warmup_tokens=warmup)
+        self.detector = SpikeDetector(detector)  # a resumed run starts a fresh baseline
 
     def on_snapshot(self, trainer: Any, snapshot: Any) -> None:
         if self.config.optimizer == "keep-latest":
