@@ -252,32 +252,38 @@ class OnlineAverager:
         """Add the new snapshot ``state`` to the sums and subtract what leaves; the window is not moved yet."""
         m, n, a = len(self._entries), self.n, self.alpha
         for k in self._spec:
-            x = state[k].detach().to("cpu", torch.float32)
+            x = state[k].detach().to("cpu")
             if m == 0:
                 self._init_sums(k, x)
                 continue
             old = read_dropped(k) if read_dropped is not None else None
             if self.method == "sma":
-                s = self._sums["sum"][k].add_(x)
+                s = self._sums["sum"][k]
+                axpy(s, x)
                 if old is not None:
-                    s.sub_(old)
+                    axpy(s, old, -1.0)
             elif self.method == "wma":
                 s, w = self._sums["sum"][k], self._sums["wsum"][k]
                 if old is not None:
-                    w.sub_(s).add_(x, alpha=n)
-                    s.add_(x).sub_(old)
+                    w.sub_(s)
+                    axpy(w, x, n)
+                    axpy(s, x)
+                    axpy(s, old, -1.0)
                 else:
-                    w.add_(x, alpha=m + 1)
-                    s.add_(x)
+                    axpy(w, x, m + 1)
+                    axpy(s, x)
             elif self.method == "ema":
-                e = self._sums["avg"][k].mul_(1 - a).add_(x, alpha=a)
+                e = self._sums["avg"][k].mul_(1 - a)
+                axpy(e, x, a)
                 if old is not None:
                     second = read_oldest(k) if read_oldest is not None else x
-                    e.sub_(old, alpha=(1 - a) ** n).add_(second, alpha=(1 - a) ** n)
+                    axpy(e, old, -((1 - a) ** n))
+                    axpy(e, second, (1 - a) ** n)
             else:  # ema-normalized
-                u = self._sums["u"][k].mul_(1 - a).add_(x, alpha=a)
+                u = self._sums["u"][k].mul_(1 - a)
+                axpy(u, x, a)
                 if old is not None:
-                    u.sub_(old, alpha=a * (1 - a) ** n)
+                    axpy(u, old, -a * (1 - a) ** n)
 
     def _recover(self) -> None:
         """After a failed slide the sums may be half updated: recompute them for the old window, or empty it."""
@@ -289,7 +295,7 @@ class OnlineAverager:
 
     def _init_sums(self, key: str, x: torch.Tensor) -> None:
         for name, coefficients in accumulator_coefficients(self.method, 1, self.alpha).items():
-            self._sums[name][key] = x * coefficients[0] if coefficients[0] != 1.0 else x.clone()
+            self._sums[name][key] = x.to(torch.float32, copy=True).mul_(coefficients[0])
 
     def _rebuild(self, newest: Mapping[str, torch.Tensor] | None = None) -> None:
         """Recompute the running sums from the window's snapshots (``newest``: the last one's tensors, in hand)."""
@@ -305,12 +311,12 @@ class OnlineAverager:
                     else:
                         assert newest is not None
                         x = newest[k].detach()
-                    x = x.to("cpu", torch.float32)
+                    x = x.to("cpu")
                     for name, c in coefficients.items():
                         if i == 0:
-                            sums[name][k] = x * c[0]
+                            sums[name][k] = x.to(torch.float32, copy=True).mul_(c[0])
                         else:
-                            sums[name][k].add_(x, alpha=c[i])
+                            axpy(sums[name][k], x, c[i])
         self._sums = sums
         self._since_resum = 0
 
@@ -491,6 +497,24 @@ class OnlineAverager:
                 )
             assert all(e.path is not None for e in entries)
             self.rebuild_from([Snapshot(e.path, e.tokens) for e in entries])  # type: ignore[arg-type]
+
+
+AXPY_CHUNK = 2**20
+"""Elements per step of ``axpy``: bounds the fp32 temporary torch makes of a bf16/fp16 operand to 4 MiB."""
+
+
+def axpy(dst: torch.Tensor, src: torch.Tensor, alpha: float = 1.0) -> None:
+    """``dst += alpha * src`` in place (dst fp32, contiguous), a chunk at a time.
+
+    A CPU op on mixed dtypes first casts the whole operand to fp32: a model-sized tensor would cost a temporary as
+    large as itself (glibc then keeps such blocks in the heap). Chunks keep it to 4 MiB; the values are the same.
+    """
+    d, s = dst.view(-1), src.reshape(-1)
+    if s.dtype == dst.dtype or d.numel() <= AXPY_CHUNK:
+        d.add_(s, alpha=alpha)
+        return
+    for i in range(0, d.numel(), AXPY_CHUNK):
+        d[i : i + AXPY_CHUNK].add_(s[i : i + AXPY_CHUNK], alpha=alpha)
 
 
 @contextlib.contextmanager

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 SNAPSHOT_NAME = re.compile(r"^step-(\d{8,})$")
 PARTIAL_SUFFIX = ".pmakit-partial"
+_ALIGN = 64
 OnSave = Callable[[Snapshot, dict[str, torch.Tensor]], None]
 
 
@@ -80,11 +81,20 @@ def cpu_copy(
     if isinstance(state, nn.Module):
         state = state.state_dict()
     kept, tied = drop_aliases(state)
+    targets = {k: dtype if dtype is not None and t.is_floating_point() else t.dtype for k, t in kept.items()}
+    offsets, total = {}, 0
+    for name, t in kept.items():
+        offsets[name] = total
+        total += -(-t.numel() * targets[name].itemsize // _ALIGN) * _ALIGN
+    # One allocation for the whole copy: a block that large is mmapped by malloc and goes back to the OS when the
+    # snapshot is freed, where thousands of tensor-sized blocks would stay in the heap (glibc's adaptive mmap
+    # threshold) and grow the process by a snapshot or two.
+    buffer = torch.empty(total, dtype=torch.uint8)
     out = {}
     for name, t in kept.items():
-        target = dtype if dtype is not None and t.is_floating_point() else t.dtype
-        # copy=True: a CPU tensor must not share memory with the live parameter that training keeps updating.
-        out[name] = t.detach().to("cpu", dtype=target, copy=True).contiguous()
+        nbytes = t.numel() * targets[name].itemsize
+        view = buffer[offsets[name] : offsets[name] + nbytes].view(targets[name]).view(t.shape)
+        out[name] = view.copy_(t.detach())
     return out, tied
 
 
