@@ -10,6 +10,7 @@ writes each shard's header first and then streams chunks.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import json
 import mmap
@@ -264,6 +265,21 @@ def header_bytes(tensors: Iterable[OutputTensor], metadata: dict[str, str] | Non
     return struct.pack("<Q", len(raw)) + raw
 
 
+def _libc_sync_file_range() -> Any:
+    """Linux's ``sync_file_range`` (not in Python's os module), or None."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _libc_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
 class ShardWriter:
     """Streams one shard: header first, then each tensor's bytes in order, chunk by chunk."""
 
@@ -275,11 +291,26 @@ class ShardWriter:
         self._written = 0  # bytes of it written so far
         self._hash = hashlib.sha256()
         self._f = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self._size = 0  # bytes written
+        self._flushed = 0  # bytes whose writeback has been started
         self._emit(header_bytes(shard.tensors, metadata))
 
     def _emit(self, data: bytes | memoryview) -> None:
         self._f.write(data)
         self._hash.update(data)
+        self._size += len(data)
+
+    def start_writeback(self, min_bytes: int = 32 * 2**20) -> None:
+        """Start writing to disk what was written so far (without waiting), so that ``close``'s fsync has little
+        left to wait for. Does nothing until ``min_bytes`` are pending, or where the OS has no sync_file_range."""
+        if _SYNC_FILE_RANGE is None or self._size - self._flushed < min_bytes:
+            return
+        self._f.flush()
+        if _SYNC_FILE_RANGE(
+            self._f.fileno(), self._flushed, self._size - self._flushed, _SYNC_FILE_RANGE_WRITE
+        ):
+            return  # only a hint: the fsync in close() still makes the file durable
+        self._flushed = self._size
 
     def write(self, name: str, chunk: torch.Tensor) -> None:
         """Append the next chunk (flat, contiguous, in the planned dtype) of tensor ``name``."""

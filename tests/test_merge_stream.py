@@ -1,0 +1,63 @@
+"""The streaming engine's performance machinery: cache blocks, worker threads, early writeback."""
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import pmakit.merge as merge_mod
+from conftest import state, write_snapshot
+from pmakit.errors import PmakitError
+from pmakit.formats.safetensors_io import OutputTensor, Shard, ShardWriter
+from pmakit.merge import merge
+from pmakit.snapshot import discover
+from test_merge import assert_one_ulp, load_dir
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_blocks_and_workers_match_reference(
+    make_run: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int
+) -> None:
+    # embed.weight (1024 elements) -> 11 chunks of 100, each folded in blocks of 7 (a ragged last block), by two
+    # workers whose chunks must still reach the writer in order.
+    monkeypatch.setattr(merge_mod, "CHUNK_ELEMS", 100)
+    monkeypatch.setattr(merge_mod, "BLOCK_ELEMS", 7)
+    monkeypatch.setattr(merge_mod, "WORKERS", workers)
+    snaps = discover(make_run(3))
+    weights = [0.2, 0.3, 0.5]
+    merge(snaps, weights, tmp_path / "out", fsync=True)
+    got = load_dir(tmp_path / "out")
+    states = [state(i) for i in range(1, 4)]
+    for name in states[0]:
+        if name != "step_counter":
+            assert_one_ulp(got[name], states, weights, name)
+    assert got["step_counter"].tolist() == [3]
+
+
+def test_nan_found_in_any_block(
+    make_run: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(merge_mod, "CHUNK_ELEMS", 100)
+    monkeypatch.setattr(merge_mod, "BLOCK_ELEMS", 7)
+    run = make_run(3)
+    bad = state(2)
+    bad["embed.weight"].view(-1)[1000] = float("nan")  # in the last chunk's last block
+    write_snapshot(run / "step-000200", bad, step=200, tokens=2000)
+    snaps = discover(run)
+    with pytest.raises(PmakitError, match="non-finite values.*embed.weight"):
+        merge(snaps, [1 / 3] * 3, tmp_path / "out", fsync=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_writer_started_writeback_keeps_bytes(tmp_path: Path) -> None:
+    values = torch.arange(5000, dtype=torch.float32)
+    shard = Shard("model.safetensors", (OutputTensor("x", torch.float32, (5000,)),))
+    writer = ShardWriter(tmp_path / "model.safetensors", shard)
+    for start in range(0, 5000, 1000):
+        writer.write("x", values[start : start + 1000])
+        writer.start_writeback(min_bytes=0)
+    writer.close(fsync=True)
+    with safe_open(tmp_path / "model.safetensors", framework="pt") as f:
+        assert torch.equal(f.get_tensor("x"), values)
