@@ -13,6 +13,51 @@ from pmakit.metrics import read_metrics
 from pmakit.snapshot import discover
 from pmakit.weights import get_weights
 
+
+def test_core_resumes_the_window_from_disk(tmp_path: Path) -> None:
+    """A restarted callback (no state but the snapshots) continues the same window at the resumed token count."""
+    from pmakit.integrations import PMACore
+    from pmakit.online import OnlineAverager
+
+    model = torch.nn.Linear(4, 4)
+    first = PMACore(tmp_path, 10, last=3, background=False)
+    first.start(model, 0)
+    for step in range(1, 6):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        first.step(model, tokens=10 * step, step=step)
+    first.close()
+    resumed = PMACore(tmp_path, 10, last=3)
+    resumed.start(
+        model, 40
+    )  # the run resumes from a checkpoint at 40 tokens: the snapshot at 50 is not its past
+    assert [t for t, _ in resumed.averager.window] == [20, 30, 40]
+    reference = OnlineAverager(3, hold_in_memory=True)
+    for s in discover(tmp_path)[:4]:
+        reference.update(load_file(s.path / "model.safetensors"), tokens=s.tokens)
+    for k, v in reference.average().items():
+        torch.testing.assert_close(resumed.averager.average()[k], v)
+    assert not resumed.saver.due(49) and resumed.saver.due(50)  # type: ignore[union-attr]
+    records = read_metrics(tmp_path)
+    assert [r["tokens"] for r in records if r["kind"] == "snapshot"] == [10, 20, 30, 40, 50]
+
+
+def test_count_tokens_and_finding_the_hf_model() -> None:
+    from pmakit.errors import PmakitError
+    from pmakit.integrations import count_tokens, hf_model_in
+
+    ids = torch.zeros(3, 7, dtype=torch.long)
+    assert count_tokens({"input_ids": ids, "labels": ids}) == 21
+    assert count_tokens((ids, ids)) == 21 and count_tokens(ids) == 21
+    with pytest.raises(PmakitError, match="count_tokens"):
+        count_tokens("text")
+    wrapper = torch.nn.Module()
+    wrapper.lm = tiny_llama()
+    assert hf_model_in(wrapper) is wrapper.lm
+    plain = torch.nn.Linear(2, 2)
+    assert hf_model_in(plain) is plain
+
+
 transformers = pytest.importorskip("transformers")
 
 SEQ, BATCH, STEPS, EVERY, LAST = 16, 4, 24, 150, 3
