@@ -15,23 +15,26 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
+import hashlib
 import json
 import logging
 import math
 import os
 import queue
 import shutil
+import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import pmakit
+from pmakit.distributed import World
 from pmakit.errors import PmakitError
 from pmakit.formats import Reader, TensorInfo, is_float, open_reader
 from pmakit.formats.safetensors_io import OutputTensor, Shard, ShardWriter, plan_shards, write_index
@@ -82,6 +85,19 @@ class MergePlan:
     shards: list[Shard]
     skipped: list[str] = field(default_factory=list)
     """Entries of the inputs that are not model weights (optimizer, RNG) and are not merged."""
+    owners: tuple[int, ...] = ()
+    """The rank that writes each shard (empty: rank 0 writes them all)."""
+
+    def owner(self, shard: int) -> int:
+        return self.owners[shard] if self.owners else 0
+
+    def shard_input_bytes(self, shard: int) -> int:
+        """Bytes read to write one shard."""
+        readers = sum(1 for w in self.weights if w != 0)
+        return sum(
+            self.tensors[t.name][0].nbytes * (readers if is_float(self.tensors[t.name][0].dtype) else 1)
+            for t in self.shards[shard].tensors
+        )
 
     @property
     def input_bytes(self) -> int:
@@ -160,23 +176,58 @@ def plan_merge(
     snapshots: Sequence[Snapshot],
     weights: Sequence[float],
     *,
-    dtype: str | torch.dtype | None = "same",
+    dtype: str | torch.dtype | Mapping[str, torch.dtype] | None = "same",
     max_shard_size: int = 5 * 10**9,
+    ranks: int = 1,
+    cast: bool | None = None,
 ) -> MergePlan:
-    """Read every input's headers, check they match, and lay out the output. Reads no weights."""
+    """Read every input's headers, check they match, and lay out the output. Reads no weights.
+
+    Args:
+        dtype: as for ``merge``, or a mapping of tensor name to output dtype.
+        ranks: split the output into shards owned by this many ranks, balanced by bytes.
+        cast: inputs may differ in float dtype (default: only when ``dtype`` is not ``same``).
+    """
     if len(snapshots) != len(weights):
         raise PmakitError(f"{len(weights)} weights for {len(snapshots)} snapshots")
     if not snapshots:
         raise PmakitError("no snapshots to merge")
     with contextlib.ExitStack() as stack:
         readers = [stack.enter_context(open_reader(s.path)) for s in snapshots]
-        _validate(readers, snapshots, cast=dtype not in (None, "same"))
+        _validate(readers, snapshots, cast=dtype not in (None, "same") if cast is None else cast)
         newest = readers[-1]
         order = sorted(newest.tensors, key=lambda k: newest.tensors[k].order)
-        tensors = {k: (newest.tensors[k], output_dtype(dtype, newest.tensors[k].dtype)) for k in order}
+        tensors = {
+            k: (
+                newest.tensors[k],
+                dtype[k] if isinstance(dtype, Mapping) else output_dtype(dtype, newest.tensors[k].dtype),
+            )
+            for k in order
+        }
         out = [OutputTensor(k, tensors[k][1], tensors[k][0].shape) for k in order]
         skipped = sorted({s for r in readers for s in r.skipped})
-    return MergePlan(list(snapshots), list(weights), tensors, plan_shards(out, max_shard_size), skipped)
+    shards, owners = _plan_rank_shards(out, max_shard_size, ranks)
+    return MergePlan(list(snapshots), list(weights), tensors, shards, skipped, owners)
+
+
+def _plan_rank_shards(
+    out: Sequence[OutputTensor], max_shard_size: int, ranks: int
+) -> tuple[list[Shard], tuple[int, ...]]:
+    """Shards for ``ranks`` writers: the tensors split into contiguous groups by bytes, each group sharded."""
+    if ranks <= 1:
+        return plan_shards(out, max_shard_size), ()
+    from pmakit.distributed import split_by_bytes
+
+    groups = split_by_bytes([t.nbytes for t in out], ranks)
+    parts = [
+        (r, plan_shards([t for t, g in zip(out, groups) if g == r], max_shard_size)) for r in range(ranks)
+    ]
+    flat = [(r, s) for r, shards in parts for s in shards if s.tensors]
+    if len(flat) <= 1:
+        return [s for _, s in flat] or plan_shards(out, max_shard_size), ()
+    n = len(flat)
+    shards = [Shard(f"model-{i + 1:05d}-of-{n:05d}.safetensors", s.tensors) for i, (_, s) in enumerate(flat)]
+    return shards, tuple(r for r, _ in flat)
 
 
 @dataclass(frozen=True)
@@ -427,7 +478,8 @@ def _stream(
 
 
 def _close(writer: ShardWriter, fsync: bool) -> dict[str, Any]:
-    return {"name": writer.path.name, "size": writer.path.stat().st_size, "sha256": writer.close(fsync)}
+    sha256 = writer.close(fsync)  # first: the size is only final once the file is flushed
+    return {"name": writer.path.name, "size": writer.path.stat().st_size, "sha256": sha256}
 
 
 def partial_dir(out: Path) -> Path:
@@ -491,6 +543,243 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+OUT_FORMATS = ("safetensors", "dcp")
+FP32_DIR = "pmakit-fp32"
+"""Inside a merge made with ``keep_fp32``: the fp32 sums (HF layout) that an incremental update starts from."""
+PROGRESS_DIR = ".pmakit-progress"
+"""Inside the partial directory: the plan's fingerprint and one checksum record per finished shard."""
+KILL_ENV = "PMAKIT_TEST_KILL"
+"""Test hook: ``after-shard:K``, ``in-shard:K`` or ``before-rename`` makes the process SIGKILL itself there."""
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(16 * 2**20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_json(path: Path, record: dict[str, Any]) -> None:
+    """Atomically (a kill leaves the old file or the new one, never half of one)."""
+    tmp = path.parent / f".{path.name}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class _Progress:
+    """What an interrupted merge finished: one checksum record per shard, written once the shard is on disk."""
+
+    def __init__(self, partial: Path) -> None:
+        self.partial = partial
+        self.dir = partial / PROGRESS_DIR
+
+    def _file(self, rel: str) -> Path:
+        return self.dir / (rel.replace("/", "__") + ".json")
+
+    def start(self, fingerprint: str) -> None:
+        self.dir.mkdir(parents=True)
+        _write_json(self.dir / "plan.json", {"fingerprint": fingerprint})
+
+    def check(self, fingerprint: str) -> None:
+        try:
+            recorded = json.loads((self.dir / "plan.json").read_text()).get("fingerprint")
+        except (OSError, ValueError, AttributeError):
+            raise PmakitError(
+                f"{self.partial} has no readable progress record, so it cannot be resumed; "
+                "pass --force to start over"
+            ) from None
+        if recorded != fingerprint:
+            raise PmakitError(
+                f"{self.partial} holds an interrupted merge with other inputs or options (snapshots, weights, "
+                "dtype, shard size, ranks, format or --keep-fp32 differ); pass --force to start over"
+            )
+
+    def record(self, rel: str, info: dict[str, Any]) -> None:
+        _write_json(self._file(rel), info)
+
+    def recorded(self, rel: str) -> dict[str, Any]:
+        return dict(json.loads(self._file(rel).read_text()))
+
+    def finished(self, rel: str) -> bool:
+        """The shard is recorded and the file on disk still has the recorded size and sha256."""
+        try:
+            record = self.recorded(rel)
+        except (OSError, ValueError):
+            return False
+        path = self.partial / rel
+        if (
+            path.is_file()
+            and path.stat().st_size == record.get("size")
+            and _sha256_file(path) == record["sha256"]
+        ):
+            return True
+        log.warning("%s was recorded as finished but does not match its checksum; writing it again", path)
+        return False
+
+
+class _Killer:
+    """The ``PMAKIT_TEST_KILL`` hook: dies like a kill -9 at a chosen point, so that tests can resume from it."""
+
+    def __init__(self) -> None:
+        point, _, k = os.environ.get(KILL_ENV, "").partition(":")
+        self.point, self.k, self.shards = point, int(k or 0), 0
+
+    def at(self, point: str) -> None:
+        if point == self.point and (point == "before-rename" or self.shards == self.k):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _write_pass(
+    plan: MergePlan,
+    readers: Sequence[Reader],
+    partial: Path,
+    sub: str,
+    world: World,
+    progress: Callable[[int], None] | None,
+    fsync: bool,
+    killer: _Killer,
+) -> None:
+    """Write the shards of ``plan`` this rank owns into ``partial/sub``, skipping those already finished."""
+    directory = partial / sub
+    directory.mkdir(exist_ok=True)
+    prog = _Progress(partial)
+    for i, shard in enumerate(plan.shards):
+        if plan.owner(i) != world.rank:
+            continue
+        rel = f"{sub}/{shard.file}" if sub else shard.file
+        if prog.finished(rel):
+            continue
+
+        def report(n: int) -> None:
+            killer.at("in-shard")
+            if progress is not None:
+                progress(n)
+
+        files = _stream(replace(plan, shards=[shard]), readers, directory, report, fsync)
+        prog.record(rel, files[0])
+        killer.shards += 1
+        killer.at("after-shard")
+
+
+def _fingerprint(plan: MergePlan, readers: Sequence[Reader], **options: Any) -> str:
+    """Identifies a merge: its inputs (paths and header checksums), weights, output layout and options."""
+    record = {
+        "inputs": [str(s.path.resolve()) for s in plan.snapshots],
+        "files": [[vars(f) for f in r.files] for r in readers],
+        "weights": plan.weights,
+        "shards": [[s.file, [(t.name, str(t.dtype), list(t.shape)) for t in s.tensors]] for s in plan.shards],
+        "owners": list(plan.owners),
+        **options,
+    }
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
+def _prepare(out: Path, partial: Path, plan: MergePlan, fingerprint: str, force: bool, resume: bool) -> None:
+    """Rank 0: check the target, then create the partial directory or take over an interrupted one."""
+    if out.exists() and not force:
+        raise PmakitError(f"{out} exists; pass --force to replace it")
+    if partial.exists():
+        if resume:
+            _Progress(partial).check(fingerprint)
+            log.info("resuming the interrupted merge in %s", partial)
+            return
+        if not force:
+            raise PmakitError(
+                f"{partial} is left from an interrupted merge; pass --resume to continue it, "
+                "or --force to start over"
+            )
+        shutil.rmtree(partial)
+    elif resume:
+        log.info("no interrupted merge in %s; starting from the beginning", partial)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out.parent).free
+    if plan.output_bytes > free:
+        raise PmakitError(
+            f"not enough disk space in {out.parent}: the merge writes "
+            f"{format_bytes(plan.output_bytes)}, {format_bytes(free)} free"
+        )
+    partial.mkdir()
+    _Progress(partial).start(fingerprint)
+
+
+def _stage(world: World, out: Path, fn: Callable[[], Any], rank0: bool = False) -> Any:
+    """Run ``fn`` on every rank (or on rank 0 only), then agree: if any rank failed, every rank raises (its own
+    error, or a pointer to the rank that has it). Every rank passes the same stages in the same order."""
+    error: BaseException | None = None
+    result = None
+    try:
+        if world.rank == 0 or not rank0:
+            result = fn()
+    except BaseException as e:
+        error = e
+    everyone = world.agree(error is None)
+    if isinstance(error, OSError):
+        raise PmakitError(
+            f"writing {out} failed: {error.strerror or error}" + (" (disk full)" if error.errno == 28 else "")
+        ) from error
+    if error is not None:
+        raise error
+    if not everyone:
+        raise PmakitError("the merge failed on another rank (its error is in that rank's output)")
+    return result
+
+
+def _to_dcp(plan: MergePlan, partial: Path, world: World, fsync: bool) -> None:
+    """Rewrite this rank's finished safetensors shards as DCP files in ``partial`` (a collective)."""
+    from pmakit.formats import dcp_io
+    from pmakit.formats.safetensors_io import SafetensorsReader
+
+    with SafetensorsReader(partial) as staged:
+        mine = {
+            t.name: staged.read(t.name, 0, staged.tensors[t.name].numel).view(t.shape)
+            for i, s in enumerate(plan.shards)
+            if plan.owner(i) == world.rank
+            for t in s.tensors
+        }
+        dcp_io.save(mine, partial, distributed=world.distributed, fsync=fsync)
+        mine.clear()
+
+
+def _finish(
+    plan: MergePlan,
+    readers: Sequence[Reader],
+    partial: Path,
+    out: Path,
+    out_format: str,
+    fsync: bool,
+    manifest: Callable[[list[dict[str, Any]], list[str]], dict[str, Any]],
+    killer: _Killer,
+) -> dict[str, Any]:
+    """Rank 0, once every shard is written: drop staged files, copy extras, write the manifest, rename."""
+    prog = _Progress(partial)
+    if out_format == "dcp":
+        for s in plan.shards:
+            (partial / s.file).unlink(missing_ok=True)
+        (partial / "model.safetensors.index.json").unlink(missing_ok=True)
+        files = [
+            {"name": f.name, "size": f.stat().st_size, "sha256": _sha256_file(f)}
+            for f in sorted(partial.iterdir())
+            if f.is_file() and (f.suffix == ".distcp" or f.name == ".metadata")
+        ]
+    else:
+        write_index(partial, plan.shards)
+        files = [prog.recorded(s.file) for s in plan.shards]
+    copied = _copy_extras(plan.snapshots[-1].path, partial)
+    record = manifest(files, copied)
+    (partial / MERGE_MANIFEST).write_text(json.dumps(record, indent=2) + "\n")
+    if fsync:
+        _fsync_dir(partial)
+    killer.at("before-rename")
+    _replace(partial, out)
+    # Only now: a kill before the rename must still find the progress record to resume from.
+    shutil.rmtree(out / PROGRESS_DIR, ignore_errors=True)
+    return record
+
+
 def merge(
     snapshots: Sequence[Snapshot],
     weights: Sequence[float],
@@ -503,60 +792,130 @@ def merge(
     manifest_extra: dict[str, Any] | None = None,
     threads: int = 1,
     fsync: bool = True,
+    resume: bool = False,
+    out_format: str = "safetensors",
+    keep_fp32: bool = False,
+    world: World | None = None,
+    window: tuple[Sequence[Snapshot], Sequence[float]] | None = None,
 ) -> MergeResult:
-    """Merge ``snapshots`` (oldest first) with ``weights`` into an HF-layout model directory ``out``.
+    """Merge ``snapshots`` (oldest first) with ``weights`` into a model directory ``out``.
 
     Args:
         dtype: ``same`` (each tensor keeps its input dtype), ``bf16``, ``fp16``, ``fp32`` or a torch dtype.
         max_shard_size: bytes per output shard; a larger tensor gets a shard of its own.
-        force: replace an existing ``out`` (only once the new merge is complete).
+        force: replace an existing ``out`` (only once the new merge is complete), or a partial one.
         progress: called with the number of input bytes consumed after each chunk.
         manifest_extra: recorded in ``pmakit-merge.json`` (e.g. the method and the selection flags).
         threads: torch intra-op threads for the accumulation (the reader thread runs beside them).
         fsync: flush the output to disk before renaming it into place.
+        resume: continue an interrupted merge into ``out`` (same inputs and options) from its partial directory,
+            writing only the shards it had not finished; without one, start from the beginning.
+        out_format: ``safetensors`` (HF layout) or ``dcp`` (torch.distributed.checkpoint, names at the top level).
+        keep_fp32: also keep the fp32 sums in ``out/pmakit-fp32/`` when the output is cast to a narrower dtype
+            (what ``incremental_terms`` needs to update this merge exactly).
+        world: this process's rank among the ranks sharing the merge (default: a single process).
+        window: for an incremental update (``snapshots``/``weights`` are then its terms), the merge's real
+            window and weights, recorded in the manifest as its inputs.
     """
     start = time.perf_counter()
     out = Path(out)
-    plan = plan_merge(snapshots, weights, dtype=dtype, max_shard_size=max_shard_size)
-    if out.exists() and not force:
-        raise PmakitError(f"{out} exists; pass --force to replace it")
-    partial = partial_dir(out)
-    if partial.exists():
-        if not force:
-            raise PmakitError(f"{partial} is left from an interrupted merge; remove it or pass --force")
-        shutil.rmtree(partial)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(out.parent).free
-    if plan.output_bytes > free:
-        raise PmakitError(
-            f"not enough disk space in {out.parent}: the merge writes "
-            f"{format_bytes(plan.output_bytes)}, {format_bytes(free)} free"
+    world = world or World()
+    if out_format not in OUT_FORMATS:
+        raise PmakitError(f"unknown output format {out_format!r}; use {' or '.join(OUT_FORMATS)}")
+    cast = True if window is not None else None
+    plan = plan_merge(
+        snapshots, weights, dtype=dtype, max_shard_size=max_shard_size, ranks=world.size, cast=cast
+    )
+    narrow = any(is_float(d) and d != torch.float32 for _, d in plan.tensors.values())
+    sums = None
+    if keep_fp32 and narrow:
+        sums = plan_merge(
+            snapshots, weights, dtype="fp32", max_shard_size=max_shard_size, ranks=world.size, cast=True
         )
+    partial = partial_dir(out)
+    killer = _Killer()
     previous_threads = torch.get_num_threads()
+    owned = False
     try:
-        partial.mkdir()
         torch.set_num_threads(threads)
         with contextlib.ExitStack() as stack:
             readers = [stack.enter_context(open_reader(s.path)) for s in plan.snapshots]
-            files = _stream(plan, readers, partial, progress, fsync)
-            write_index(partial, plan.shards)
-            copied = _copy_extras(plan.snapshots[-1].path, partial)
-            manifest = _manifest(plan, readers, files, copied, dtype, manifest_extra or {})
-        (partial / MERGE_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        if fsync:
-            _fsync_dir(partial)
-        _replace(partial, out)
-    except OSError as e:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise PmakitError(
-            f"writing {out} failed: {e.strerror or e}" + (" (disk full)" if e.errno == 28 else "")
-        ) from e
+            options = {"format": out_format, "keep_fp32": sums is not None, "ranks": world.size}
+            fingerprint = _fingerprint(plan, readers, **options)
+            _stage(world, out, lambda: _prepare(out, partial, plan, fingerprint, force, resume), rank0=True)
+            owned = True
+            final, final_readers = plan, readers
+            if sums is not None:
+                fp32 = sums
+                _stage(
+                    world,
+                    out,
+                    lambda: _write_pass(fp32, readers, partial, FP32_DIR, world, progress, fsync, killer),
+                )
+                _stage(world, out, lambda: write_index(partial / FP32_DIR, fp32.shards), rank0=True)
+                # The output is the fp32 sums cast once: the same bytes as casting the accumulator directly.
+                state = Snapshot(partial / FP32_DIR, tokens=plan.snapshots[-1].tokens, source="merge")
+                dtypes = {k: d for k, (_, d) in plan.tensors.items()}
+                final = plan_merge(
+                    [state], [1.0], dtype=dtypes, max_shard_size=max_shard_size, ranks=world.size, cast=True
+                )
+                if final.shards != plan.shards:
+                    raise RuntimeError("the cast pass planned other shards than the merge")
+                final_readers = [stack.enter_context(open_reader(state.path))]
+            last_pass = (final, final_readers, None if sums is not None else progress)
+            _stage(
+                world,
+                out,
+                lambda: _write_pass(*last_pass[:2], partial, "", world, last_pass[2], fsync, killer),
+            )
+            if out_format == "dcp":
+                _stage(world, out, lambda: write_index(partial, plan.shards), rank0=True)
+                _stage(world, out, lambda: _to_dcp(plan, partial, world, fsync))
+
+            def manifest(files: list[dict[str, Any]], copied: list[str]) -> dict[str, Any]:
+                record = _manifest(plan, readers, files, copied, dtype, manifest_extra or {})
+                record["produced_by"] = {
+                    "mode": "incremental" if window is not None else "full",
+                    "ranks": world.size,
+                    "format": out_format,
+                    "fp32_sums": FP32_DIR if sums is not None else (None if narrow else "."),
+                }
+                if window is not None:
+                    record["terms"] = record["inputs"]
+                    record["inputs"] = _window_inputs(*window)
+                    record["weights"] = list(window[1])
+                    record["tokens"] = window[0][-1].tokens
+                return record
+
+            result = _stage(
+                world,
+                out,
+                lambda: _finish(plan, readers, partial, out, out_format, fsync, manifest, killer),
+                rank0=True,
+            )
     except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
+        if owned and world.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
         raise
     finally:
         torch.set_num_threads(previous_threads)
-    return MergeResult(out, plan, time.perf_counter() - start, manifest)
+    return MergeResult(out, plan, time.perf_counter() - start, result or {})
+
+
+def _window_inputs(snapshots: Sequence[Snapshot], weights: Sequence[float]) -> list[dict[str, Any]]:
+    with contextlib.ExitStack() as stack:
+        readers = [stack.enter_context(open_reader(s.path)) for s in snapshots]
+        return [
+            {
+                "path": str(s.path.resolve()),
+                "step": s.step,
+                "tokens": s.tokens,
+                "weight": w,
+                "format": r.format,
+                "files": [vars(f) for f in r.files],
+            }
+            for s, w, r in zip(snapshots, weights, readers)
+        ]
 
 
 def _replace(partial: Path, out: Path) -> None:
@@ -569,3 +928,136 @@ def _replace(partial: Path, out: Path) -> None:
     os.replace(partial, out)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Incremental updates: the merge of a moved window from the previous merge's fp32 sums
+
+INCREMENTAL_METHODS = ("sma", "ema", "ema-normalized")
+"""Weightings whose weights, when the window moves, keep their ratios on the snapshots that stay."""
+
+
+@dataclass(frozen=True)
+class Increment:
+    """How to get the merge of a new window from a previous merge: ``sum(weights[i] * terms[i])``."""
+
+    terms: list[Snapshot]
+    """The previous merge's fp32 sums first, then the snapshots to add or subtract, the window's newest last."""
+    weights: list[float]
+    """One per term; the first is the scale applied to the previous sums."""
+    previous: Path
+    """The previous merge directory."""
+
+    @property
+    def reads(self) -> int:
+        return sum(1 for w in self.weights if w != 0)
+
+
+def _same_files(snapshot: Path, recorded: Any) -> bool:
+    """The snapshot's header checksums still match what the previous merge recorded."""
+    if not isinstance(recorded, list):
+        return False
+    with open_reader(snapshot) as reader:
+        return [f.header_sha256 for f in reader.files] == [r.get("header_sha256") for r in recorded]
+
+
+def _scale(old: dict[str, float], new: dict[str, float]) -> float:
+    """The factor on the previous merge that makes the most shared snapshots' weights right as they are."""
+    ratios = [new[p] / old[p] for p in new.keys() & old.keys() if old[p] != 0]
+    if not ratios:
+        return 0.0
+    votes: dict[float, list[float]] = {}
+    for r in ratios:
+        votes.setdefault(float(f"{r:.10g}"), []).append(r)
+    return max(votes.values(), key=len)[0]
+
+
+def plan_increment(
+    previous: str | os.PathLike[str],
+    window: Sequence[Snapshot],
+    weights: Sequence[float],
+    *,
+    method: str,
+    alpha: float,
+) -> Increment:
+    """Terms that turn the merge in ``previous`` into the merge of ``window`` with ``weights``.
+
+    With the previous weights w and the new ones w', the new merge is c * previous + sum_p (w'_p - c * w_p) * p
+    over the snapshots p of both windows, c chosen so that the snapshots in both need no term: for SMA and EMA a
+    moved window then reads only the added and the dropped snapshots (and, for EMA, the new oldest one, which takes
+    the seed's weight). The sums are fp32: a previous merge written in bf16 or fp16 must have kept its fp32 sums
+    (``--keep-fp32``), or every update would add that rounding for good.
+    """
+    previous = Path(previous)
+    manifest_file = previous / MERGE_MANIFEST
+    try:
+        manifest = json.loads(manifest_file.read_text())
+        prior = {str(Path(i["path"])): (float(i["weight"]), i) for i in manifest["inputs"]}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise PmakitError(f"{previous}: not a pmakit merge with a readable {MERGE_MANIFEST} ({e})") from e
+    if method not in INCREMENTAL_METHODS:
+        raise PmakitError(
+            f"--from-previous updates {', '.join(INCREMENTAL_METHODS)} merges: with {method} the weight of "
+            "every snapshot changes when the window moves, so run a full merge"
+        )
+    if manifest.get("method") != method:
+        raise PmakitError(
+            f"{previous} is a {manifest.get('method')} merge; --from-previous cannot turn it into {method}"
+        )
+    if method.startswith("ema") and manifest.get("alpha") != alpha:
+        raise PmakitError(f"{previous} used --alpha {manifest.get('alpha')}, not {alpha}; run a full merge")
+    state = previous / FP32_DIR
+    if not state.is_dir():
+        state = previous
+        with open_reader(previous) as reader:
+            narrow = sorted(
+                {
+                    str(i.dtype)
+                    for i in reader.tensors.values()
+                    if is_float(i.dtype) and i.dtype != torch.float32
+                }
+            )
+        if narrow:
+            raise PmakitError(
+                f"{previous} holds {', '.join(narrow).replace('torch.', '')} weights and no fp32 sums ({FP32_DIR}/): "
+                "updating it would keep that rounding in every later merge; run the full merge once with "
+                "--keep-fp32 (or --dtype fp32)"
+            )
+    new = {str(s.path.resolve()): w for s, w in zip(window, weights)}
+    old = {p: w for p, (w, _) in prior.items()}
+    if not new.keys() & old.keys():
+        raise PmakitError(
+            f"the new window shares no snapshot with {previous}: nothing to reuse, run a full merge"
+        )
+    scale = _scale(old, new)
+    biggest = max(abs(w) for w in [*old.values(), *new.values()])
+    by_path = {str(s.path.resolve()): s for s in window}
+    terms: list[tuple[Snapshot, float]] = []
+    for p in sorted(new.keys() | old.keys()):
+        d = new.get(p, 0.0) - scale * old.get(p, 0.0)
+        if abs(d) <= 1e-12 * biggest:
+            continue
+        entry = prior[p][1] if p in prior else None
+        if p in by_path:
+            snap = by_path[p]
+        elif not Path(p).is_dir():
+            raise PmakitError(
+                f"{p} left the window but is gone: an incremental update subtracts it; run a full merge"
+            )
+        else:
+            assert entry is not None  # it left the window, so the previous merge had it
+            snap = Snapshot(Path(p), tokens=int(entry["tokens"]), step=entry.get("step"), source="merge")
+        if entry is not None and not _same_files(snap.path, entry.get("files")):
+            raise PmakitError(
+                f"{p} changed since {previous} was merged (its headers differ); run a full merge"
+            )
+        terms.append((snap, d))
+    terms.sort(key=lambda t: t[0].tokens)
+    newest = window[-1]
+    if not terms or terms[-1][0].path.resolve() != newest.path.resolve():
+        terms.append(
+            (newest, 0.0)
+        )  # read only for its integer tensors and config files, as a full merge would
+    previous_tokens = int(manifest.get("tokens", 0))
+    sums = Snapshot(state, tokens=previous_tokens, source="merge")
+    return Increment([sums, *(s for s, _ in terms)], [scale, *(w for _, w in terms)], previous)
