@@ -56,46 +56,56 @@ def build_run(
     ns: tuple[int, ...] = NS,
     vs: tuple[int, ...] = VS,
     se_scale: float = 1.0,
+    batch_losses: bool = True,
     seed: int = 0,
 ) -> Path:
-    """Write experiment.json, results.csv (+ .jsonl) and curves.csv shaped like `pmakit experiment`'s."""
+    """Write experiment.json, results.csv (+ .jsonl) and curves.csv shaped like `pmakit experiment`'s.
+
+    Every model is scored on the same B batches: the latest snapshot's batch losses vary with batch difficulty,
+    another model's are those minus its gain plus a small paired noise, and the statistics are computed from
+    the batches the way pmakit.evaluate does (so the CSV, the JSONL and the batches agree).
+    """
     rng = np.random.default_rng(seed)
     run.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, object]] = []
     bpt = 1 / (math.log(2) * 3.1)  # bits per byte per nat, ~3.1 bytes per token
+    n_batches = 24
 
     def add(
-        fork: int | None, model: str, tokens: int, loss: float, delta: float | None, **kw: object
+        fork: int | None, model: str, tokens: int, b: np.ndarray, ref: np.ndarray | None, **kw: object
     ) -> None:
-        rows.append(
-            _row(
-                fork_tokens=fork if fork is not None else "",
-                model=model,
-                tokens=tokens,
-                val_loss=round(loss, 6),
-                val_loss_se=round(0.031 + 0.002 * rng.random(), 6),
-                bpb=round(loss * bpt, 6),
-                delta_vs_latest="" if delta is None else round(delta, 6),
-                delta_se="" if delta is None else round(se_scale * (0.0016 + 0.0008 * rng.random()), 6),
-                **kw,
-            )
+        diff = None if ref is None else b - ref
+        row = _row(
+            fork_tokens=fork if fork is not None else "",
+            model=model,
+            tokens=tokens,
+            val_loss=float(b.mean()),
+            val_loss_se=float(b.std(ddof=1) / math.sqrt(n_batches)),
+            bpb=float(b.mean() * bpt),
+            delta_vs_latest=0.0 if diff is None else float(diff.mean()),
+            delta_se=0.0 if diff is None else float(diff.std(ddof=1) / math.sqrt(n_batches)),
+            **kw,
         )
+        rows.append({**row, "batch_losses": [float(x) for x in b]} if batch_losses else row)
+
+    def scored(ref: np.ndarray, gain: float) -> np.ndarray:
+        return ref - gain + rng.normal(0, 0.008 * se_scale, n_batches)
 
     for k, (f, d) in enumerate(forks):
         end = f + d
-        base = latest_curve(end) + rng.normal(0, 0.01)
-        add(f, "latest", end, base, 0.0, label=f"latest ({end} tokens)")
+        latest = latest_curve(end) + rng.normal(0, 0.12, n_batches)
+        add(f, "latest", end, latest, None, label=f"latest ({end} tokens)")
         for method, alpha in weightings:
             for n in ns:
                 for m in vs if method == "sma" else vs[:1]:
-                    g = merge_gain(min(k, 1), n, m, method, alpha) + rng.normal(0, 0.0015)
+                    g = merge_gain(min(k, 1), n, m, method, alpha)
                     name = method.upper() + (f"({alpha})" if alpha else "")
                     add(
                         f,
                         "merged",
                         end,
-                        base - g,
-                        -g,
+                        scored(latest, g),
+                        latest,
                         method=method,
                         n=n,
                         v_tokens=m * V0,
@@ -105,14 +115,24 @@ def build_run(
                     )
         if annealed:
             g = (0.045, 0.09)[min(k, 1)]
-            add(f, "annealed", end, base - g, -g, label=f"anneal from {f}")
+            add(f, "annealed", end, scored(latest, g), latest, label=f"anneal from {f}")
     for t in (16 * V0, 48 * V0):  # E1: points of the stable phase
-        base = latest_curve(t) + rng.normal(0, 0.01)
-        add(None, "latest", t, base, 0.0, label="latest")
-        add(None, "merged", t, base - 0.03, -0.03, method="sma", n=8, v_tokens=V0, label="SMA N=8 V=1x")
+        latest = latest_curve(t) + rng.normal(0, 0.12, n_batches)
+        add(None, "latest", t, latest, None, label="latest")
+        add(
+            None,
+            "merged",
+            t,
+            scored(latest, 0.03),
+            latest,
+            method="sma",
+            n=8,
+            v_tokens=V0,
+            label="SMA N=8 V=1x",
+        )
 
     with (run / "results.csv").open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=RESULT_COLUMNS)
+        w = csv.DictWriter(fh, fieldnames=RESULT_COLUMNS, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
     (run / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -214,8 +234,15 @@ def traceable_values(run: Path) -> dict[str, set[float]]:
     ]:
         raw.update(abs(v) for _, v, _, _ in numbers_in(text))
     rows = read_rows(run)
+    jsonl = run / "results.jsonl"
+    records = [json.loads(line) for line in jsonl.read_text().splitlines()] if jsonl.exists() else []
+    for r, rec in zip(rows, records):  # the JSONL has the CSV's rows in the same order, plus batch losses
+        if rec.get("batch_losses"):
+            r["batches"] = np.array(rec["batch_losses"])  # type: ignore[assignment]
     for r in rows:
         for k, v in r.items():
+            if k == "batches":
+                continue
             if k == "label":
                 raw.update(abs(x) for _, x, _, _ in numbers_in(v))
             elif _f(v) is not None:
@@ -245,9 +272,17 @@ def traceable_values(run: Path) -> dict[str, set[float]]:
         # pairs whose difference the report may print: any merge vs the anneal, weightings at the same N and V
         pairs = [(m, a) for m in merged for a in ann]
         pairs += [
-            (a, b) for a in merged for b in merged if a["n"] == b["n"] and a["v_tokens"] == b["v_tokens"]
+            (a, b)
+            for a in merged
+            for b in merged
+            if a is not b and a["n"] == b["n"] and a["v_tokens"] == b["v_tokens"]
         ]
         for a, b in pairs:
+            if "batches" in a and "batches" in b:  # paired over the same batches
+                diff = a["batches"] - b["batches"]  # type: ignore[operator]
+                mean, se = abs(diff.mean()), diff.std(ddof=1) / math.sqrt(len(diff))
+                loss.update({mean, se})
+                z.add(mean / se)
             da, db = _f(a["delta_vs_latest"]), _f(b["delta_vs_latest"])
             sa, sb = _f(a["delta_se"]), _f(b["delta_se"])
             if da is None or db is None or sa is None or sb is None:
@@ -256,8 +291,16 @@ def traceable_values(run: Path) -> dict[str, set[float]]:
             z.add(abs(da - db) / (sa + sb))
             if sa != sb:
                 z.add(abs(da - db) / abs(sa - sb))
+        latest = [r for r in at if r["model"] == "latest"]
         for m in merged:
             for a in ann:
+                if latest and all("batches" in x for x in (latest[0], m, a)):
+                    bl, bm, ba = (x["batches"] for x in (latest[0], m, a))
+                    g_m, g_a = bl - bm, bl - ba  # type: ignore[operator]
+                    ratio = g_m.mean() / g_a.mean()
+                    cov = np.cov(np.vstack([g_m, g_a]), ddof=1) / len(g_m)
+                    var = cov[0, 0] + ratio**2 * cov[1, 1] - 2 * ratio * cov[0, 1]
+                    pct.update({abs(ratio), math.sqrt(var) / g_a.mean()})
                 gm, ga = -_f(m["delta_vs_latest"]), -_f(a["delta_vs_latest"])  # type: ignore[operator]
                 if ga > 0:
                     r_ = gm / ga
@@ -378,12 +421,28 @@ def test_recovered_fraction_and_gap_bounds() -> None:
 
 
 def test_noisy_run_is_called_noise_not_a_win(tmp_path: Path) -> None:
-    run = build_run(tmp_path / "noisy", se_scale=40.0, curves=False)
+    run = build_run(
+        tmp_path / "noisy", se_scale=60.0, curves=False, weightings=[("sma", None)], ns=(4,), vs=(1,)
+    )
+    merged = next(
+        r for r in read_rows(run) if r["fork_tokens"] == str(FORKS[-1][0]) and r["model"] == "merged"
+    )
+    z = -float(merged["delta_vs_latest"]) / float(merged["delta_se"])
+    assert abs(z) < 2  # the fixture is noisy enough for the check below to mean something
     write_report(run)
     head = (run / "report.md").read_text().split("## Headline")[1].split("\n## ")[0]
-    assert "it is within noise of the latest snapshot" in head
+    assert f"it is within noise of the latest snapshot ({z:+.1f} paired standard errors)" in head
     assert "beats the latest snapshot" not in head.split("The annealed branch")[0]
     assert untraceable((run / "report.md").read_text(), traceable_values(run)) == []
+
+
+def test_best_of_many_noisy_merges_is_flagged_as_picked(tmp_path: Path) -> None:
+    run = build_run(tmp_path / "many", se_scale=60.0, curves=False)
+    write_report(run)
+    head = (run / "report.md").read_text().split("## Headline")[1].split("\n## ")[0]
+    assert (
+        "It is the lowest of 28 merges evaluated here; picking the minimum after the fact flatters it" in head
+    )
 
 
 def test_merge_worse_than_latest_is_reported_as_worse(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ Sign convention: a *gain* is ``latest - model`` (positive = the model beats the 
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -36,18 +37,40 @@ class Gain:
 
 @dataclass(frozen=True)
 class Ratio:
-    """A quantity derived from two paired differences, with bounds on its s.e. valid for any correlation.
+    """A quantity derived from paired comparisons (a difference of two models, a share of a gain), with its s.e.
 
-    results.csv records each model's paired s.e. against the latest snapshot, not against each other, so the
-    s.e. of e.g. merged - annealed is only known to lie in [|s1 - s2|, s1 + s2].
+    When results.jsonl carries per-batch losses, the s.e. is computed on the same batches (``exact``). Otherwise
+    results.csv only has each model's paired s.e. against the latest snapshot, and the s.e. of e.g.
+    merged - annealed is only known to lie in [|s1 - s2|, s1 + s2] (any correlation).
     """
 
     value: float
     """The quantity itself."""
     se_bound: float | None
-    """Upper bound of its s.e."""
+    """Its s.e. (exact) or an upper bound of it."""
     se_floor: float | None = None
-    """Lower bound of its s.e. (None when not derived)."""
+    """A lower bound of its s.e. (equal to se_bound when exact; None when unknown)."""
+
+    @property
+    def exact(self) -> bool:
+        """The s.e. was computed from per-batch losses, not bounded."""
+        return self.se_bound is not None and self.se_floor == self.se_bound
+
+
+def _mean_se(xs: Sequence[float]) -> tuple[float, float]:
+    """Mean and standard error over batches, as pmakit.evaluate computes them (n - 1 in the variance)."""
+    n = len(xs)
+    mean = math.fsum(xs) / n
+    var = math.fsum((x - mean) ** 2 for x in xs) / (n - 1)
+    return mean, math.sqrt(var / n)
+
+
+def _same_batches(*rows: Row | None) -> list[tuple[float, ...]] | None:
+    """The rows' per-batch losses when every row has them, on the same number of batches."""
+    losses = [r.batch_losses if r is not None else None for r in rows]
+    if any(x is None for x in losses) or len({len(x) for x in losses if x is not None}) != 1:
+        return None
+    return [x for x in losses if x is not None]
 
 
 def difference(a: Gain, b: Gain) -> Ratio:
@@ -57,15 +80,31 @@ def difference(a: Gain, b: Gain) -> Ratio:
     return Ratio(a.value - b.value, a.se + b.se, abs(a.se - b.se))
 
 
+def compare(a: Row | None, b: Row | None, latest: Row | None) -> Ratio | None:
+    """val_loss(a) - val_loss(b): paired over batches when both rows carry batch losses, else from their gains
+    over ``latest`` with bounds on the s.e."""
+    batches = _same_batches(a, b)
+    if batches is not None:
+        mean, se = _mean_se([x - y for x, y in zip(*batches)])
+        return Ratio(mean, se, se)
+    ga, gb = gain_over_latest(a, latest), gain_over_latest(b, latest)
+    return None if ga is None or gb is None else difference(gb, ga)
+
+
 def judge(d: Ratio, if_positive: str, if_negative: str) -> str:
-    """A clause judging a difference whose s.e. is only bounded: 'X is better by at least 3.7 standard
-    errors', 'within noise: at most 0.8 standard errors', or undecided between the two bounds."""
+    """A clause judging a difference: 'X is better by 3.7 paired standard errors', 'within noise (...)'; when
+    the s.e. is only bounded: 'by at least ...', 'at most ...', or undecided between the two bounds."""
     if not d.se_bound:
         return "no standard error available to judge it"
+    who = if_positive if d.value > 0 else if_negative
     z_low = abs(d.value) / d.se_bound
+    if d.exact:
+        if z_low >= NOISE_Z:
+            return f"{who} by {z_low:.1f} paired standard errors"
+        return f"within noise ({z_low:.1f} paired standard errors)"
     z_high = abs(d.value) / d.se_floor if d.se_floor else None
     if z_low >= NOISE_Z:
-        return f"{if_positive if d.value > 0 else if_negative} by at least {z_low:.1f} standard errors"
+        return f"{who} by at least {z_low:.1f} standard errors"
     if z_high is not None and z_high < NOISE_Z:
         return f"within noise: at most {z_high:.1f} standard errors"
     upper = f"{z_high:.1f}" if z_high is not None else "any number of"
@@ -108,11 +147,14 @@ class ForkSummary:
 
     def recovered(self, row: Row | None) -> Ratio | None:
         """Fraction of the anneal's gain that ``row`` recovers: (latest - row) / (latest - annealed)."""
+        batches = _same_batches(self.latest, row, self.annealed)
+        if batches is not None:
+            return recovered_from_batches(*batches)
         return recovered_fraction(self.gain(row), self.gain(self.annealed))
 
     def gap_to_anneal(self, row: Row | None) -> Ratio | None:
         """row - annealed val_loss (positive = the anneal is better)."""
-        return gap(self.gain(row), self.gain(self.annealed))
+        return compare(row, self.annealed, self.latest)
 
 
 def _loss(row: Row) -> float:
@@ -143,6 +185,31 @@ def recovered_fraction(merge: Gain | None, anneal: Gain | None) -> Ratio | None:
     if merge.se is not None and anneal.se is not None:
         bound = (merge.se + abs(r) * anneal.se) / anneal.value
     return Ratio(r, bound)
+
+
+def recovered_from_batches(
+    latest: Sequence[float], merged: Sequence[float], annealed: Sequence[float]
+) -> Ratio | None:
+    """(latest - merged) / (latest - annealed) with its first-order (delta-method) s.e. over the same batches:
+    var(r) = (var(g_m) + r^2 var(g_a) - 2 r cov(g_m, g_a)) / g_a^2, all variances of batch means."""
+    n = len(latest)
+    gm = [x - y for x, y in zip(latest, merged)]
+    ga = [x - y for x, y in zip(latest, annealed)]
+    mean_m, mean_a = math.fsum(gm) / n, math.fsum(ga) / n
+    if mean_a <= 0:
+        return None
+    r = mean_m / mean_a
+
+    def cov(xs: list[float], mx: float, ys: list[float], my: float) -> float:
+        return math.fsum((x - mx) * (y - my) for x, y in zip(xs, ys)) / (n - 1) / n
+
+    var = (
+        cov(gm, mean_m, gm, mean_m)
+        + r * r * cov(ga, mean_a, ga, mean_a)
+        - 2 * r * cov(gm, mean_m, ga, mean_a)
+    )
+    se = math.sqrt(max(var, 0.0)) / mean_a
+    return Ratio(r, se, se)
 
 
 def gap(merge: Gain | None, anneal: Gain | None) -> Ratio | None:
@@ -333,3 +400,13 @@ def sweep(
             if g is not None:
                 points.append((r.v_tokens if n is not None else r.n, g))
     return sorted(points, key=lambda p: p[0])
+
+
+def weighting_rows(fork: ForkSummary, v: int | None) -> list[Row]:
+    """Merges at interval ``v`` for the N values where at least two weightings were evaluated (a lone SMA bar
+    compares nothing)."""
+    rows = [r for r in fork.merges if r.method and r.n and r.v_tokens == v and fork.gain(r) is not None]
+    keys_per_n: dict[int | None, set[str]] = {}
+    for r in rows:
+        keys_per_n.setdefault(r.n, set()).add(weighting_key(r))
+    return [r for r in rows if len(keys_per_n[r.n]) >= 2]

@@ -20,6 +20,7 @@ from pmakit.report.analysis import (
     Gain,
     Ratio,
     StablePoint,
+    compare,
     difference,
     gain_over_latest,
     judge,
@@ -27,6 +28,7 @@ from pmakit.report.analysis import (
     verdict,
     weighting_key,
     weighting_label,
+    weighting_rows,
     weighting_sort_key,
 )
 from pmakit.report.load import Row, RunData
@@ -134,13 +136,17 @@ def with_z(g: Gain | None) -> str:
 
 
 def gap_text(r: Ratio | None) -> str:
-    """merge − anneal ± ≤ upper bound of its s.e."""
-    return fmt.signed_se(None if r is None else r.value, None if r is None else r.se_bound, bound=True)
+    """merge − anneal ± its paired s.e., or ± ≤ an upper bound of it."""
+    if r is None:
+        return fmt.MISSING
+    return fmt.signed_se(r.value, r.se_bound, bound=not r.exact)
 
 
 def recovered_text(r: Ratio | None) -> str:
-    """88% (s.e. ≤ 3%)"""
-    return fmt.percent(None if r is None else r.value, None if r is None else r.se_bound)
+    """88% (s.e. 3%), or (s.e. ≤ 3%) when only bounded."""
+    if r is None:
+        return fmt.MISSING
+    return fmt.percent(r.value, r.se_bound, bound=not r.exact)
 
 
 # --- headline --------------------------------------------------------------------------------------------
@@ -211,7 +217,8 @@ def headline_sentences(fork: ForkSummary, base: int | None) -> list[str]:
         if g is not None:
             text = f"The best SMA ({describe(sma, base)}): Δ {delta_text(g)}; " + verdict(g.z, "it")
             rec = fork.recovered(sma)
-            if rec is not None:
+            g_ann = fork.gain(fork.annealed)
+            if rec is not None and g_ann is not None and g_ann.z is not None and g_ann.z >= NOISE_Z:
                 text += f"; it recovers {recovered_text(rec)} of the anneal's gain"
             out.append(text + ".")
     if anneal is None:
@@ -248,7 +255,7 @@ def _anneal_sentences(fork: ForkSummary, best: Row | None, g_anneal: Gain | None
 
 
 def gap_verdict(g: Ratio) -> str:
-    """Judge merge − anneal, whose paired s.e. is only bounded (see analysis.Ratio)."""
+    """Judge merge − anneal (paired over batches when the results carry batch losses, else bounded)."""
     return judge(g, "the anneal is better", "the merge is better")
 
 
@@ -263,8 +270,7 @@ def fork_table(forks: Sequence[ForkSummary], base: int | None) -> list[Block]:
         latest = f.latest
         rows.append(
             [
-                f"F{i}",
-                fmt.tokens(f.fork_tokens),
+                f"F{i} at {fmt.tokens(f.fork_tokens)}",
                 fmt.tokens(f.anneal_tokens),
                 fmt.tokens(f.eval_tokens),
                 fmt.loss_se(latest.val_loss, latest.val_loss_se) if latest else fmt.MISSING,
@@ -277,25 +283,25 @@ def fork_table(forks: Sequence[ForkSummary], base: int | None) -> list[Block]:
         )
     header = [
         "fork",
-        "F (tokens)",
         "anneal D",
         "eval at",
         "latest ± s.e.",
         "best merge",
         "merge Δ ± s.e. (Δ/s.e.)",
         "anneal Δ ± s.e. (Δ/s.e.)",
-        "merge − anneal ± ≤s.e.",
+        "merge − anneal ± s.e.",
         "recovered",
     ]
     blocks: list[Block] = [
         Heading("At each fork"),
         Paragraph(
             "Δ is the model's val loss minus the latest snapshot's at the same tokens, ± its paired s.e. over the "
-            "same validation batches. The merge − anneal difference has no recorded paired s.e.; the upper bound "
-            "shown (the sum of the two paired s.e.) holds for any correlation. 'recovered' = (latest − merged) / "
-            "(latest − annealed), with a first-order upper bound of its s.e."
+            "same validation batches. 'recovered' = (latest − merged) / (latest − annealed), with its "
+            "first-order s.e. The s.e. of merge − anneal and of 'recovered' are paired over the batches when "
+            "results.jsonl has the per-batch losses; otherwise only an upper bound is known (shown as ≤, valid "
+            "for any correlation)."
         ),
-        Table(header, rows, align="lrrrrlrrrr"),
+        Table(header, rows, align="lrrrlrrrr"),
     ]
     sentences = []
     for i, f in enumerate(forks, start=1):
@@ -351,7 +357,8 @@ def figure_blocks(forks: Sequence[ForkSummary], figs: Figures, base: int | None)
                 [
                     "Black: the latest snapshot of the constant-LR run. Blue: the online merge of its recent "
                     "snapshots, evaluated along the way. Vermillion: each anneal branch, forked at a dotted line "
-                    "(F1, F2, ...) and decayed to LR ≈ 0. Stars: the best merge at each fork's evaluation point. "
+                    "(F1, F2, ...) and decayed to LR ≈ 0. Markers (right): the latest snapshot (dot), the best merge "
+                    "(star) and the anneal (diamond) at each fork's evaluation point F + D, as results.csv has them. "
                     "Per-model s.e. bands are left out: the models are compared on the same batches, so the "
                     "paired s.e. in the tables is the right yardstick.",
                     "Paper (findings 1, 2): the merge sits below the constant-LR curve and close to the anneal; "
@@ -420,12 +427,13 @@ def _heatmap_caption(forks: Sequence[ForkSummary], base: int | None) -> list[str
 def _weightings_caption(forks: Sequence[ForkSummary], v: int | None, base: int | None) -> list[str]:
     lines = [
         f"Bars: Δ vs the latest snapshot for each weighting at V = {fmt.interval(v, base)} (the interval with "
-        "the most weightings evaluated), grouped by N; error bars are paired s.e.",
+        "the most weightings evaluated), grouped by the N values where two or more weightings were evaluated; "
+        "error bars are paired s.e.",
         "Paper (finding 4): early in training WMA and EMA(0.2), which weight recent snapshots more, are best; "
         "later the differences between weightings shrink to noise.",
     ]
     for i, f in enumerate(forks, start=1):
-        rows = [(r, f.gain(r)) for r in f.merges if r.v_tokens == v and r.method and r.n]
+        rows = [(r, f.gain(r)) for r in weighting_rows(f, v)]
         scored = [(r, g) for r, g in rows if g is not None]
         if len({weighting_key(r) for r, _ in scored}) < 2:
             continue
@@ -434,10 +442,11 @@ def _weightings_caption(forks: Sequence[ForkSummary], v: int | None, base: int |
         text = f"F{i}: best is {weighting_label(weighting_key(best_r))} N={best_r.n} (Δ {delta_text(best_g)})"
         if same_n:
             runner, g2 = max(same_n, key=lambda c: c[1].value)
-            d = difference(best_g, g2)
+            d = compare(runner, best_r, f.latest) or difference(best_g, g2)
+            best_name = weighting_label(weighting_key(best_r))
             text += (
-                f"; the next weighting at the same N, {weighting_label(weighting_key(runner))}, is "
-                f"{fmt.loss(d.value)} behind: " + judge(d, "a real difference", "a real difference")
+                f"; next at the same N, {weighting_label(weighting_key(runner))} has a loss higher by "
+                f"{gap_text(d)}: " + judge(d, f"{best_name} is ahead", f"{best_name} is behind")
             )
         lines.append(text + ".")
     return lines
@@ -497,52 +506,60 @@ def flatten(d: dict[str, Any], prefix: str = "") -> list[tuple[str, str]]:
     return out
 
 
-def run_blocks(experiment: dict[str, Any]) -> list[Block]:
+_SECTIONS = (("model", "Model"), ("corpus", "Corpus"), ("seconds", "Time (seconds)"))
+_FACTS = ("preset", "pmakit_version", "started", "finished")
+_TOKEN_FACTS = ("tokens_per_step", "base_every_tokens")
+
+
+def _section_rows(key: str, part: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for k, v in flatten(part):
+        raw = part.get(k)
+        if key == "seconds" and isinstance(raw, int | float):
+            v = fmt.seconds(float(raw))
+        elif key == "model" and k == "parameters" and isinstance(raw, int | float):
+            v = f"{v} ({fmt.tokens(raw)})"
+        rows.append([k, v])
+    return rows
+
+
+def _headline_merge(info: Any, run_dir: Path) -> list[Block]:
+    """The merged model the experiment wrote to disk, if it says so."""
+    if not isinstance(info, dict) or not isinstance(info.get("path"), str):
+        return []
+    path = Path(info["path"])
+    shown = path.relative_to(run_dir) if path.is_relative_to(run_dir) else path
+    label = f" ({info['label']})" if isinstance(info.get("label"), str) else ""
+    return [Paragraph(f"Merged model written by the experiment{label}: `{shown.as_posix()}`.")]
+
+
+def run_blocks(experiment: dict[str, Any], run_dir: Path) -> list[Block]:
     """Model, corpus, timings, fork plan and every configuration knob, from experiment.json as written."""
     if not experiment:
         return []
     blocks: list[Block] = [Heading("The run")]
-    facts: list[tuple[str, str]] = [
-        (k, _value(experiment[k]))
-        for k in ("preset", "pmakit_version", "started", "finished")
-        if k in experiment
-    ]
-    for k in ("tokens_per_step", "base_every_tokens"):
+    known = {*_FACTS, *_TOKEN_FACTS, *(k for k, _ in _SECTIONS), "forks", "config", "headline_merge"}
+    scalars = [k for k, v in experiment.items() if k not in known and not isinstance(v, dict | list)]
+    facts = [[k, _value(experiment[k])] for k in (*_FACTS, *scalars) if k in experiment]
+    for k in _TOKEN_FACTS:
         if isinstance(experiment.get(k), int | float):
-            facts.append((k, f"{_value(experiment[k])} ({fmt.tokens(experiment[k])})"))
+            facts.append([k, f"{_value(experiment[k])} ({fmt.tokens(experiment[k])})"])
     if facts:
-        blocks.append(Table(["", "value"], [list(f) for f in facts], align="ll"))
-    for key, title in (("model", "Model"), ("corpus", "Corpus"), ("seconds", "Time (seconds)")):
+        blocks.append(Table(["", "value"], facts, align="ll"))
+    blocks += _headline_merge(experiment.get("headline_merge"), run_dir)
+    sections = [
+        *_SECTIONS,
+        *((k, k) for k, v in experiment.items() if k not in known and isinstance(v, dict)),
+    ]
+    for key, title in sections:
         part = experiment.get(key)
         if isinstance(part, dict) and part:
-            rows = [
-                [
-                    k,
-                    fmt.seconds(float(part[k]))
-                    if key == "seconds" and isinstance(part[k], int | float)
-                    else v,
-                ]
-                for k, v in flatten(part)
-            ]
-            if key == "model" and isinstance(part.get("parameters"), int | float):
-                rows = [
-                    [k, f"{v} ({fmt.tokens(part['parameters'])})" if k == "parameters" else v]
-                    for k, v in rows
-                ]
-            blocks += [Heading(title, 3), Table(["", "value"], rows, align="ll")]
+            blocks += [Heading(title, 3), Table(["", "value"], _section_rows(key, part), align="ll")]
     forks = experiment.get("forks")
     if isinstance(forks, list) and forks:
-        rows = [
-            [
-                _value(f.get(k)) if isinstance(f, dict) else ""
-                for k in ("fork_tokens", "anneal_tokens", "eval_tokens")
-            ]
-            for f in forks
-        ]
-        blocks += [
-            Heading("Fork plan", 3),
-            Table(["fork_tokens", "anneal_tokens", "eval_tokens"], rows, "rrr"),
-        ]
+        cols = ("fork_tokens", "anneal_tokens", "eval_tokens")
+        rows = [[_value(f.get(k)) if isinstance(f, dict) else "" for k in cols] for f in forks]
+        blocks += [Heading("Fork plan", 3), Table(list(cols), rows, "rrr")]
     config = experiment.get("config")
     if isinstance(config, dict) and config:
         blocks += [
@@ -585,7 +602,7 @@ def build(
     if figure_list:
         blocks.append(Heading("Figures"))
         blocks += figure_list
-    blocks += run_blocks(exp)
+    blocks += run_blocks(exp, data.run_dir)
     blocks.append(Heading("Files"))
     files = [
         f"`{name}`"

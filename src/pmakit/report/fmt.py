@@ -42,12 +42,12 @@ def z(x: float | None) -> str:
     return MISSING if x is None else f"{x:.1f}"
 
 
-def percent(x: float | None, se_bound: float | None = None) -> str:
-    """0.876 -> 88%; with a bound: 88% (s.e. ≤ 3%)."""
+def percent(x: float | None, se: float | None = None, *, bound: bool = False) -> str:
+    """0.876 -> 88%; with an s.e.: 88% (s.e. 3%); with an upper bound of it: 88% (s.e. ≤ 3%)."""
     if x is None:
         return MISSING
     text = f"{100 * x:.0f}%"
-    return text + (f" (s.e. ≤ {100 * se_bound:.0f}%)" if se_bound is not None else "")
+    return text + (f" (s.e. {'≤ ' if bound else ''}{100 * se:.0f}%)" if se is not None else "")
 
 
 def tokens(x: int | float | None) -> str:

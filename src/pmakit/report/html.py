@@ -16,8 +16,8 @@ body { font: 15px/1.5 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; 
 h1 { font-size: 1.7em; border-bottom: 2px solid #0072B2; padding-bottom: .3em; }
 h2 { font-size: 1.35em; margin-top: 1.8em; border-bottom: 1px solid #ddd; padding-bottom: .2em; }
 h3 { font-size: 1.1em; margin-top: 1.4em; }
-table { border-collapse: collapse; margin: .8em 0; font-size: .88em; }
-th, td { border: 1px solid #d0d7de; padding: .35em .6em; }
+table { border-collapse: collapse; margin: .8em 0; font-size: .85em; }
+th, td { border: 1px solid #d0d7de; padding: .3em .5em; }
 th { background: #f3f5f7; text-align: left; vertical-align: bottom; }
 td.l { min-width: 7em; }
 td.r { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }

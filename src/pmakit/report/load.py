@@ -9,7 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,13 @@ class Row:
     """Paired standard error of delta_vs_latest over the same batches."""
     label: str
     """Short human description written by the experiment."""
+    batch_losses: tuple[float, ...] | None = None
+    """Per-batch losses (results.jsonl only): pairs any two models on the same batches."""
+
+    @property
+    def key(self) -> tuple[object, ...]:
+        """What identifies one evaluation (the CSV and JSONL rows of one model share it)."""
+        return (self.fork_tokens, self.model, self.method, self.n, self.v_tokens, self.alpha, self.tokens)
 
 
 @dataclass(frozen=True)
@@ -113,9 +120,17 @@ def _text(value: Any) -> str:
     return "" if value is None else str(value).strip()
 
 
+def _losses(value: Any) -> tuple[float, ...] | None:
+    if not isinstance(value, list) or len(value) < 2:
+        return None
+    xs = tuple(_float(v) for v in value)
+    return None if any(x is None for x in xs) else xs  # type: ignore[return-value]
+
+
 def parse_row(record: dict[str, Any]) -> Row:
     """One results record (CSV dict or JSON object) -> Row."""
     return Row(
+        batch_losses=_losses(record.get("batch_losses")),
         fork_tokens=_int(record.get("fork_tokens")),
         model=_text(record.get("model")).lower(),
         method=_text(record.get("method")).lower(),
@@ -170,18 +185,21 @@ def read_results(run_dir: Path, notes: list[str]) -> list[Row]:
     """results.csv (results.jsonl as a fallback); rows without a model kind or a loss are dropped with a note."""
     csv_path, jsonl_path = run_dir / "results.csv", run_dir / "results.jsonl"
     try:
+        jsonl = [parse_row(r) for r in _read_jsonl(jsonl_path)] if jsonl_path.is_file() else []
         if csv_path.is_file():
-            records = _read_csv(csv_path)
-        elif jsonl_path.is_file():
-            records = _read_jsonl(jsonl_path)
+            rows = [parse_row(r) for r in _read_csv(csv_path)]
+        elif jsonl:
+            rows = jsonl
             notes.append("results.csv is missing; read results.jsonl instead.")
         else:
             notes.append("results.csv is missing: no evaluation results to show.")
             return []
     except (OSError, csv.Error) as e:
-        notes.append(f"results.csv is unreadable ({e.__class__.__name__}): no evaluation results to show.")
+        notes.append(f"results are unreadable ({e.__class__.__name__}): no evaluation results to show.")
         return []
-    rows = [parse_row(r) for r in records]
+    # per-batch losses live in the JSONL only; the last record of a model wins, as in the CSV
+    losses = {r.key: r.batch_losses for r in jsonl if r.batch_losses}
+    rows = [replace(r, batch_losses=losses.get(r.key)) if r.batch_losses is None else r for r in rows]
     usable = [r for r in rows if r.model and r.val_loss is not None]
     if len(usable) < len(rows):
         notes.append(

@@ -25,6 +25,7 @@ from pmakit.report.analysis import (
     sweep,
     weighting_key,
     weighting_label,
+    weighting_rows,
     weighting_sort_key,
 )
 from pmakit.report.load import CurvePoint
@@ -168,25 +169,26 @@ def _zoom_on_forks(ax: Axes, curves: dict[str, list[CurvePoint]], forks: Sequenc
     span = max((f.anneal_tokens or 0) for f in forks) or (last - first) * 0.25 or 1
     x0, x1 = max(0, first - span), last + 0.03 * (last - first + span)
     ys = [p.val_loss for c in curves.values() for p in c if x0 <= p.tokens <= x1]
-    for f in forks:
-        best = f.best_merge
-        if best is not None and best.val_loss is not None and f.eval_tokens:
+    # the three models each fork compares, as results.csv has them at the fork's evaluation point
+    marks = (
+        ("latest", "o", 6, LATEST, "latest snapshot at F + D"),
+        ("best_merge", "*", 14, MERGE, "best merge at F + D"),
+        ("annealed", "D", 6, ANNEAL, "anneal at F + D"),
+    )
+    for attr, marker, size, color, label in marks:
+        pts = [
+            (f.eval_tokens, r.val_loss)
+            for f in forks
+            if (r := getattr(f, attr)) is not None and f.eval_tokens
+        ]
+        pts = [(x, y) for x, y in pts if y is not None]
+        if pts:
+            xs, ys_ = zip(*pts)
             ax.plot(
-                f.eval_tokens,
-                best.val_loss,
-                marker="*",
-                ms=13,
-                color=MERGE,
-                mec="white",
-                zorder=5,
-                ls="none",
-                label="best merge at a fork",
+                xs, ys_, marker=marker, ms=size, color=color, mec="white", zorder=5, ls="none", label=label
             )
-            ys.append(best.val_loss)
-    handles, labels = ax.get_legend_handles_labels()
-    if "best merge at a fork" in labels:
-        i = labels.index("best merge at a fork")
-        ax.legend([handles[i]], [labels[i]], loc="upper right", fontsize=9)
+            ys.extend(ys_)
+    ax.legend(loc="best", fontsize=9)
     ax.set_xlim(x0, x1)
     if ys:
         lo, hi = min(ys), max(ys)
@@ -335,7 +337,7 @@ def plot_weightings(forks: Sequence[ForkSummary], v: int | None, base: int | Non
     """Per fork, grouped by N: one bar per weighting at interval ``v``, Δ vs latest ± paired s.e."""
     panels = []
     for i, f in enumerate(forks, start=1):
-        rows = [r for r in f.merges if r.method and r.n and r.v_tokens == v and f.gain(r) is not None]
+        rows = weighting_rows(f, v)
         if rows:
             panels.append((i, f, rows))
     keys = sorted({weighting_key(r) for _, _, rows in panels for r in rows}, key=weighting_sort_key)
