@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
 from collections.abc import Callable
@@ -464,7 +465,9 @@ def train_records(run: Path) -> list[dict[str, Any]]:
 DETECT = SpikeConfig(window=20, min_history=10, patience=3, warmup_tokens=20 * TRAIN_TPS)
 
 
-def test_spike_recovery_rolls_back_and_the_run_goes_on(tmp_path: Path) -> None:
+def test_spike_recovery_rolls_back_and_the_run_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     run = tmp_path / "run"
     rec = SpikeRecovery(RecoveryConfig(detector=DETECT, last=3))
     # LR 100x too high for steps 102-104: the weights after step 102 are the first bad ones, their loss is
@@ -500,6 +503,13 @@ def test_spike_recovery_rolls_back_and_the_run_goes_on(tmp_path: Path) -> None:
     assert float(np.mean([losses[s] for s in range(121, 141)])) < spike["baseline"] + 0.3
     # The online merge after the recovery never averaged the discarded snapshot.
     assert 104 * TRAIN_TPS not in [t for t, _ in trainer.averager.window]
+
+    # Offline, the log still shows that spike, and says it was already rolled back.
+    with caplog.at_level(logging.WARNING, logger="pmakit.recover"):
+        offline = recover(run, out=tmp_path / "offline", detector=DETECT)  # the same detector, offline
+    assert offline.spike is not None and offline.spike.start_tokens == spike["start_tokens"]
+    assert [s.step for s in offline.snapshots] == [80, 88, 96]
+    assert "already rolled back during training" in caplog.text
 
     # Resuming the recovered run (a crash, then the same command) keeps saving on the same grid.
     resumed = tiny_trainer(run, [SpikeRecovery(RecoveryConfig(detector=DETECT))], None, total_steps=156)
@@ -579,3 +589,15 @@ def test_spike_recovery_ignores_the_trainers_warmup_by_default() -> None:
     assert explicit.detector.config.warmup_tokens == 10
     with pytest.raises(PmakitError, match="unknown optimizer policy"):
         RecoveryConfig(optimizer="keep")
+
+
+def test_recover_finds_a_real_runs_spike_without_intervention(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    trainer = tiny_trainer(run, [], (102, 104, 0.3), resume=False, total_steps=112)  # no callback: it spikes
+    trainer.fit()
+    trainer.close()
+    result = recover(run, out=tmp_path / "out", detector=DETECT)
+    assert result.spike is not None and result.spike.start_step in (102, 103)
+    assert result.before_tokens == (result.spike.start_step - 1) * TRAIN_TPS
+    assert [s.step for s in result.snapshots] == [80, 88, 96]
+    assert read_snapshot(tmp_path / "out").tokens == 96 * TRAIN_TPS

@@ -436,6 +436,20 @@ def spike_from_metrics(run_dir: Path, config: SpikeConfig | None = None) -> tupl
             f"no loss spike found in {metrics} ({len(train)} training records; window {cfg.window}, threshold "
             f"{cfg.threshold:g}, patience {cfg.patience}): pass --before TOKENS, or a lower --threshold"
         )
+    rolled_back = [
+        r["tokens"]
+        for r in records
+        if r.get("kind") == "event"
+        and r.get("event") == "rollback"
+        and r.get("tokens", -1) >= spikes[-1].detected_tokens
+    ]
+    if rolled_back:
+        log.warning(
+            "the last spike in %s (%s) was already rolled back during training at %s tokens",
+            metrics,
+            spikes[-1].describe(),
+            rolled_back[0],
+        )
     return spikes[-1], spikes, loss_lag_tokens(train)
 
 
