@@ -398,6 +398,33 @@ def test_headline_table_matches_the_results_file(full_run: Path) -> None:
     z = -float(best["delta_vs_latest"]) / float(best["delta_se"])
     assert z > 10 and f"it beats the latest snapshot by {z:.1f} paired standard errors" in head
 
+    # merge - anneal and the share recovered, paired over the batches of results.jsonl
+    batches = {
+        (r["fork_tokens"], r["model"], r["label"]): np.array(r["batch_losses"])
+        for r in map(json.loads, (full_run / "results.jsonl").read_text().splitlines())
+    }
+    bl, bm, ba = (batches[(f, r["model"], r["label"])] for r in (latest, best, ann))
+    diff = bm - ba
+    se = diff.std(ddof=1) / math.sqrt(len(diff))
+    assert f"Best merge − annealed: {diff.mean():+.4f} ± {se:.4f} (" in head
+    g_m, g_a = bl - bm, bl - ba
+    ratio = g_m.mean() / g_a.mean()
+    cov = np.cov(np.vstack([g_m, g_a])) / len(g_m)
+    se_r = math.sqrt(cov[0, 0] + ratio**2 * cov[1, 1] - 2 * ratio * cov[0, 1]) / g_a.mean()
+    assert f"{100 * ratio:.0f}% (s.e. {100 * se_r:.0f}%)" in head
+
+
+def test_without_batch_losses_the_anneal_gap_is_bounded(tmp_path: Path) -> None:
+    run = build_run(tmp_path / "csv-only", curves=False, batch_losses=False, weightings=[("sma", None)])
+    head = write_report(run).markdown.read_text().split("## Headline")[1].split("\n## ")[0]
+    rows = [r for r in read_rows(run) if r["fork_tokens"] == str(FORKS[-1][0])]
+    best = min((r for r in rows if r["model"] == "merged"), key=lambda r: float(r["val_loss"]))
+    ann = next(r for r in rows if r["model"] == "annealed")
+    gap_ = float(best["delta_vs_latest"]) - float(ann["delta_vs_latest"])
+    bound = float(best["delta_se"]) + float(ann["delta_se"])
+    assert f"Best merge − annealed: {gap_:+.4f} ± ≤{bound:.4f} (" in head
+    assert "% (s.e. ≤ " in head
+
 
 # --- judgments follow the numbers ------------------------------------------------------------------------
 
