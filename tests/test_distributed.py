@@ -1,0 +1,164 @@
+"""Merges split across 2 ranks (gloo on CPU): same values as one process, one output, failures and resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from conftest import SRC, state, write_snapshot
+from pmakit.distributed import init_from_env, shutdown, split_by_bytes
+from pmakit.errors import PmakitError
+from pmakit.merge import KILL_ENV, merge, partial_dir, plan_merge
+from pmakit.snapshot import discover
+from pmakit.weights import get_weights
+from test_merge import load_dir
+
+SHARD = 2048  # a shard per 64x16 bf16 tensor
+
+
+def test_split_by_bytes_is_contiguous_and_balanced() -> None:
+    assert split_by_bytes([1] * 8, 2) == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert split_by_bytes([10, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], 2) == [0] + [1] * 10
+    assert split_by_bytes([5, 5, 5], 1) == [0, 0, 0]
+    groups = split_by_bytes([3, 9, 2, 7, 7, 1, 4, 8], 3)
+    assert groups == sorted(groups) and set(groups) == {0, 1, 2}
+    assert split_by_bytes([], 4) == [] and split_by_bytes([0, 0], 2) == [0, 0]
+
+
+def test_plan_for_two_ranks(make_run: Any) -> None:
+    snaps = discover(make_run(3))
+    plan = plan_merge(snaps, get_weights("sma", 3), max_shard_size=10**9, ranks=2)
+    # One 5 GB shard would leave rank 1 idle: each rank gets shards of its own.
+    assert [s.file for s in plan.shards] == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
+    assert plan.owners == (0, 1)
+    names = [t.name for s in plan.shards for t in s.tensors]
+    assert names == list(plan.tensors)
+    sizes = [sum(t.nbytes for t in s.tensors) for s in plan.shards]
+    assert abs(sizes[0] - sizes[1]) <= max(t.nbytes for s in plan.shards for t in s.tensors)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(rank: int, port: int, jobs: list[dict[str, Any]], report: str) -> None:
+    """One rank: run each job (a merge) in one process group; record what happened for the parent."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    warnings.simplefilter("ignore")
+    world = init_from_env("cpu")
+    results = []
+    for job in jobs:
+        if job.get("kill_rank") == rank:
+            os.environ[KILL_ENV] = job["kill"]
+        snaps = discover(Path(job["run"]))
+        try:
+            merge(
+                snaps,
+                get_weights("sma", len(snaps)),
+                job["out"],
+                max_shard_size=SHARD,
+                fsync=False,
+                world=world,
+                **job.get("options", {}),
+            )
+            results.append("ok")
+        except PmakitError as e:
+            results.append(str(e))
+        Path(f"{report}.{rank}").write_text(json.dumps(results))
+    shutdown(world)
+
+
+def _spawn(jobs: list[dict[str, Any]], report: Path) -> None:
+    mp.spawn(_rank_main, args=(_free_port(), jobs, str(report)), nprocs=2)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("dist")
+    for i in range(1, 5):
+        write_snapshot(root / "run" / f"step-{i:03d}", state(i), step=i, tokens=i * 100)
+        bad = state(i)
+        if i == 3:
+            bad["head.weight"][5, 5] = float("nan")  # head.weight is the last tensor: rank 1's part
+        write_snapshot(root / "nan" / f"step-{i:03d}", bad, step=i, tokens=i * 100)
+    return {"root": root, "run": root / "run", "nan": root / "nan"}
+
+
+def _torchrun_merge(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    """The real entry point under torchrun: `torchrun --nproc-per-node 2 -m pmakit merge ...`."""
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_WAIT_POLICY": "PASSIVE"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(_free_port()),
+    ]
+    cmd += ["-m", "pmakit", "merge", *map(str, args)]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_two_ranks_merge_fail_and_resume(runs: dict[str, Path], tmp_path: Path) -> None:
+    run, nan = str(runs["run"]), str(runs["nan"])
+    jobs = [
+        {"run": run, "out": str(tmp_path / "two")},
+        {"run": run, "out": str(tmp_path / "dcp"), "options": {"out_format": "dcp"}},
+        {"run": nan, "out": str(tmp_path / "failed")},
+        {"run": run, "out": str(tmp_path / "killed"), "kill": "after-shard:1", "kill_rank": 1},
+    ]
+    with pytest.raises(mp.ProcessExitedException):  # rank 1 SIGKILLs itself; spawn then stops rank 0
+        _spawn(jobs, tmp_path / "report")
+    snaps = discover(runs["run"])
+    merge(snaps, get_weights("sma", 4), tmp_path / "one", max_shard_size=SHARD, fsync=False)
+
+    # 1. Same values as one process; each rank wrote its own shards of one output with one index and manifest.
+    one, two = load_dir(tmp_path / "one"), load_dir(tmp_path / "two")
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+    manifest = json.loads((tmp_path / "two" / "pmakit-merge.json").read_text())
+    assert manifest["produced_by"]["ranks"] == 2
+    index = json.loads((tmp_path / "two" / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == sorted(f["name"] for f in manifest["output"]["files"])
+    assert not list(tmp_path.glob(".two.*"))
+
+    # 2. DCP output: one checkpoint, a file from each rank, torch's loader reads the merged values.
+    assert sorted(f.name for f in (tmp_path / "dcp").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    got = {k: torch.empty_like(v) for k, v in one.items()}
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(got, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    assert all(torch.equal(got[k], one[k]) for k in one)
+
+    # 3. A NaN in rank 1's part: rank 1 names it, rank 0 points to it, nothing is left behind.
+    reports = [json.loads((tmp_path / f"report.{r}").read_text()) for r in (0, 1)]
+    assert "non-finite" in reports[1][2] and "head.weight" in reports[1][2]
+    assert "another rank" in reports[0][2]
+    assert not (tmp_path / "failed").exists() and not partial_dir(tmp_path / "failed").exists()
+
+    # 4. Killed mid-merge: `torchrun ... -m pmakit merge --resume` finishes with the uninterrupted merge's bytes.
+    assert partial_dir(tmp_path / "killed").exists() and not (tmp_path / "killed").exists()
+    r = _torchrun_merge(run, "--last", "4", "-o", tmp_path / "killed", "--max-shard-size", SHARD, "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("wrote ") == 1  # rank 0 reports, rank 1 is quiet
+    for f in (tmp_path / "two").iterdir():
+        if f.name != "pmakit-merge.json":
+            assert f.read_bytes() == (tmp_path / "killed" / f.name).read_bytes(), f.name
