@@ -215,3 +215,24 @@ def test_bad_arguments(tmp_path: Path) -> None:
         SnapshotSaver(tmp_path, 10, keep_last=0)
     with pytest.raises(PmakitError, match="does not exist"):
         SnapshotSaver(tmp_path, 10, extra_files=[tmp_path / "nope.json"])
+
+
+def test_copy_handles_scalars_empty_noncontiguous_and_integer_tensors(tmp_path: Path) -> None:
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    tensors = {
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4),
+        "transposed": base.T,  # not contiguous
+        "ids": torch.tensor([1, 2, 3], dtype=torch.int64),
+        "flag": torch.tensor([True, False]),
+        "half": torch.ones(3, dtype=torch.float16),
+    }
+    copy, tied = cpu_copy(tensors)
+    assert tied == {}
+    for k, v in tensors.items():
+        assert torch.equal(copy[k], v) and copy[k].dtype == v.dtype, k
+        assert copy[k].data_ptr() != v.data_ptr() or v.numel() == 0
+    snap = SnapshotSaver(tmp_path, 1, background=False).save(tensors, tokens=1, step=1)
+    got = load(snap.path)
+    for k, v in tensors.items():
+        assert torch.equal(got[k], v), k
