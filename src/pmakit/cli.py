@@ -205,6 +205,39 @@ def _progress(total: int, quiet: bool, label: str) -> Iterator[Callable[[int], N
 )
 @click.option("--dry-run", is_flag=True, help="Show what would be merged and stop.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary.")
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Continue an interrupted merge (kill -9, crash) into the same OUTPUT, redoing only unfinished shards.",
+)
+@click.option(
+    "--from-previous",
+    type=click.Path(path_type=Path),
+    default=None,
+    metavar="MERGE_DIR",
+    help="Update the sma/ema merge in MERGE_DIR to the window chosen now, reading only the snapshots that "
+    "entered or left it (needs fp32 sums: MERGE_DIR made with --keep-fp32 or --dtype fp32).",
+)
+@click.option(
+    "--keep-fp32",
+    is_flag=True,
+    help="Also keep the fp32 sums in OUTPUT/pmakit-fp32/ so that --from-previous can update this merge exactly.",
+)
+@click.option(
+    "--format",
+    "out_format",
+    type=click.Choice(["safetensors", "dcp"]),
+    default="safetensors",
+    show_default=True,
+    help="Output layout: HF safetensors, or torch.distributed.checkpoint (DCP).",
+)
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda"]),
+    default="cpu",
+    show_default=True,
+    help="Where to accumulate; under torchrun, cuda uses NCCL and cpu uses gloo.",
+)
 def merge(
     inputs: tuple[Path, ...],
     output: Path,
@@ -221,37 +254,93 @@ def merge(
     force: bool,
     dry_run: bool,
     quiet: bool,
+    resume: bool,
+    from_previous: Path | None,
+    keep_fp32: bool,
+    out_format: str,
+    device: str,
 ) -> None:
     """Average snapshots chosen by tokens into a model directory (HF safetensors layout).
 
     A RUN_DIR is a folder of snapshot directories (default: its last 10); SNAPSHOTs named one by one are all used.
+    Under `torchrun --nproc-per-node K -m pmakit merge ...` the K ranks share the work.
     """
+    from pmakit.distributed import init_from_env, shutdown
+
+    world = init_from_env(device)
+    try:
+        _merge(inputs, output, method, alpha, custom, last, every, until, tokens_per_step, exclude, dtype,
+               max_shard_size, force, dry_run, quiet or world.rank != 0, resume, from_previous, keep_fp32,
+               out_format, world)
+    finally:
+        shutdown(world)
+
+
+def _merge(
+    inputs: tuple[Path, ...],
+    output: Path,
+    method: str,
+    alpha: float,
+    custom: list[float] | None,
+    last: int | None,
+    every: int | None,
+    until: int | None,
+    tokens_per_step: int | None,
+    exclude: tuple[Path, ...],
+    dtype: str,
+    max_shard_size: int,
+    force: bool,
+    dry_run: bool,
+    quiet: bool,
+    resume: bool,
+    from_previous: Path | None,
+    keep_fp32: bool,
+    out_format: str,
+    world: Any,
+) -> None:
     from pmakit.merge import merge as run_merge
-    from pmakit.merge import plan_merge
+    from pmakit.merge import plan_increment, plan_merge
     from pmakit.weights import get_weights
 
     chosen = _select(inputs, last, every, until, tokens_per_step, exclude)
     weights = get_weights("custom" if custom is not None else method, len(chosen), alpha=alpha, custom=custom)
-    plan = plan_merge(chosen, weights, dtype=dtype, max_shard_size=max_shard_size)
+    terms, term_weights, window = chosen, weights, None
+    extra: dict[str, Any] = {}
+    if from_previous is not None:
+        if custom is not None:
+            raise PmakitError("--from-previous updates sma/ema merges; custom --weights need a full merge")
+        inc = plan_increment(from_previous, chosen, weights, method=method, alpha=alpha)
+        terms, term_weights, window, keep_fp32 = inc.terms, inc.weights, (chosen, weights), True
+        extra["incremental"] = {"from": str(from_previous.resolve()), "scale": inc.weights[0], "reads": inc.reads}
+        if not quiet:
+            click.echo(f"incremental update of {from_previous}: {inc.reads} reads instead of {len(chosen)}")
+    plan = plan_merge(terms, term_weights, dtype=dtype, max_shard_size=max_shard_size, ranks=world.size,
+                      cast=True if window else None)
     if dry_run or not quiet:
         _print_plan(plan)
     if dry_run:
         return
-    extra = {
+    extra.update({
         "method": "custom" if custom is not None else method,
         "alpha": alpha,
         "selection": {"last": last, "every": every, "until": until, "inputs": [str(p) for p in inputs]},
-    }
-    with _progress(plan.input_bytes, quiet, "merging") as progress:
+    })
+    share = sum(plan.shard_input_bytes(i) for i in range(len(plan.shards)) if plan.owner(i) == world.rank)
+    with _progress(share, quiet, "merging") as progress:
         result = run_merge(
-            chosen,
-            weights,
+            terms,
+            term_weights,
             output,
             dtype=dtype,
             max_shard_size=max_shard_size,
             force=force,
             progress=progress,
             manifest_extra=extra,
+            resume=resume,
+            out_format=out_format,
+            keep_fp32=keep_fp32,
+            world=world,
+            window=window,
         )
     if not quiet:
         rate = plan.input_bytes / max(result.seconds, 1e-9)
@@ -273,9 +362,7 @@ def _print_plan(plan: Any) -> None:
 
 
 @cli.command()
-@click.argument(
-    "inputs", nargs=-1, required=True, type=click.Path(path_type=Path), metavar="RUN_DIR|SNAPSHOT..."
-)
+@click.argument("inputs", nargs=-1, type=click.Path(path_type=Path), metavar="RUN_DIR|SNAPSHOT...")
 @selection_options
 @click.option(
     "--dtype",
@@ -284,6 +371,30 @@ def _print_plan(plan: Any) -> None:
     help="Output dtype assumed for the merge estimate.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
+@click.option("--plan", is_flag=True, help="Plan a merge at scale: memory per rank, bytes, expected time.")
+@click.option(
+    "--layout",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="With --plan: a JSON file of tensor names -> shapes/dtypes instead of snapshots.",
+)
+@click.option("--snapshots", type=int, default=10, show_default=True, help="With --layout: inputs to merge.")
+@click.option("--ranks", type=int, default=1, show_default=True, help="With --plan: ranks sharing the merge.")
+@click.option("--nodes", type=int, default=1, show_default=True, help="With --plan: machines (disks) they run on.")
+@click.option(
+    "--disk-bandwidth",
+    callback=lambda c, p, v: None if v is None else _size(c, p, v),
+    default=None,
+    metavar="BYTES",
+    help="With --plan: a node's disk read/write bytes per second (e.g. 2GB) [default: measured here].",
+)
+@click.option(
+    "--accumulate-bandwidth",
+    callback=lambda c, p, v: None if v is None else _size(c, p, v),
+    default=None,
+    metavar="BYTES",
+    help="With --plan: input bytes per second one rank accumulates [default: measured here].",
+)
 def inspect(
     inputs: tuple[Path, ...],
     last: int | None,
@@ -293,10 +404,29 @@ def inspect(
     exclude: tuple[Path, ...],
     dtype: str,
     as_json: bool,
+    plan: bool,
+    layout: Path | None,
+    snapshots: int,
+    ranks: int,
+    nodes: int,
+    disk_bandwidth: int | None,
+    accumulate_bandwidth: int | None,
 ) -> None:
     """Table of snapshots, their compatibility, and what a merge of them would need."""
     from pmakit.inspect import inspect_inputs, render
 
+    if plan or layout is not None:
+        from pmakit.distributed import plan_report, render_plan
+
+        chosen = _select(inputs, last, every, until, tokens_per_step, exclude) if layout is None and inputs else None
+        if layout is None and not chosen:
+            raise PmakitError("--plan needs snapshots or a --layout file")
+        scale = plan_report(chosen, layout, snapshots=snapshots, ranks=ranks, nodes=nodes, dtype=dtype,
+                            disk_bandwidth=disk_bandwidth, accumulate_bandwidth=accumulate_bandwidth)
+        click.echo(json.dumps(scale, indent=2) if as_json else render_plan(scale))
+        return
+    if not inputs:
+        raise PmakitError("name a run directory or snapshots to inspect")
     report = inspect_inputs(
         inputs,
         last=last,

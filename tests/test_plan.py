@@ -1,0 +1,144 @@
+"""`pmakit inspect --plan`: bytes, memory per rank and time for a 70B-shaped layout and for real snapshots."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from pmakit.cli import cli
+from pmakit.distributed import Bandwidth, layout_of, load_layout, plan_report, plan_scale
+from pmakit.errors import PmakitError
+from pmakit.merge import CHUNK_ELEMS, N_BUFFERS, plan_merge
+from pmakit.snapshot import discover
+from pmakit.weights import get_weights
+
+
+def llama_70b() -> dict[str, torch.Tensor]:
+    """Llama-3-70B's state dict shapes as meta tensors (nothing allocated)."""
+    vocab, d, ff, layers, kv = 128256, 8192, 28672, 80, 1024
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, d)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (d, d),
+                p + "self_attn.k_proj.weight": (kv, d),
+                p + "self_attn.v_proj.weight": (kv, d),
+                p + "self_attn.o_proj.weight": (d, d),
+                p + "mlp.gate_proj.weight": (ff, d),
+                p + "mlp.up_proj.weight": (ff, d),
+                p + "mlp.down_proj.weight": (d, ff),
+                p + "input_layernorm.weight": (d,),
+                p + "post_attention_layernorm.weight": (d,),
+            }
+        )
+    shapes.update({"model.norm.weight": (d,), "lm_head.weight": (vocab, d)})
+    return {k: torch.empty(s, dtype=torch.bfloat16, device="meta") for k, s in shapes.items()}
+
+
+@pytest.fixture(scope="module")
+def layout(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("layout") / "llama70b.json"
+    path.write_text(json.dumps(layout_of(llama_70b())))
+    return path
+
+
+def _plan(layout: Path, *args: str) -> dict[str, Any]:
+    r = CliRunner().invoke(
+        cli,
+        [
+            "inspect",
+            "--plan",
+            "--layout",
+            str(layout),
+            "--json",
+            "--disk-bandwidth",
+            "2GB",
+            "--accumulate-bandwidth",
+            "1GB",
+            *args,
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    return dict(json.loads(r.stdout))
+
+
+def test_70b_layout_bytes_and_bounded_memory(layout: Path) -> None:
+    params = 70_553_706_496  # Llama-3-70B
+    plan = _plan(layout, "--snapshots", "10", "--ranks", "8", "--nodes", "2")
+    assert plan["parameters"] == params and plan["tensors"] == 2 + 80 * 9 + 1
+    assert plan["read_bytes"] == 10 * 2 * params and plan["write_bytes"] == 2 * params
+    assert sum(r["read_bytes"] for r in plan["per_rank"]) == plan["read_bytes"]
+    reads = [r["read_bytes"] for r in plan["per_rank"]]
+    assert max(reads) - min(reads) <= 10 * plan["largest_tensor_bytes"]  # balanced to within one tensor
+    memory = CHUNK_ELEMS * 4 * (N_BUFFERS + 2)
+    assert plan["max_memory_bytes"] == memory < 2**30  # 192 MiB, whatever the model size ...
+    assert _plan(layout, "--snapshots", "40", "--ranks", "8")["max_memory_bytes"] == memory  # ... and N
+    # The slowest rank, by hand: 4 ranks share a node's 2 GB/s disk; each accumulates at 1 GB/s.
+    slowest = max(plan["per_rank"], key=lambda r: r["read_bytes"] + r["write_bytes"])
+    io = (slowest["read_bytes"] + slowest["write_bytes"]) / 2e9 * 4
+    assert plan["seconds"] == pytest.approx(max(io, slowest["read_bytes"] / 1e9), rel=0.02)
+
+
+def test_more_ranks_on_one_disk_do_not_beat_the_disk(layout: Path) -> None:
+    one = _plan(layout, "--ranks", "1")
+    eight = _plan(layout, "--ranks", "8")
+    two_nodes = _plan(layout, "--ranks", "8", "--nodes", "2")
+    io_floor = (one["read_bytes"] + one["write_bytes"]) / 2e9
+    # 1 rank accumulates at 1 GB/s, slower than the 2 GB/s disk: compute bound.
+    assert one["seconds"] == pytest.approx(one["read_bytes"] / 1e9)
+    # 8 ranks share the accumulation but not the disk: the disk bounds them.
+    assert eight["seconds"] == pytest.approx(io_floor, rel=0.05)
+    # Two nodes, two disks: half.
+    assert two_nodes["seconds"] == pytest.approx(io_floor / 2, rel=0.05)
+
+
+def test_plan_of_snapshots_matches_the_merge_plan(make_run: Callable[..., Path]) -> None:
+    snaps = discover(make_run(4))
+    report = plan_report(snaps, None, ranks=2, disk_bandwidth=1e9, accumulate_bandwidth=1e9)
+    plan = plan_merge(snaps, get_weights("sma", 4))
+    assert report["read_bytes"] == plan.input_bytes and report["write_bytes"] == plan.output_bytes
+    assert report["snapshots"] == 4 and report["max_memory_bytes"] == plan.peak_memory
+    r = CliRunner().invoke(
+        cli, ["inspect", "--plan", str(snaps[0].path.parent), "--last", "4", "--ranks", "2"]
+    )
+    assert r.exit_code == 0, r.output
+    assert "expected time" in r.output and "rank   1" in r.output and "measured" in r.output
+
+
+def test_plan_scale_matches_hand_numbers() -> None:
+    tensors = load_layout_from(
+        {"a": {"shape": [1000], "dtype": "bf16"}, "b": {"shape": [10], "dtype": "int64"}}
+    )
+    plan = plan_scale(
+        tensors, snapshots=3, ranks=1, bandwidth=Bandwidth(100.0, 50.0, 1e9), out_dtype=torch.float32
+    )
+    assert plan["read_bytes"] == 3 * 2000 + 80 and plan["write_bytes"] == 4000 + 80
+    assert plan["seconds"] == pytest.approx(6080 / 100 + 4080 / 50)
+
+
+def load_layout_from(data: dict[str, Any], tmp: Path | None = None) -> list[Any]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "layout.json"
+        path.write_text(json.dumps(data))
+        return load_layout(path)
+
+
+def test_bad_layouts_are_one_line_errors(tmp_path: Path) -> None:
+    with pytest.raises(PmakitError, match="no valid shape"):
+        load_layout_from({"a": {"shape": "big"}})
+    with pytest.raises(PmakitError, match="unknown dtype"):
+        load_layout_from({"a": {"shape": [1], "dtype": "fp12"}})
+    (tmp_path / "x.json").write_text("{")
+    r = CliRunner().invoke(cli, ["inspect", "--plan", "--layout", str(tmp_path / "x.json")])
+    assert r.exit_code == 1 and "unreadable layout file" in r.output
+    r = CliRunner().invoke(cli, ["inspect", "--plan"])
+    assert r.exit_code == 1 and "needs snapshots or a --layout" in r.output
