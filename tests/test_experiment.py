@@ -96,9 +96,8 @@ def test_changed_config_on_resume_is_refused(smoke: tuple[Path, str], tmp_path: 
 
 
 def test_forks_are_aligned_to_the_snapshot_grid() -> None:
-    study = resolve(
-        {"train": {"every_tokens": 10240, "warmup_tokens": 1000}, "experiment": {"forks": ["400K"]}}
-    )
+    train = {"every_tokens": 10240, "warmup_tokens": 1000, "batch_size": 10, "model": {"seq_len": 128}}
+    study = resolve({"train": train, "experiment": {"forks": ["400K"]}})
     # 400K rounds to 39 x 10240 = 399,360; D = 0.2 x F = 79,872 -> 8 intervals = 81,920
     assert [(f.fork_tokens, f.anneal_tokens) for f in study.forks] == [(399_360, 81_920)]
     assert study.train.total_tokens == 399_360 + 81_920 and study.train.decay_tokens == 0
