@@ -162,3 +162,19 @@ def test_two_ranks_merge_fail_and_resume(runs: dict[str, Path], tmp_path: Path) 
     for f in (tmp_path / "two").iterdir():
         if f.name != "pmakit-merge.json":
             assert f.read_bytes() == (tmp_path / "killed" / f.name).read_bytes(), f.name
+
+
+def test_device_fold_matches_the_cpu_fold() -> None:
+    """The --device cuda accumulation, run on the CPU (no GPU here): same values as the CPU path."""
+    from pmakit.merge import BLOCK_ELEMS, _fold, _fold_on
+
+    g = torch.Generator().manual_seed(0)
+    views = [torch.randn(1000, generator=g).bfloat16() for _ in range(3)] + [torch.randn(1000, generator=g)]
+    weights = [0.1, 0.2, 0.3, 0.4]
+    keep = [v.clone() for v in views]
+    a, b = torch.empty(1000, dtype=torch.bfloat16), torch.empty(1000, dtype=torch.bfloat16)
+    assert _fold_on("cpu", views, weights, a)
+    _fold(views, weights, b, (torch.empty(BLOCK_ELEMS), torch.empty(BLOCK_ELEMS)))
+    assert torch.equal(a, b) and all(torch.equal(v, k) for v, k in zip(views, keep))  # inputs untouched
+    views[0][3] = float("nan")
+    assert not _fold_on("cpu", views, weights, a)

@@ -406,12 +406,25 @@ def _fold(
     return math.isfinite(total)
 
 
+def _fold_on(device: str, views: Sequence[torch.Tensor], weights: Sequence[float], out: torch.Tensor) -> bool:
+    """``--device cuda``: the weighted fp32 sum on the accelerator (inputs copied over, the cast sum copied back);
+    whether it is finite. Tested here only with device="cpu" (no GPU on the development machine)."""
+    acc: torch.Tensor | None = None
+    for view, weight in zip(views, weights):
+        values = view.to(device=device, dtype=torch.float32, copy=True)
+        acc = values.mul_(weight) if acc is None else acc.add_(values, alpha=weight)
+    assert acc is not None
+    out.copy_(acc.to(out.dtype))
+    return bool(torch.isfinite(acc).all())
+
+
 def _stream(
     plan: MergePlan,
     readers: Sequence[Reader],
     directory: Path,
     progress: Callable[[int], None] | None,
     fsync: bool,
+    device: str = "cpu",
 ) -> list[dict[str, Any]]:
     """Write every shard of ``plan`` into ``directory``; returns the output files' names, sizes and sha256.
 
@@ -433,6 +446,8 @@ def _stream(
             local.scratch = (torch.empty(BLOCK_ELEMS), torch.empty(BLOCK_ELEMS))
         out_dtype = plan.tensors[chunk.name][1]
         out = buf[: (chunk.stop - chunk.start) * out_dtype.itemsize].view(out_dtype)
+        if device != "cpu":
+            return out, _fold_on(device, views, [weights[src] for src in chunk.sources], out)
         return out, _fold(views, [weights[src] for src in chunk.sources], out, local.scratch)
 
     workers = _workers()
@@ -659,7 +674,7 @@ def _write_pass(
             if progress is not None:
                 progress(n)
 
-        files = _stream(replace(plan, shards=[shard]), readers, directory, report, fsync)
+        files = _stream(replace(plan, shards=[shard]), readers, directory, report, fsync, world.device)
         prog.record(rel, files[0])
         killer.shards += 1
         killer.at("after-shard")
@@ -1058,6 +1073,12 @@ def plan_increment(
         terms.append(
             (newest, 0.0)
         )  # read only for its integer tensors and config files, as a full merge would
+    if len(terms) + 1 > len(window):
+        log.warning(
+            "this update reads %d inputs, a full merge of the window %d: the window moved too far to save reads",
+            len(terms) + 1,
+            len(window),
+        )
     previous_tokens = int(manifest.get("tokens", 0))
     sums = Snapshot(state, tokens=previous_tokens, source="merge")
     return Increment([sums, *(s for s, _ in terms)], [scale, *(w for _, w in terms)], previous)
