@@ -155,6 +155,10 @@ def run_experiment(
     from pmakit.train.data import prepare_corpus, val_batches
     from pmakit.train.loop import _cache_dir
 
+    if data.get("study"):  # the spike / init presets (pmakit.studies)
+        from pmakit.studies import run_study
+
+        return run_study(data, run_dir, fresh=fresh, progress=progress)
     study = resolve(data)
     run_dir = Path(run_dir)
     if fresh and run_dir.exists():
@@ -233,7 +237,9 @@ def _anneal(study: Study, fork: Fork, run_dir: Path, corpus: Any, progress: bool
         if (branch / "checkpoint").exists()
         else run_dir / "main" / "checkpoints" / f"tokens-{fork.fork_tokens}"
     )
-    branch_cfg = replace(cfg, keep_checkpoints_at=(), total_tokens=fork.eval_tokens)
+    # About five evaluations along each branch, so its curve shows the anneal's shape.
+    eval_every = max(1, fork.anneal_tokens // cfg.every_tokens // 5)
+    branch_cfg = replace(cfg, keep_checkpoints_at=(), total_tokens=fork.eval_tokens, eval_every=eval_every)
     trainer = Trainer(
         branch_cfg, branch, corpus=corpus, schedule=schedule, resume_from=resume_from, progress=progress
     )
