@@ -225,6 +225,16 @@ def _f(x: str | None) -> float | None:
     return v if v is not None and math.isfinite(v) else None
 
 
+def gain(row: dict[str, str], latest: list[dict[str, str]]) -> float | None:
+    """latest - row: the file's delta when present, else the difference of the two losses."""
+    d = _f(row.get("delta_vs_latest"))
+    if d is not None:
+        return -d
+    if latest and _f(latest[0].get("val_loss")) is not None and _f(row.get("val_loss")) is not None:
+        return _f(latest[0]["val_loss"]) - _f(row["val_loss"])  # type: ignore[operator]
+    return None
+
+
 def traceable_values(run: Path) -> dict[str, set[float]]:
     """What a report number may be, by kind, computed from the raw files independently of pmakit.report."""
     raw: set[float] = set()
@@ -254,28 +264,36 @@ def traceable_values(run: Path) -> dict[str, set[float]]:
                 raw.update(
                     abs(v) for v in map(_f, (c["tokens"], c["val_loss"], c["val_loss_se"])) if v is not None
                 )
+    ints: set[float] = {len(rows)}  # "k result rows ... were skipped"
     exp = json.loads((run / "experiment.json").read_text()) if (run / "experiment.json").exists() else {}
-    z, loss, pct, ints = set(), set(), set(), set()
+    z: set[float] = set()
+    loss: set[float] = set()
+    pct: set[float] = set()
     raw.update(v / 60 for v in (exp.get("seconds") or {}).values())
     v0 = exp.get("base_every_tokens") or V0
-    ints.update(_f(r["v_tokens"]) / v0 for r in rows if _f(r["v_tokens"]))  # type: ignore[operator]
+    ints.update(_f(r.get("v_tokens")) / v0 for r in rows if _f(r.get("v_tokens")))  # type: ignore[operator]
+    for r in rows:  # gains computed from the losses when the delta column is missing
+        ref = [x for x in rows if x.get("model") == "latest" and x.get("tokens") == r.get("tokens")]
+        g = gain(r, ref)
+        if g is not None:
+            loss.add(abs(g))
     for r in rows:
-        d, s = _f(r["delta_vs_latest"]), _f(r["delta_se"])
+        d, s = _f(r.get("delta_vs_latest")), _f(r.get("delta_se"))
         if d is not None and s:
             z.add(abs(d / s))
-    for fork in {r["fork_tokens"] for r in rows if r["fork_tokens"]}:
-        at = [r for r in rows if r["fork_tokens"] == fork]
-        merged = [r for r in at if r["model"] == "merged"]
+    for fork in {r.get("fork_tokens") for r in rows if r.get("fork_tokens")}:
+        at = [r for r in rows if r.get("fork_tokens") == fork]
+        merged = [r for r in at if r.get("model") == "merged"]
         ints.add(len(merged))
-        raw.update(_f(r["tokens"]) - float(fork) for r in at if _f(r["tokens"]))  # type: ignore[operator]  # D
-        ann = [r for r in at if r["model"] == "annealed"]
+        raw.update(_f(r.get("tokens")) - float(fork) for r in at if _f(r.get("tokens")))  # type: ignore[operator]  # D
+        ann = [r for r in at if r.get("model") == "annealed"]
         # pairs whose difference the report may print: any merge vs the anneal, weightings at the same N and V
         pairs = [(m, a) for m in merged for a in ann]
         pairs += [
             (a, b)
             for a in merged
             for b in merged
-            if a is not b and a["n"] == b["n"] and a["v_tokens"] == b["v_tokens"]
+            if a is not b and a.get("n") == b.get("n") and a.get("v_tokens") == b.get("v_tokens")
         ]
         for a, b in pairs:
             if "batches" in a and "batches" in b:  # paired over the same batches
@@ -283,15 +301,18 @@ def traceable_values(run: Path) -> dict[str, set[float]]:
                 mean, se = abs(diff.mean()), diff.std(ddof=1) / math.sqrt(len(diff))
                 loss.update({mean, se})
                 z.add(mean / se)
-            da, db = _f(a["delta_vs_latest"]), _f(b["delta_vs_latest"])
-            sa, sb = _f(a["delta_se"]), _f(b["delta_se"])
+            la, lb = _f(a.get("val_loss")), _f(b.get("val_loss"))
+            if la is not None and lb is not None:
+                loss.add(abs(la - lb))
+            da, db = _f(a.get("delta_vs_latest")), _f(b.get("delta_vs_latest"))
+            sa, sb = _f(a.get("delta_se")), _f(b.get("delta_se"))
             if da is None or db is None or sa is None or sb is None:
                 continue
             loss.update({abs(da - db), sa + sb})
             z.add(abs(da - db) / (sa + sb))
             if sa != sb:
                 z.add(abs(da - db) / abs(sa - sb))
-        latest = [r for r in at if r["model"] == "latest"]
+        latest = [r for r in at if r.get("model") == "latest"]
         for m in merged:
             for a in ann:
                 if latest and all("batches" in x for x in (latest[0], m, a)):
@@ -301,10 +322,13 @@ def traceable_values(run: Path) -> dict[str, set[float]]:
                     cov = np.cov(np.vstack([g_m, g_a]), ddof=1) / len(g_m)
                     var = cov[0, 0] + ratio**2 * cov[1, 1] - 2 * ratio * cov[0, 1]
                     pct.update({abs(ratio), math.sqrt(var) / g_a.mean()})
-                gm, ga = -_f(m["delta_vs_latest"]), -_f(a["delta_vs_latest"])  # type: ignore[operator]
-                if ga > 0:
+                gm, ga = gain(m, latest), gain(a, latest)
+                if gm is not None and ga is not None and ga > 0:
                     r_ = gm / ga
-                    pct.update({abs(r_), (_f(m["delta_se"]) + abs(r_) * _f(a["delta_se"])) / ga})  # type: ignore[operator]
+                    pct.add(abs(r_))
+                    sm, sa = _f(m.get("delta_se")), _f(a.get("delta_se"))
+                    if sm is not None and sa is not None:
+                        pct.add((sm + abs(r_) * sa) / ga)
     return {"raw": raw, "z": z, "loss": loss, "pct": pct, "int": ints}
 
 
@@ -660,3 +684,35 @@ def test_html_renders_in_headless_chromium(full_run: Path, chromium: str, tmp_pa
     colored = (img.max(axis=2) - img.min(axis=2)) > 0.25
     assert colored.mean() > 0.01, "no coloured pixels: the embedded plots did not render"
     assert colored[1500:].mean() > 0.01  # plots further down the page rendered too
+
+
+CUTS = ["fork_tokens", "model", "n", "v_tokens", "tokens", "val_loss", "delta_vs_latest", "delta_se", "label"]
+
+
+@pytest.mark.parametrize("drop", [*CUTS, "model=latest", "model=annealed", "fork rows"])
+def test_any_missing_column_or_row_kind_gives_a_report_not_a_crash(tmp_path: Path, drop: str) -> None:
+    run = build_run(
+        tmp_path / "cut",
+        batch_losses=False,
+        curves=False,
+        weightings=[("sma", None), ("wma", None)],
+        ns=(2, 4),
+        vs=(1, 2),
+    )
+    (run / "results.jsonl").unlink()
+    rows = read_rows(run)
+    if drop.startswith("model="):
+        rows = [r for r in rows if r["model"] != drop.split("=")[1]]
+    elif drop == "fork rows":
+        rows = [r for r in rows if not r["fork_tokens"]]
+    with (run / "results.csv").open("w", newline="") as fh:
+        cols = [c for c in RESULT_COLUMNS if c != drop]
+        w = csv.DictWriter(fh, fieldnames=cols, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    paths = write_report(run)
+    text = paths.markdown.read_text()
+    assert "could not be drawn" not in text
+    assert "nan" not in text.lower() and "None" not in text
+    assert untraceable(text, traceable_values(run)) == []
+    assert len(summary_text(run).splitlines()) <= 25

@@ -110,6 +110,11 @@ def write_report(run_dir: str | Path) -> ReportPaths:
     """
     run_dir = Path(run_dir)
     _check_dir(run_dir)
+    from pmakit.report import recovery
+
+    if recovery.study_of(run_dir):  # the spike / init studies have their own sections
+        blocks, drawn = recovery.build(run_dir)
+        return _render(run_dir, blocks, drawn)
     data = load_run(run_dir)
     forks = summarize_forks(data)
     base = base_interval(data)
@@ -127,6 +132,15 @@ def write_report(run_dir: str | Path) -> ReportPaths:
     return ReportPaths(markdown=md_path, html=html_path, plots=drawn)
 
 
+def _render(run_dir: Path, blocks: list[document.Block], drawn: list[Path]) -> ReportPaths:
+    from pmakit.report import html, markdown
+
+    md_path, html_path = run_dir / "report.md", run_dir / "report.html"
+    _write_text(md_path, markdown.render(blocks))
+    _write_text(html_path, html.render(blocks, run_dir))
+    return ReportPaths(markdown=md_path, html=html_path, plots=drawn)
+
+
 def _row_line(name: str, loss: str, delta: str, z: str) -> str:
     return f"  {name[:38]:<38} {loss:>17}  {delta:>17}  {z:>6}"
 
@@ -135,6 +149,10 @@ def summary_text(run_dir: str | Path) -> str:
     """The headline numbers and the report's paths, in one terminal screen (about 25 lines at most)."""
     run_dir = Path(run_dir)
     _check_dir(run_dir)
+    from pmakit.report import recovery
+
+    if recovery.study_of(run_dir):
+        return recovery.summary(run_dir)
     data = load_run(run_dir)
     base = base_interval(data)
     forks = summarize_forks(data)

@@ -429,7 +429,7 @@ def _weightings_caption(forks: Sequence[ForkSummary], v: int | None, base: int |
         f"Bars: Δ vs the latest snapshot for each weighting at V = {fmt.interval(v, base)} (the interval with "
         "the most weightings evaluated), grouped by the N values where two or more weightings were evaluated; "
         "error bars are paired s.e.",
-        "Paper (finding 4): early in training WMA and EMA(0.2), which weight recent snapshots more, are best; "
+        "Paper (finding 4): early in training WMA and EMA with the larger α, which weight recent snapshots more, are best; "
         "later the differences between weightings shrink to noise.",
     ]
     for i, f in enumerate(forks, start=1):

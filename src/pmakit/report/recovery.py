@@ -1,0 +1,595 @@
+"""Report sections of the spike-recovery (E10) and PMA-init (E9) studies (``pmakit.studies``).
+
+Reads RUN/experiment.json (``"study": "spike" | "init"``), RUN/results.jsonl (rows with the batch losses),
+RUN/curves.csv and RUN/train_curves.csv; draws RUN/plots/*.png and returns the report's blocks, rendered by the
+same markdown/html renderers as the main study. Every sentence that judges an effect is computed from the numbers:
+means over seeds with their standard error over seeds (seeds are the unit of replication), and per seed the paired
+difference over the fixed held-out batches.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import os
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pmakit.report import fmt
+from pmakit.report.analysis import NOISE_Z
+from pmakit.report.document import Block, Bullets, FigureBlock, Heading, Paragraph, Table
+
+log = logging.getLogger(__name__)
+
+STUDIES = ("spike", "init")
+NO_INTERVENTION = "no-intervention"
+PLOTS = {
+    "spike_val": "spike_val_loss.png",
+    "spike_train": "spike_train_loss.png",
+    "init_val": "init_val_loss.png",
+    "init_grad": "init_grad_norm.png",
+}
+COLORS = {"no-intervention": "#D55E00", "latest": "#000000", "merge": "#0072B2", "run": "#999999"}
+
+
+def study_of(run_dir: Path) -> str | None:
+    """The study named in RUN/experiment.json (spike or init), or None for the main PMA study."""
+    path = run_dir / "experiment.json"
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text()).get("study")
+    except (ValueError, AttributeError):
+        return None
+    return value if value in STUDIES else None
+
+
+@dataclass
+class StudyData:
+    """A study run's files, loaded."""
+
+    run_dir: Path
+    experiment: dict[str, Any]
+    rows: list[dict[str, Any]]
+    curves: list[dict[str, Any]]
+    steps: list[dict[str, Any]]
+
+    @property
+    def kind(self) -> str:
+        return str(self.experiment.get("study"))
+
+    @property
+    def seeds(self) -> list[int]:
+        return sorted({int(r["seed"]) for r in self.rows})
+
+    def row(self, seed: int, stage: str, model: str) -> dict[str, Any] | None:
+        return next(
+            (r for r in self.rows if (r["seed"], r["stage"], r["model"]) == (seed, stage, model)), None
+        )
+
+
+def _read_csv(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    out = []
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            out.append({k: _num(v) for k, v in r.items()})
+    return out
+
+
+def _num(v: str) -> Any:
+    if v == "":
+        return None
+    try:
+        f = float(v)
+    except ValueError:
+        return v
+    return int(f) if f.is_integer() and "." not in v and "e" not in v.lower() else f
+
+
+def load_study(run_dir: Path) -> StudyData:
+    experiment = json.loads((run_dir / "experiment.json").read_text())
+    rows = []
+    path = run_dir / "results.jsonl"
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
+    return StudyData(
+        run_dir, experiment, rows, _read_csv(run_dir / "curves.csv"), _read_csv(run_dir / "train_curves.csv")
+    )
+
+
+# ------------------------------------------------------------------------------------------------- statistics
+
+
+@dataclass(frozen=True)
+class Spread:
+    """A mean over seeds and its standard error over seeds (None with one seed)."""
+
+    mean: float
+    se: float | None
+    n: int
+
+    @property
+    def z(self) -> float | None:
+        if self.se is None:
+            return None
+        return math.inf * (1 if self.mean > 0 else -1) if self.se == 0 and self.mean else (
+            self.mean / self.se if self.se else 0.0
+        )
+
+
+def spread(values: Sequence[float | None]) -> Spread | None:
+    xs = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    if not xs:
+        return None
+    se = statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else None
+    return Spread(statistics.fmean(xs), se, len(xs))
+
+
+def spread_text(s: Spread | None, *, signed: bool = False) -> str:
+    if s is None:
+        return fmt.MISSING
+    value = f"{s.mean:+.4f}" if signed else f"{s.mean:.4f}"
+    return value + (f" ± {s.se:.4f}" if s.se is not None else " (1 seed)")
+
+
+def judge_lower(s: Spread | None, subject: str, reference: str) -> str:
+    """'X is lower than Y by 3.1 s.e. over seeds' etc., for a difference X - Y (negative = X better)."""
+    if s is None:
+        return f"{subject} vs {reference}: no data"
+    if s.se is None:
+        return (
+            f"{subject} minus {reference} is {s.mean:+.4f} nats on one seed only, so seed-to-seed noise cannot "
+            "be judged"
+        )
+    z = s.mean / s.se if s.se > 0 else (math.inf if s.mean > 0 else -math.inf if s.mean < 0 else 0.0)
+    text = f"{subject} minus {reference}: {s.mean:+.4f} ± {s.se:.4f} nats over {s.n} seeds"
+    if z <= -NOISE_Z:
+        return f"{text}, so {subject} ends lower, by {-z:.1f} standard errors over seeds"
+    if z >= NOISE_Z:
+        return f"{text}, so {subject} ends higher (worse), by {z:.1f} standard errors over seeds"
+    return f"{text}: within noise ({z:+.1f} standard errors over seeds), no measurable difference"
+
+
+def _paired_cell(r: dict[str, Any] | None, key: str = "delta_vs_latest", se_key: str = "delta_se") -> str:
+    if r is None or r.get(key) is None:
+        return fmt.MISSING
+    d, se = r[key], r.get(se_key)
+    z = f" (z={d / se:+.1f})" if se else ""
+    return f"{d:+.4f} ± {se:.4f}{z}" if se is not None else f"{d:+.4f}"
+
+
+# ----------------------------------------------------------------------------------------------------- plots
+
+
+def _figure(width: float, height: float, cols: int) -> tuple[Any, list[Any]]:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), layout="constrained")
+    axes = [fig.add_subplot(1, cols, i + 1) for i in range(cols)]
+    return fig, axes
+
+
+def _save(fig: Any, path: Path) -> Path:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    FigureCanvasAgg(fig)
+    tmp = path.with_name(path.name + ".tmp")
+    fig.savefig(tmp, dpi=110, format="png", facecolor="white")
+    os.replace(tmp, path)
+    return path
+
+
+def _arm_style(arm: str) -> tuple[str, str]:
+    """(colour, line style): merges blue, latest black, no intervention vermillion; keep dashed, reset solid."""
+    if arm == NO_INTERVENTION:
+        return COLORS["no-intervention"], "-"
+    if arm == "run":
+        return COLORS["run"], "-"
+    family, _, opt = arm.partition("/")
+    color = COLORS["latest"] if family == "latest" else COLORS["merge"]
+    return color, "--" if opt == "keep" else "-"
+
+
+def _series(points: list[dict[str, Any]], seed: int, arm: str, y: str) -> tuple[list[float], list[float]]:
+    pts = [p for p in points if p["seed"] == seed and p["arm"] == arm and p.get(y) is not None]
+    pts.sort(key=lambda p: p["tokens"])
+    return [p["tokens"] for p in pts], [float(p[y]) for p in pts]
+
+
+def _arms_in(points: list[dict[str, Any]]) -> list[str]:
+    order = {NO_INTERVENTION: 0, "run": 0}
+    return sorted({str(p["arm"]) for p in points}, key=lambda a: (order.get(a, 1), a.split("/")[-1], a))
+
+
+def _mark_spike(ax: Any, seed_info: dict[str, Any]) -> None:
+    push = seed_info.get("push") or {}
+    if push:
+        ax.axvspan(push["at"], push["at"] + push["tokens"], color="#E69F00", alpha=0.15, lw=0)
+    spike = seed_info.get("spike")
+    if spike:
+        ax.axvline(spike["start_tokens"], color="#CC79A7", lw=1.0, ls=":")
+    if seed_info.get("resume_tokens") is not None:
+        ax.axvline(seed_info["resume_tokens"], color="#555555", lw=0.8, ls="-.")
+
+
+def plot_spike(data: StudyData, key: str, path: Path) -> Path | None:
+    points = data.curves if key == "val" else data.steps
+    y = "val_loss" if key == "val" else "loss"
+    if not points:
+        return None
+    seeds = sorted({int(p["seed"]) for p in points})
+    fig, axes = _figure(4.3 * len(seeds) + 0.6, 4.0, len(seeds))
+    infos = data.experiment.get("seeds", {})
+    for ax, seed in zip(axes, seeds):
+        info = infos.get(str(seed), {})
+        for arm in _arms_in(points):
+            xs, ys = _series(points, seed, arm, y)
+            if not xs:
+                continue
+            color, ls = _arm_style(arm)
+            lw = 0.7 if key == "train" else 1.4
+            ax.plot(xs, ys, color=color, ls=ls, lw=lw, label=arm, alpha=0.9 if key == "val" else 0.6)
+        _mark_spike(ax, info)
+        ax.set_title(f"seed {seed}")
+        ax.set_xlabel("training tokens")
+        ax.grid(alpha=0.3)
+        if key == "train":
+            push = info.get("push") or {}
+            if push:  # the interesting part: from a little before the push to the end
+                lo = max(0, push["at"] - 2 * push["tokens"])
+                ax.set_xlim(left=lo)
+                finite = [float(p["loss"]) for p in points if p["seed"] == seed and p["tokens"] >= lo
+                          and p.get("loss") is not None and math.isfinite(float(p["loss"]))]  # fmt: skip
+                if finite:
+                    ax.set_ylim(min(finite) - 0.1, min(max(finite), 12) + 0.1)
+    axes[0].set_ylabel("held-out loss (nats/token)" if key == "val" else "training loss per step")
+    axes[0].legend(fontsize=8, loc="upper left")
+    return _save(fig, path)
+
+
+def plot_init(data: StudyData, key: str, path: Path) -> Path | None:
+    points = data.curves if key == "val" else data.steps
+    y = "val_loss" if key == "val" else "grad_norm"
+    if not points:
+        return None
+    seeds = sorted({int(p["seed"]) for p in points})
+    fig, axes = _figure(4.3 * len(seeds) + 0.6, 4.0, len(seeds))
+    init = data.experiment.get("config", {}).get("init", {})
+    start = init.get("init_at")
+    for ax, seed in zip(axes, seeds):
+        for arm in _arms_in(points):
+            xs, ys = _series(points, seed, arm, y)
+            if start is not None:
+                keep = [i for i, x in enumerate(xs) if x >= start - 4 * (init.get("warmup_tokens") or 0)]
+                xs, ys = [xs[i] for i in keep], [ys[i] for i in keep]
+            if not xs:
+                continue
+            color = COLORS["run"] if arm == "run" else COLORS["latest"] if arm == "latest" else COLORS["merge"]
+            ax.plot(xs, ys, color=color, lw=1.3 if key == "val" else 0.9, label=arm)
+        if start is not None:
+            ax.axvline(start, color="#555555", lw=0.8, ls="-.")
+        ax.set_title(f"seed {seed}")
+        ax.set_xlabel("training tokens")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("held-out loss (nats/token)" if key == "val" else "gradient norm (before clipping)")
+    axes[0].legend(fontsize=8)
+    return _save(fig, path)
+
+
+def _draw(data: StudyData, jobs: dict[str, Any]) -> tuple[dict[str, Path], list[str]]:
+    drawn: dict[str, Path] = {}
+    failures: list[str] = []
+    for name, job in jobs.items():
+        path = data.run_dir / "plots" / PLOTS[name]
+        try:
+            out = job(path)
+        except Exception as e:  # a plot must not take the tables down with it
+            log.warning("report: the %s plot failed: %s", name, e, exc_info=True)
+            failures.append(f"The {name} plot could not be drawn ({e.__class__.__name__}: {e}).")
+            out = None
+        if out is None:
+            path.unlink(missing_ok=True)
+        else:
+            drawn[name] = out.relative_to(data.run_dir)
+    return drawn, failures
+
+
+# ----------------------------------------------------------------------------------------------- spike study
+
+
+def _spike_arms(data: StudyData) -> list[str]:
+    finals = {r["model"] for r in data.rows if r["stage"] == "final"}
+    rest = sorted(finals - {NO_INTERVENTION}, key=lambda a: (a.split("/")[-1], not a.startswith("latest")))
+    return ([NO_INTERVENTION] if NO_INTERVENTION in finals else []) + rest
+
+
+def _merge_family(data: StudyData) -> str | None:
+    for r in data.rows:
+        if r["stage"] == "final" and "/" in r["model"] and not r["model"].startswith("latest"):
+            return str(r["model"].split("/")[0])
+    return None
+
+
+def spike_blocks(data: StudyData) -> tuple[list[Block], list[Path]]:
+    exp, seeds = data.experiment, data.seeds
+    cfg = exp.get("config", {})
+    spec, train = cfg.get("spike", {}), cfg.get("train", {})
+    infos = exp.get("seeds", {})
+    fam = _merge_family(data) or f"{spec.get('method', 'sma')}{spec.get('last', 3)}"
+    blocks: list[Block] = [Heading("Loss-spike recovery (paper E10)", 1)]
+    model = exp.get("model", {})
+    blocks.append(
+        Paragraph(
+            f"A {model.get('parameters', 0) / 1e6:.2f}M-parameter Llama ({model.get('layers')} layers, hidden "
+            f"{model.get('hidden')}) trained at a constant LR of {train.get('lr')} with a snapshot every "
+            f"{fmt.tokens(train.get('every_tokens'))} tokens. At {fmt.tokens(spec.get('push_at'))} tokens the LR is "
+            f"multiplied by {spec.get('push_factor')} for {fmt.tokens(spec.get('push_tokens'))} tokens (the induced "
+            f"instability), then set back to the stable LR: that run, continued to "
+            f"{fmt.tokens(train.get('total_tokens'))} tokens, is the **no-intervention** arm. The spike detector "
+            "reads its per-step training loss; the last "
+            f"{spec.get('last')} snapshots saved before the detected start are merged ({spec.get('method', '').upper()})"
+            " and the arms resume at the newest of them. "
+            f"**LR of the resumed arms: {exp.get('resume_lr', fmt.MISSING)}.** "
+            "Optimizer: `reset` = fresh AdamW moments; `keep` = the moments saved in the full checkpoint at the "
+            "resume point (the newest pre-spike snapshot). Seeds change the initialisation and the data order; "
+            f"every arm of every seed is scored on the same {exp.get('eval_batches', '?')} held-out batches."
+        )
+    )
+    # detected spikes
+    rows = []
+    for seed in seeds:
+        info = infos.get(str(seed), {})
+        spike = info.get("spike")
+        if not spike:
+            rows.append([str(seed), info.get("error", "no spike"), *[fmt.MISSING] * 6])
+            continue
+        merged = ", ".join(fmt.tokens(m["tokens"]) for m in info.get("merged", []))
+        rows.append(
+            [
+                str(seed),
+                f"{fmt.tokens(spike['start_tokens'])} (step {spike.get('start_step')})",
+                f"{fmt.tokens(spike['detected_tokens'])} (step {spike.get('detected_step')})",
+                f"{spike['reason']}, loss {float(spike['loss']):.3f} vs baseline "
+                f"{fmt.loss(spike.get('baseline'))}",
+                fmt.tokens(info.get("boundary_tokens")),
+                merged,
+                fmt.tokens(info.get("resume_tokens")),
+                str(info.get("false_alarms", 0)),
+            ]
+        )
+    blocks += [
+        Heading("The detected spike and what was merged"),
+        Paragraph(
+            "Snapshots strictly before the boundary (the spike's first out-of-line step minus one step, since a "
+            "step's loss is measured on the weights before its update) are eligible; the merge takes the last "
+            f"{spec.get('last')} of them and both families resume at the newest one. False alarms: spikes the "
+            "detector reported before the push (none were acted on)."
+        ),
+        Table(
+            ["seed", "spike start", "detected at", "what", "boundary", "merged snapshots", "resume at",
+             "false alarms"],  # fmt: skip
+            rows,
+            "lllllllr",
+        ),
+    ]
+    # final losses
+    arms = _spike_arms(data)
+    header = ["arm", *[f"seed {s}" for s in seeds], "mean ± s.e. (seeds)", "Δ vs no intervention"]
+    table = []
+    finals: dict[str, Spread | None] = {}
+    controls: dict[str, Spread | None] = {}
+    for arm in arms:
+        cells = []
+        for s in seeds:
+            r = data.row(s, "final", arm)
+            cells.append(fmt.loss_se(r["val_loss"], r["val_loss_se"]) if r else fmt.MISSING)
+        finals[arm] = spread([(data.row(s, "final", arm) or {}).get("val_loss") for s in seeds])
+        controls[arm] = spread([(data.row(s, "final", arm) or {}).get("delta_vs_control") for s in seeds])
+        table.append(
+            [arm, *cells, spread_text(finals[arm]),
+             spread_text(controls[arm], signed=True) if arm != NO_INTERVENTION else ""]  # fmt: skip
+        )
+    tokens = train.get("total_tokens")
+    blocks += [
+        Heading("Final validation loss"),
+        Paragraph(
+            f"Held-out loss at {fmt.tokens(tokens)} tokens (per seed: ± s.e. over batches; mean: ± s.e. over "
+            "seeds; Δ: arm minus the no-intervention run of the same seed, averaged over seeds)."
+        ),
+        Table(header, table),
+    ]
+    findings = []
+    if NO_INTERVENTION in finals:
+        for arm in arms[1:]:
+            findings.append(judge_lower(controls[arm], f"`{arm}`", "no intervention") + ".")
+    # paired SMA vs latest
+    opts = sorted({a.split("/")[1] for a in arms if "/" in a})
+    prow = []
+    for opt in opts:
+        arm = f"{fam}/{opt}"
+        cells = [_paired_cell(data.row(s, "final", arm)) for s in seeds]
+        sp = spread([(data.row(s, "final", arm) or {}).get("delta_vs_latest") for s in seeds])
+        wins = sum(1 for s in seeds if ((data.row(s, "final", arm) or {}).get("delta_vs_latest") or 0) < 0)
+        prow.append([f"{fam} − latest, optimizer {opt}", *cells, spread_text(sp, signed=True), f"{wins}/{len(seeds)}"])
+        findings.append(judge_lower(sp, f"`{arm}`", f"`latest/{opt}`") + ".")
+    start_cells = [_paired_cell(data.row(s, "start", fam)) for s in seeds]
+    start_sp = spread([(data.row(s, "start", fam) or {}).get("delta_vs_latest") for s in seeds])
+    prow.append([f"{fam} − latest: the starting weights", *start_cells, spread_text(start_sp, signed=True),
+                 f"{sum(1 for s in seeds if ((data.row(s, 'start', fam) or {}).get('delta_vs_latest') or 0) < 0)}"
+                 f"/{len(seeds)}"])  # fmt: skip
+    findings.insert(0, judge_lower(start_sp, f"the {fam} weights", "the latest pre-spike snapshot") +
+                    " (at the resume point, before any training).")  # fmt: skip
+    blocks += [
+        Heading(f"Paired difference: {fam} vs the latest pre-spike snapshot"),
+        Paragraph(
+            "Per seed: merge arm minus latest arm with the same optimizer policy, at the same tokens, paired over "
+            "the held-out batches (± paired s.e., z = Δ/s.e.). Mean: over seeds ± s.e. over seeds. Negative = "
+            "the merge is better. 'wins' counts the seeds where the merge arm ended lower."
+        ),
+        Table(["comparison", *[f"seed {s}" for s in seeds], "mean ± s.e. (seeds)", "wins"], prow),
+        Heading("What the numbers say"),
+        Bullets(findings),
+    ]
+    figs, failures = _draw(
+        data,
+        {"spike_val": lambda p: plot_spike(data, "val", p), "spike_train": lambda p: plot_spike(data, "train", p)},
+    )
+    caption_marks = (
+        "Shaded: the LR push; dotted: the detected spike start; dash-dot: the resume point (newest merged "
+        "snapshot). Blue: the merge arms, black: the latest-snapshot arms, vermillion: no intervention; solid = "
+        "optimizer reset, dashed = optimizer kept."
+    )
+    if "spike_val" in figs:
+        blocks.append(FigureBlock(figs["spike_val"], "Held-out loss of every arm, per seed", [caption_marks]))
+    if "spike_train" in figs:
+        blocks.append(
+            FigureBlock(figs["spike_train"], "Training loss per step around the spike, per seed", [caption_marks])
+        )
+    blocks += [Paragraph(f, note=True) for f in failures]
+    blocks += _run_facts(exp)
+    return blocks, [data.run_dir / p for p in figs.values()]
+
+
+# ------------------------------------------------------------------------------------------------ init study
+
+
+def init_blocks(data: StudyData) -> tuple[list[Block], list[Path]]:
+    exp, seeds = data.experiment, data.seeds
+    cfg = exp.get("config", {})
+    spec, train = cfg.get("init", {}), cfg.get("train", {})
+    fam = next((r["model"] for r in data.rows if r["model"] != "latest"), f"{spec.get('method')}{spec.get('n')}")
+    info0 = next(iter(exp.get("seeds", {}).values()), {})
+    model = exp.get("model", {})
+    blocks: list[Block] = [
+        Heading("PMA-init: continued training from a merge (paper E9)", 1),
+        Paragraph(
+            f"A {model.get('parameters', 0) / 1e6:.2f}M-parameter Llama trained at a constant LR of "
+            f"{train.get('lr')} to {fmt.tokens(spec.get('init_at'))} tokens (a snapshot every "
+            f"{fmt.tokens(train.get('every_tokens'))}). Continued training then runs for "
+            f"{fmt.tokens(spec.get('continue_tokens'))} tokens with a new schedule ({info0.get('schedule', '?')}) "
+            f"and a fresh AdamW for both arms: `latest` starts from the snapshot at "
+            f"{fmt.tokens(spec.get('init_at'))}, `{fam}` from the {str(spec.get('method')).upper()} of the last "
+            f"{spec.get('n')} snapshots. Both see the same data. 'early' = after the first "
+            f"{fmt.tokens(spec.get('early_tokens'))} tokens."
+        ),
+    ]
+    header = ["stage", "arm", *[f"seed {s}" for s in seeds], "mean ± s.e. (seeds)", "Δ vs latest (paired, per seed)",
+              "Δ mean ± s.e. (seeds)"]  # fmt: skip
+    table, findings = [], []
+    for stage in ("start", "early", "final"):
+        for arm in ("latest", fam):
+            cells = []
+            for s in seeds:
+                r = data.row(s, stage, arm)
+                cells.append(fmt.loss_se(r["val_loss"], r["val_loss_se"]) if r else fmt.MISSING)
+            sp = spread([(data.row(s, stage, arm) or {}).get("val_loss") for s in seeds])
+            dsp = spread([(data.row(s, stage, arm) or {}).get("delta_vs_latest") for s in seeds])
+            paired = "; ".join(_paired_cell(data.row(s, stage, arm)) for s in seeds) if arm != "latest" else ""
+            table.append([stage, arm, *cells, spread_text(sp), paired,
+                          spread_text(dsp, signed=True) if arm != "latest" else ""])  # fmt: skip
+            if arm != "latest":
+                findings.append(f"{stage}: " + judge_lower(dsp, f"`{fam}`", "`latest`") + ".")
+    blocks += [Heading("Held-out loss"), Table(header, table), Heading("What the numbers say"), Bullets(findings)]
+    # gradient norms
+    grows = []
+    for arm in ("latest", fam):
+        for stage in ("early", "final"):
+            cells = []
+            for key in ("grad_norm_mean", "grad_norm_max", "grad_norm_tv"):
+                cells.append(spread_text(spread([(data.row(s, stage, arm) or {}).get(key) for s in seeds])))
+            grows.append([arm, "first " + fmt.tokens(spec.get("early_tokens")) if stage == "early" else "all", *cells])
+    gfind = []
+    for key, what in (("grad_norm_mean", "mean gradient norm"), ("grad_norm_tv", "step-to-step change")):
+        diffs = []
+        for s in seeds:
+            a, b = data.row(s, "early", fam), data.row(s, "early", "latest")
+            if a and b and a.get(key) is not None and b.get(key) is not None:
+                diffs.append(a[key] - b[key])
+        gfind.append(judge_lower(spread(diffs), f"the {what} of `{fam}` (early)", "`latest`") + ".")
+    blocks += [
+        Heading("Gradient norm"),
+        Paragraph(
+            "Per-step gradient norm before clipping: mean, maximum, and mean absolute step-to-step change (a "
+            "roughness measure), averaged over seeds ± s.e. over seeds."
+        ),
+        Table(["arm", "steps", "mean", "max", "step-to-step change"], grows),
+        Bullets(gfind),
+    ]
+    figs, failures = _draw(
+        data, {"init_val": lambda p: plot_init(data, "val", p), "init_grad": lambda p: plot_init(data, "grad", p)}
+    )
+    cap = "Dash-dot: the start of continued training. Grey: the constant-LR run before it; black: from the " \
+          f"latest snapshot; blue: from {fam}."  # fmt: skip
+    if "init_val" in figs:
+        blocks.append(FigureBlock(figs["init_val"], "Held-out loss during continued training, per seed", [cap]))
+    if "init_grad" in figs:
+        blocks.append(FigureBlock(figs["init_grad"], "Gradient norm per step, per seed", [cap]))
+    blocks += [Paragraph(f, note=True) for f in failures]
+    blocks += _run_facts(exp)
+    return blocks, [data.run_dir / p for p in figs.values()]
+
+
+def _run_facts(exp: dict[str, Any]) -> list[Block]:
+    sec = exp.get("seconds", {})
+    load = exp.get("load_average", {})
+    items = [
+        f"Wall time {fmt.seconds(sec.get('total'))} (this invocation; a resumed run counts only what it did), "
+        f"CPU time {fmt.seconds(sec.get('cpu'))}, {exp.get('cpus')} CPUs, {exp.get('threads')} torch threads.",
+        f"Load average (1/5/15 min) before: {load.get('before')}, after: {load.get('after')} (other processes "
+        "on the machine slow the wall time down).",
+        f"pmakit {exp.get('pmakit_version')}, torch {exp.get('torch_version')}; started {exp.get('started')}, "
+        f"finished {exp.get('finished')}.",
+    ]
+    return [Heading("Run"), Bullets(items)]
+
+
+# ----------------------------------------------------------------------------------------------- entry points
+
+
+def build(run_dir: Path) -> tuple[list[Block], list[Path]]:
+    data = load_study(run_dir)
+    if data.kind == "spike":
+        return spike_blocks(data)
+    return init_blocks(data)
+
+
+def summary(run_dir: Path) -> str:
+    """One terminal screen: the final losses per arm and the paired merge-vs-latest verdicts."""
+    data = load_study(run_dir)
+    exp, seeds = data.experiment, data.seeds
+    lines = [f"{'Spike-recovery' if data.kind == 'spike' else 'PMA-init'} study: {run_dir} "
+             f"(preset {exp.get('preset')}, {len(seeds)} seeds, {fmt.seconds(exp.get('seconds', {}).get('total'))})"]  # fmt: skip
+    if data.kind == "spike":
+        lines.append(f"Resumed arms' LR: {exp.get('resume_lr')}")
+        for s in seeds:
+            info = exp.get("seeds", {}).get(str(s), {})
+            lines.append(f"  seed {s}: {info.get('spike_text', info.get('error', 'no spike'))}")
+        for arm in _spike_arms(data):
+            sp = spread([(data.row(s, "final", arm) or {}).get("val_loss") for s in seeds])
+            lines.append(f"  {arm:<18} final val loss {spread_text(sp)}")
+        fam = _merge_family(data)
+        for opt in sorted({a.split("/")[1] for a in _spike_arms(data) if "/" in a}):
+            sp = spread([(data.row(s, "final", f"{fam}/{opt}") or {}).get("delta_vs_latest") for s in seeds])
+            lines.append("  " + judge_lower(sp, f"{fam}/{opt}", f"latest/{opt}"))
+    else:
+        fam = next((r["model"] for r in data.rows if r["model"] != "latest"), "merge")
+        for stage in ("start", "early", "final"):
+            a = spread([(data.row(s, stage, "latest") or {}).get("val_loss") for s in seeds])
+            b = spread([(data.row(s, stage, fam) or {}).get("val_loss") for s in seeds])
+            d = spread([(data.row(s, stage, fam) or {}).get("delta_vs_latest") for s in seeds])
+            lines.append(f"  {stage:<6} latest {spread_text(a)}  {fam} {spread_text(b)}  Δ {spread_text(d, signed=True)}")
+    page = run_dir / "report.html"
+    lines.append(f"Report: {page}" if page.is_file() else f"Report: not written yet ({page})")
+    return "\n".join(lines)
