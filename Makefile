@@ -6,7 +6,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 TORCH := torch==2.13.0
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: demo test check bench install clean
+.PHONY: demo test check bench bench-scale install clean
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,9 @@ check: install
 
 bench: install
 	$(PY) benchmarks/bench_merge.py
+
+bench-scale: install
+	$(PY) benchmarks/bench_scale.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
