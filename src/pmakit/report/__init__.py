@@ -120,19 +120,14 @@ def write_report(run_dir: str | Path) -> ReportPaths:
     base = base_interval(data)
     figs = draw_figures(data, forks, base)
     blocks = document.build(data, forks, stable_points(data), figs, base)
-
-    from pmakit.report import html, markdown
-
-    md_path, html_path = run_dir / "report.md", run_dir / "report.html"
-    _write_text(md_path, markdown.render(blocks))
-    _write_text(html_path, html.render(blocks, run_dir))
     drawn = [
         run_dir / p for p in (figs.curves, figs.fork_gains, figs.heatmap, figs.weightings, figs.sweeps) if p
     ]
-    return ReportPaths(markdown=md_path, html=html_path, plots=drawn)
+    return _render(run_dir, blocks, drawn)
 
 
 def _render(run_dir: Path, blocks: list[document.Block], drawn: list[Path]) -> ReportPaths:
+    """Write report.md and the self-contained report.html from the same blocks."""
     from pmakit.report import html, markdown
 
     md_path, html_path = run_dir / "report.md", run_dir / "report.html"
