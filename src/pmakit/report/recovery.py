@@ -123,8 +123,10 @@ class Spread:
     def z(self) -> float | None:
         if self.se is None:
             return None
-        return math.inf * (1 if self.mean > 0 else -1) if self.se == 0 and self.mean else (
-            self.mean / self.se if self.se else 0.0
+        return (
+            math.inf * (1 if self.mean > 0 else -1)
+            if self.se == 0 and self.mean
+            else (self.mean / self.se if self.se else 0.0)
         )
 
 
@@ -276,7 +278,9 @@ def plot_init(data: StudyData, key: str, path: Path) -> Path | None:
                 xs, ys = [xs[i] for i in keep], [ys[i] for i in keep]
             if not xs:
                 continue
-            color = COLORS["run"] if arm == "run" else COLORS["latest"] if arm == "latest" else COLORS["merge"]
+            color = (
+                COLORS["run"] if arm == "run" else COLORS["latest"] if arm == "latest" else COLORS["merge"]
+            )
             ax.plot(xs, ys, color=color, lw=1.3 if key == "val" else 0.9, label=arm)
         if start is not None:
             ax.axvline(start, color="#555555", lw=0.8, ls="-.")
@@ -378,8 +382,16 @@ def spike_blocks(data: StudyData) -> tuple[list[Block], list[Path]]:
             "detector reported before the push (none were acted on)."
         ),
         Table(
-            ["seed", "spike start", "detected at", "what", "boundary", "merged snapshots", "resume at",
-             "false alarms"],  # fmt: skip
+            [
+                "seed",
+                "spike start",
+                "detected at",
+                "what",
+                "boundary",
+                "merged snapshots",
+                "resume at",
+                "false alarms",
+            ],
             rows,
             "lllllllr",
         ),
@@ -398,8 +410,12 @@ def spike_blocks(data: StudyData) -> tuple[list[Block], list[Path]]:
         finals[arm] = spread([(data.row(s, "final", arm) or {}).get("val_loss") for s in seeds])
         controls[arm] = spread([(data.row(s, "final", arm) or {}).get("delta_vs_control") for s in seeds])
         table.append(
-            [arm, *cells, spread_text(finals[arm]),
-             spread_text(controls[arm], signed=True) if arm != NO_INTERVENTION else ""]  # fmt: skip
+            [
+                arm,
+                *cells,
+                spread_text(finals[arm]),
+                spread_text(controls[arm], signed=True) if arm != NO_INTERVENTION else "",
+            ]
         )
     tokens = train.get("total_tokens")
     blocks += [
@@ -422,7 +438,9 @@ def spike_blocks(data: StudyData) -> tuple[list[Block], list[Path]]:
         cells = [_paired_cell(data.row(s, "final", arm)) for s in seeds]
         sp = spread([(data.row(s, "final", arm) or {}).get("delta_vs_latest") for s in seeds])
         wins = sum(1 for s in seeds if ((data.row(s, "final", arm) or {}).get("delta_vs_latest") or 0) < 0)
-        prow.append([f"{fam} − latest, optimizer {opt}", *cells, spread_text(sp, signed=True), f"{wins}/{len(seeds)}"])
+        prow.append(
+            [f"{fam} − latest, optimizer {opt}", *cells, spread_text(sp, signed=True), f"{wins}/{len(seeds)}"]
+        )
         findings.append(judge_lower(sp, f"`{arm}`", f"`latest/{opt}`") + ".")
     start_cells = [_paired_cell(data.row(s, "start", fam)) for s in seeds]
     start_sp = spread([(data.row(s, "start", fam) or {}).get("delta_vs_latest") for s in seeds])
@@ -444,7 +462,10 @@ def spike_blocks(data: StudyData) -> tuple[list[Block], list[Path]]:
     ]
     figs, failures = _draw(
         data,
-        {"spike_val": lambda p: plot_spike(data, "val", p), "spike_train": lambda p: plot_spike(data, "train", p)},
+        {
+            "spike_val": lambda p: plot_spike(data, "val", p),
+            "spike_train": lambda p: plot_spike(data, "train", p),
+        },
     )
     caption_marks = (
         "Shaded: the LR push; dotted: the detected spike start; dash-dot: the resume point (newest merged "
@@ -455,7 +476,9 @@ def spike_blocks(data: StudyData) -> tuple[list[Block], list[Path]]:
         blocks.append(FigureBlock(figs["spike_val"], "Held-out loss of every arm, per seed", [caption_marks]))
     if "spike_train" in figs:
         blocks.append(
-            FigureBlock(figs["spike_train"], "Training loss per step around the spike, per seed", [caption_marks])
+            FigureBlock(
+                figs["spike_train"], "Training loss per step around the spike, per seed", [caption_marks]
+            )
         )
     blocks += [Paragraph(f, note=True) for f in failures]
     blocks += _run_facts(exp)
@@ -469,8 +492,10 @@ def init_blocks(data: StudyData) -> tuple[list[Block], list[Path]]:
     exp, seeds = data.experiment, data.seeds
     cfg = exp.get("config", {})
     spec, train = cfg.get("init", {}), cfg.get("train", {})
-    fam = next((r["model"] for r in data.rows if r["model"] != "latest"), f"{spec.get('method')}{spec.get('n')}")
-    info0 = next(iter(exp.get("seeds", {}).values()), {})
+    fam = next(
+        (r["model"] for r in data.rows if r["model"] != "latest"), f"{spec.get('method')}{spec.get('n')}"
+    )
+    info0: dict[str, Any] = next(iter(exp.get("seeds", {}).values()), {})
     model = exp.get("model", {})
     blocks: list[Block] = [
         Heading("PMA-init: continued training from a merge (paper E9)", 1),
@@ -496,12 +521,19 @@ def init_blocks(data: StudyData) -> tuple[list[Block], list[Path]]:
                 cells.append(fmt.loss_se(r["val_loss"], r["val_loss_se"]) if r else fmt.MISSING)
             sp = spread([(data.row(s, stage, arm) or {}).get("val_loss") for s in seeds])
             dsp = spread([(data.row(s, stage, arm) or {}).get("delta_vs_latest") for s in seeds])
-            paired = "; ".join(_paired_cell(data.row(s, stage, arm)) for s in seeds) if arm != "latest" else ""
+            paired = (
+                "; ".join(_paired_cell(data.row(s, stage, arm)) for s in seeds) if arm != "latest" else ""
+            )
             table.append([stage, arm, *cells, spread_text(sp), paired,
                           spread_text(dsp, signed=True) if arm != "latest" else ""])  # fmt: skip
             if arm != "latest":
                 findings.append(f"{stage}: " + judge_lower(dsp, f"`{fam}`", "`latest`") + ".")
-    blocks += [Heading("Held-out loss"), Table(header, table), Heading("What the numbers say"), Bullets(findings)]
+    blocks += [
+        Heading("Held-out loss"),
+        Table(header, table),
+        Heading("What the numbers say"),
+        Bullets(findings),
+    ]
     # gradient norms
     grows = []
     for arm in ("latest", fam):
@@ -509,7 +541,9 @@ def init_blocks(data: StudyData) -> tuple[list[Block], list[Path]]:
             cells = []
             for key in ("grad_norm_mean", "grad_norm_max", "grad_norm_tv"):
                 cells.append(spread_text(spread([(data.row(s, stage, arm) or {}).get(key) for s in seeds])))
-            grows.append([arm, "first " + fmt.tokens(spec.get("early_tokens")) if stage == "early" else "all", *cells])
+            grows.append(
+                [arm, "first " + fmt.tokens(spec.get("early_tokens")) if stage == "early" else "all", *cells]
+            )
     gfind = []
     for key, what in (("grad_norm_mean", "mean gradient norm"), ("grad_norm_tv", "step-to-step change")):
         diffs = []
@@ -528,12 +562,15 @@ def init_blocks(data: StudyData) -> tuple[list[Block], list[Path]]:
         Bullets(gfind),
     ]
     figs, failures = _draw(
-        data, {"init_val": lambda p: plot_init(data, "val", p), "init_grad": lambda p: plot_init(data, "grad", p)}
+        data,
+        {"init_val": lambda p: plot_init(data, "val", p), "init_grad": lambda p: plot_init(data, "grad", p)},
     )
     cap = "Dash-dot: the start of continued training. Grey: the constant-LR run before it; black: from the " \
           f"latest snapshot; blue: from {fam}."  # fmt: skip
     if "init_val" in figs:
-        blocks.append(FigureBlock(figs["init_val"], "Held-out loss during continued training, per seed", [cap]))
+        blocks.append(
+            FigureBlock(figs["init_val"], "Held-out loss during continued training, per seed", [cap])
+        )
     if "init_grad" in figs:
         blocks.append(FigureBlock(figs["init_grad"], "Gradient norm per step, per seed", [cap]))
     blocks += [Paragraph(f, note=True) for f in failures]
@@ -589,7 +626,9 @@ def summary(run_dir: Path) -> str:
             a = spread([(data.row(s, stage, "latest") or {}).get("val_loss") for s in seeds])
             b = spread([(data.row(s, stage, fam) or {}).get("val_loss") for s in seeds])
             d = spread([(data.row(s, stage, fam) or {}).get("delta_vs_latest") for s in seeds])
-            lines.append(f"  {stage:<6} latest {spread_text(a)}  {fam} {spread_text(b)}  Δ {spread_text(d, signed=True)}")
+            lines.append(
+                f"  {stage:<6} latest {spread_text(a)}  {fam} {spread_text(b)}  Δ {spread_text(d, signed=True)}"
+            )
     page = run_dir / "report.html"
     lines.append(f"Report: {page}" if page.is_file() else f"Report: not written yet ({page})")
     return "\n".join(lines)
