@@ -316,7 +316,7 @@ def _merge(
             click.echo(f"incremental update of {from_previous}: {inc.reads} reads instead of {len(chosen)}")
     plan = plan_merge(terms, term_weights, dtype=dtype, max_shard_size=max_shard_size, ranks=world.size,
                       cast=True if window else None)
-    if dry_run or not quiet:
+    if (dry_run and world.rank == 0) or not quiet:
         _print_plan(plan)
     if dry_run:
         return
