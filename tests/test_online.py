@@ -143,7 +143,7 @@ def test_long_run_stays_within_fp32_tolerance(tmp_path: Path) -> None:
 
 def test_long_run_from_disk_equals_merge(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(1)
-    snaps = [{"w": 3.0 + torch.randn(64, generator=g), "b": torch.randn(3, generator=g)} for _ in range(400)]
+    snaps = [{"w": 3.0 + torch.randn(64, generator=g), "b": torch.randn(3, generator=g)} for _ in range(200)]
     averager = OnlineAverager(8, "ema", 0.1, resum_every=50)
     feed(averager, tmp_path / "run", snaps, every=1)
     chosen = discover(tmp_path / "run")[-8:]

@@ -25,7 +25,9 @@ minus (1-a)E + a x_{n+1} leaves (1-a)^n (x_2 - x_1), because x_2 turns from a we
 Memory: one fp32 copy of the model's floating-point tensors for sma, ema, ema-normalized and wsm-* (two for wma:
 S and W), plus, during an update, the new snapshot the caller holds and one tensor at a time of the snapshots read
 back (memory-mapped: page cache, not process memory). ``hold_in_memory`` adds the window's N snapshots in their own
-dtype. ``nbytes`` reports what is held.
+dtype. ``nbytes`` reports what is held. Measured with a saver feeding it (bf16 model, 50M parameters, N=3; peak
+RssAnon above the model): sma and ema 329 MiB = 192 MiB of sums + 96 MiB snapshot in flight + ~40 MiB of
+buffers; wma 500 MiB; sma with hold_in_memory 740 MiB. At 201M parameters sma peaks at 1188 MiB = 768 + 384 + 36.
 
 Adding and subtracting in fp32 drifts slowly (a random walk of rounding errors); every ``resum_every`` updates the
 running sums are rebuilt from the window (N-1 reads), which bounds the drift to that of ``resum_every`` updates.
