@@ -145,21 +145,21 @@ def spread_text(s: Spread | None, *, signed: bool = False) -> str:
     return value + (f" ± {s.se:.4f}" if s.se is not None else " (1 seed)")
 
 
-def judge_lower(s: Spread | None, subject: str, reference: str) -> str:
+def judge_lower(s: Spread | None, subject: str, reference: str, unit: str = "nats") -> str:
     """'X is lower than Y by 3.1 s.e. over seeds' etc., for a difference X - Y (negative = X better)."""
     if s is None:
         return f"{subject} vs {reference}: no data"
     if s.se is None:
         return (
-            f"{subject} minus {reference} is {s.mean:+.4f} nats on one seed only, so seed-to-seed noise cannot "
+            f"{subject} minus {reference} is {s.mean:+.4f} {unit} on one seed only, so seed-to-seed noise cannot "
             "be judged"
         )
     z = s.mean / s.se if s.se > 0 else (math.inf if s.mean > 0 else -math.inf if s.mean < 0 else 0.0)
-    text = f"{subject} minus {reference}: {s.mean:+.4f} ± {s.se:.4f} nats over {s.n} seeds"
+    text = f"{subject} minus {reference}: {s.mean:+.4f} ± {s.se:.4f}{' ' + unit if unit else ''} over {s.n} seeds"
     if z <= -NOISE_Z:
-        return f"{text}, so {subject} ends lower, by {-z:.1f} standard errors over seeds"
+        return f"{text}, so {subject} is lower, by {-z:.1f} standard errors over seeds"
     if z >= NOISE_Z:
-        return f"{text}, so {subject} ends higher (worse), by {z:.1f} standard errors over seeds"
+        return f"{text}, so {subject} is higher, by {z:.1f} standard errors over seeds"
     return f"{text}: within noise ({z:+.1f} standard errors over seeds), no measurable difference"
 
 
@@ -551,7 +551,7 @@ def init_blocks(data: StudyData) -> tuple[list[Block], list[Path]]:
             a, b = data.row(s, "early", fam), data.row(s, "early", "latest")
             if a and b and a.get(key) is not None and b.get(key) is not None:
                 diffs.append(a[key] - b[key])
-        gfind.append(judge_lower(spread(diffs), f"the {what} of `{fam}` (early)", "`latest`") + ".")
+        gfind.append(judge_lower(spread(diffs), f"the {what} of `{fam}` (early)", "`latest`", unit="") + ".")
     blocks += [
         Heading("Gradient norm"),
         Paragraph(
