@@ -1,15 +1,22 @@
 """Merge throughput and memory: pmakit vs the I/O floor, a naive load-all baseline and mergekit, in one run.
 
-    python benchmarks/bench_merge.py                 # 8 x ~1.7 GB bf16 Llama-shaped snapshots (~0.85B params)
-    python benchmarks/bench_merge.py --layers 2 --n 4   # a quick look
+    python benchmarks/bench_merge.py          # `make bench`: 8 x 0.61 GB (4 layers), 2 repeats: ~5 min on 2 cores
+    python benchmarks/bench_merge.py --full   # the issue's size: 8 x 1.61 GB (15 layers, 0.8B params): ~25 min
+    python benchmarks/bench_merge.py --full --n 16 --skip naive mergekit cold --repeats 1   # memory at N=16
+    python benchmarks/bench_merge.py --layers 2 --n 4 --repeats 1   # a quick look
 
-Every method merges the same N snapshots (SMA, fp32 accumulation, bf16 output). Runs are interleaved and
-repeated; the table reports the median wall time, its ratio to the floor measured in the same run, and the peak
-anonymous memory (RssAnon sampled from /proc: mmapped file pages are the page cache's, not the process's).
+Every method merges the same N bf16 Llama-shaped snapshots (hidden 2048, intermediate 5632, vocab 32000, GQA 16/4
+heads; SMA, fp32 accumulation, bf16 output). Runs are interleaved (repeat -> mode -> method) so that load from other
+processes spreads over all methods. The table reports the median wall time (and the range), its ratio to the floor
+measured in the same run, CPU seconds (user + sys of the process and its children), and the peak anonymous memory
+(RssAnon sampled every 10 ms from /proc: mmapped file pages are the page cache's, not the process's).
 
-warm: inputs in the page cache; the floor is `cat` of every input to /dev/null plus writing the output once.
-cold: every input evicted from the page cache (posix_fadvise DONTNEED) before each run; the floor is `cat` cold.
-mergekit 0.1.5 is installed into its own venv under the data directory (torch pinned to the one on disk).
+warm: inputs read into the page cache right before each run; floor = `cat` of every input to /dev/null plus `cp` of
+      one input-sized file as the output (no fsync; pmakit fsyncs its output, mergekit and naive do not).
+cold: every input evicted from the page cache (posix_fadvise DONTNEED) before each run; floor = the same, cold.
+mergekit 0.1.5 is installed into its own venv under the data directory, with torch pinned to 2.13.0 so that pip
+never downloads another torch. Data (default ./bench-data, git-ignored) is reused between runs; delete it after.
+On a shared machine the figures move with the other processes' load: the load average is printed with them.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -106,6 +114,11 @@ def evict(paths: list[Path]) -> None:
                 os.close(fd)
 
 
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int]:
     """Wall seconds and peak RssAnon bytes of a command (sampled every 10 ms)."""
     start = time.perf_counter()
@@ -135,20 +148,46 @@ save_file(out, sys.argv[1] + "/model.safetensors", metadata={"format": "pt"})
 """
 
 
+FULL = {"layers": 15}
+"""--full: the issue's ~1B-class layout, 8 x 1.61 GB (0.80B parameters each)."""
+
+
+def install_mergekit(venv: Path) -> Path:
+    """mergekit 0.1.5 in its own venv; torch pinned in the same pip call so that no other torch is resolved."""
+    exe = venv / "bin" / "mergekit-yaml"
+    if not exe.exists():
+        print("installing mergekit 0.1.5 into its own venv (torch pinned to 2.13.0)", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+        pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        subprocess.run([*pip, "torch==2.13.0"], check=True)
+        subprocess.run([*pip, "mergekit==0.1.5", "torch==2.13.0"], check=True)
+    return exe
+
+
+def floor_run(in_files: list[Path], out_dir: Path) -> None:
+    subprocess.run(["cat", *map(str, in_files)], stdout=subprocess.DEVNULL, check=True)
+    subprocess.run(["cp", str(in_files[-1]), str(out_dir / "model.safetensors")], check=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=8, help="snapshots to merge")
-    ap.add_argument("--layers", type=int, default=14)
+    ap.add_argument("--full", action="store_true", help="the issue's size: 15 layers, 1.61 GB per snapshot")
+    ap.add_argument("--layers", type=int, default=4, help="decoder layers (4: 0.61 GB per snapshot)")
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--intermediate", type=int, default=5632)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--data", type=Path, default=ROOT / "bench-data")
+    ap.add_argument("--repeats", type=int, default=2, help="interleaved repeats (the median is reported)")
+    ap.add_argument(
+        "--data", type=Path, default=ROOT / "bench-data", help="snapshots, outputs, mergekit venv"
+    )
     ap.add_argument("--skip", nargs="*", default=[], choices=["naive", "mergekit", "cold", "warm"])
     ap.add_argument("--make-only", action="store_true", help="only generate the snapshots")
     args = ap.parse_args()
+    if args.full:
+        vars(args).update(FULL)
 
     data = args.data
     data.mkdir(parents=True, exist_ok=True)
@@ -158,24 +197,17 @@ def main() -> None:
         return
     in_files = [s / "model.safetensors" for s in snaps]
     in_bytes = sum(f.stat().st_size for f in in_files)
+    params = in_bytes // args.n // 2
     out_dir = data / "out"
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(ROOT / "src")}
 
-    mergekit = data / "mergekit-venv" / "bin" / "mergekit-yaml"
-    if "mergekit" not in args.skip and not mergekit.exists():
-        print("installing mergekit 0.1.5 into its own venv (torch pinned to 2.13.0)", flush=True)
-        venv = data / "mergekit-venv"
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
-        subprocess.run([*pip, "torch==2.13.0"], check=True)
-        subprocess.run([*pip, "mergekit==0.1.5", "torch==2.13.0"], check=True)
+    mergekit = None if "mergekit" in args.skip else install_mergekit(data / "mergekit-venv")
     config = data / "mergekit.yml"
     config.write_text(
         "merge_method: linear\ndtype: float32\nout_dtype: bfloat16\nmodels:\n"
         + "".join(f"  - model: {s}\n    parameters:\n      weight: 1.0\n" for s in snaps)
     )
-
-    methods = {
+    methods: dict[str, list[str] | None] = {
         "floor": None,
         "pmakit": [sys.executable, "-m", "pmakit", "merge", *map(str, snaps), "-o", str(out_dir), "--quiet"],
         "naive": [sys.executable, "-c", NAIVE, str(out_dir), *map(str, snaps)],
@@ -185,51 +217,72 @@ def main() -> None:
         methods.pop(skipped, None)
     modes = [m for m in ("warm", "cold") if m not in args.skip]
     times: dict[tuple[str, str], list[float]] = {}
+    cpu: dict[tuple[str, str], list[float]] = {}
     peaks: dict[tuple[str, str], int] = {}
-    out_bytes = in_bytes // args.n
-    load = os.getloadavg()[0]
+    loads = [os.getloadavg()[0]]
     for rep in range(args.repeats):
         for mode in modes:
             for name, cmd in methods.items():
                 shutil.rmtree(out_dir, ignore_errors=True)
-                out_dir.mkdir()
                 if mode == "cold":
                     evict(in_files)
                 else:
                     subprocess.run(["cat", *map(str, in_files)], stdout=subprocess.DEVNULL, check=True)
-                if name == "floor":
+                cpu0 = children_cpu()
+                if cmd is None:
+                    out_dir.mkdir()
                     t0 = time.perf_counter()
-                    subprocess.run(["cat", *map(str, in_files)], stdout=subprocess.DEVNULL, check=True)
-                    subprocess.run(["cp", str(in_files[-1]), str(out_dir / "model.safetensors")], check=True)
+                    floor_run(in_files, out_dir)
                     seconds, peak = time.perf_counter() - t0, 0
                 else:
-                    if name == "pmakit":
-                        shutil.rmtree(out_dir)
-                    seconds, peak = run(cmd, env)  # type: ignore[arg-type]
-                times.setdefault((mode, name), []).append(seconds)
-                peaks[(mode, name)] = max(peaks.get((mode, name), 0), peak)
+                    if name != "pmakit":  # pmakit refuses an existing output; the others want the directory
+                        out_dir.mkdir()
+                    seconds, peak = run(cmd, env)
+                key = (mode, name)
+                times.setdefault(key, []).append(seconds)
+                cpu.setdefault(key, []).append(children_cpu() - cpu0)
+                peaks[key] = max(peaks.get(key, 0), peak)
+                loads.append(os.getloadavg()[0])
                 print(
-                    f"  [{rep + 1}/{args.repeats}] {mode:4} {name:8} {seconds:7.2f} s  "
-                    f"anon {peak / 2**20:7.0f} MiB",
+                    f"  [{rep + 1}/{args.repeats}] {mode:4} {name:8} {seconds:7.2f} s  cpu {cpu[key][-1]:6.1f} s  "
+                    f"anon {peak / 2**20:6.0f} MiB  load {loads[-1]:.1f}",
                     flush=True,
                 )
     shutil.rmtree(out_dir, ignore_errors=True)
+    report(args, in_bytes, params, modes, list(methods), times, cpu, peaks, loads)
 
+
+def report(
+    args: argparse.Namespace,
+    in_bytes: int,
+    params: int,
+    modes: list[str],
+    methods: list[str],
+    times: dict[tuple[str, str], list[float]],
+    cpu: dict[tuple[str, str], list[float]],
+    peaks: dict[tuple[str, str], int],
+    loads: list[float],
+) -> None:
     print(
-        f"\n{args.n} snapshots x {in_bytes / args.n / 1e9:.2f} GB bf16 -> {out_bytes / 1e9:.2f} GB; "
-        f"{os.cpu_count()} cores, load average {load:.2f} at start"
+        f"\n{args.n} snapshots x {in_bytes / args.n / 1e9:.2f} GB bf16 ({params / 1e9:.2f}B params, {args.layers} "
+        f"layers) -> {in_bytes / args.n / 1e9:.2f} GB; {args.repeats} interleaved repeats; {os.cpu_count()} cores "
+        f"shared with other processes, load average {min(loads):.1f}-{max(loads):.1f} (median "
+        f"{statistics.median(loads):.1f}) during the run"
     )
-    print(
-        f"{'mode':5} {'method':9} {'median s':>9} {'x floor':>8} {'GB/s in':>8} {'anon MiB':>9} {'vs mergekit':>12}"
+    head = (
+        f"{'mode':5} {'method':9} {'median s':>9} {'range s':>13} {'x floor':>8} {'cpu s':>7} {'GB/s in':>8}"
     )
+    print(head + f" {'anon MiB':>9} {'mergekit/this':>14}")
     for mode in modes:
         floor = statistics.median(times[(mode, "floor")]) if (mode, "floor") in times else float("nan")
         mk = statistics.median(times[(mode, "mergekit")]) if (mode, "mergekit") in times else float("nan")
         for name in methods:
-            t = statistics.median(times[(mode, name)])
+            ts = times[(mode, name)]
+            t = statistics.median(ts)
             print(
-                f"{mode:5} {name:9} {t:9.2f} {t / floor:8.2f} {in_bytes / t / 1e9:8.2f} "
-                f"{peaks[(mode, name)] / 2**20:9.0f} {mk / t:11.2f}x"
+                f"{mode:5} {name:9} {t:9.2f} {min(ts):6.2f}-{max(ts):6.2f} {t / floor:8.2f} "
+                f"{statistics.median(cpu[(mode, name)]):7.1f} {in_bytes / t / 1e9:8.2f} "
+                f"{peaks[(mode, name)] / 2**20:9.0f} {mk / t:13.2f}x"
             )
 
 
