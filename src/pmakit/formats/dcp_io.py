@@ -173,9 +173,7 @@ class DCPReader(Reader):
         self._md: dict[str, TensorStorageMetadata] = {}
         self.tensors = {}
         for name, key in names.items():
-            md = cast(
-                "TensorStorageMetadata", self.metadata.state_dict_metadata[key]
-            )  # model_entries checked
+            md = cast("TensorStorageMetadata", self.metadata.state_dict_metadata[key])  # a tensor: see above
             info = storage.get(_dcp().MetadataIndex(key, md.chunks[0].offsets)) if md.chunks else None
             where = getattr(info, "relative_path", "")
             order = (files.index(where) if where in files else len(files), int(getattr(info, "offset", 0)))
@@ -185,6 +183,9 @@ class DCPReader(Reader):
         # Loaded units of the tensor being read: (flat start, flat stop, values). See the module docstring.
         self._units: list[tuple[int, int, torch.Tensor]] = []
         self._current = ""
+        self._storage_data = storage
+        self._fds: dict[str, int] = {}
+        self._hinted: set[tuple[str, int]] = set()
 
     def _unit_boxes(self, name: str) -> list[tuple[int, int, ChunkStorageMetadata]]:
         """The flat ranges the tensor is loaded in: its saved dim-0 slabs, or the whole tensor."""
@@ -228,8 +229,34 @@ class DCPReader(Reader):
             return parts[0]
         return torch.cat(parts) if parts else torch.empty(0, dtype=self.tensors[name].dtype)
 
+    def prefetch(self, name: str, start: int, stop: int) -> None:
+        """Ask the kernel to start reading the saved records that hold this range (page cache only, no memory):
+        ``dcp.load`` then finds them there instead of waiting on the disk while the merge waits on it."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        key, md = self._keys[name], self._md[name]
+        for lo, hi, box in self._unit_boxes(name):
+            if not (lo < stop and hi > start) or (name, lo) in self._hinted:
+                continue
+            self._hinted.add((name, lo))
+            for chunk in md.chunks:
+                if chunk is not box and len(md.chunks) > 1 and _is_slab(box, md.size):
+                    continue  # a slab unit is exactly one saved chunk
+                info = self._storage_data.get(_dcp().MetadataIndex(key, chunk.offsets))
+                if info is None:
+                    continue
+                relative = info.relative_path
+                if relative not in self._fds:
+                    self._fds[relative] = os.open(self.path / relative, os.O_RDONLY)
+                os.posix_fadvise(
+                    self._fds[relative], int(info.offset), int(info.length), os.POSIX_FADV_WILLNEED
+                )
+
     def close(self) -> None:
         self._units, self._current = [], ""
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
 
 
 def _sha256(path: Path) -> str:
