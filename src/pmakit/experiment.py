@@ -579,7 +579,7 @@ def _remove_run(run_dir: Path) -> None:
     shutil.rmtree(run_dir)
 
 
-class _bar:  # noqa: N801 - used as a context manager like a function
+class _bar:
     """A progress bar over the models evaluated (rich, on a terminal only)."""
 
     def __init__(self, total: int, enabled: bool, label: str) -> None:

@@ -194,7 +194,7 @@ class Callback:
         """After the last step, snapshots flushed."""
 
 
-class StopTraining(Exception):  # noqa: N818 - a signal, not an error
+class StopTraining(Exception):
     """Raised by a callback to end the run cleanly (the final state is saved)."""
 
 
@@ -258,8 +258,9 @@ class Trainer:
 
         # --- model and optimizer
         ids = self._special_ids()
-        self.model = build_model(config.model, self.corpus.vocab_size, seed=config.seed, **ids)
-        self.model.config.save_pretrained(self.run_dir / "model-config")
+        model: Any = build_model(config.model, self.corpus.vocab_size, seed=config.seed, **ids)
+        model.config.save_pretrained(self.run_dir / "model-config")
+        self.model: torch.nn.Module = model
         self.optimizer = self._make_optimizer()
         self.state = _State()
         self.metrics = MetricsLog(self.run_dir)
@@ -318,7 +319,8 @@ class Trainer:
         return files
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
-        decay, no_decay = [], []
+        decay: list[torch.nn.Parameter] = []
+        no_decay: list[torch.nn.Parameter] = []
         for p in self.model.parameters():
             (decay if p.dim() >= 2 else no_decay).append(p)
         groups = [
@@ -368,23 +370,24 @@ class Trainer:
                     group["lr"] = lr
                 loss = batch_loss(self.model, x, y)
                 loss.backward()
+                loss_value = loss.item()
                 grad_norm = self._clip()
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 self.state.step += 1
                 self.state.tokens += x.numel()
-                record = {
+                record: dict[str, Any] = {
                     "kind": "train",
                     "tokens": self.tokens,
                     "step": self.step,
-                    "loss": loss.item(),
+                    "loss": loss_value,
                     "grad_norm": grad_norm,
                     "lr": lr,
                 }
-                if self.step % cfg.log_every == 0 or not math.isfinite(record["loss"]):
+                if self.step % cfg.log_every == 0 or not math.isfinite(loss_value):
                     record["tokens_per_s"] = round((self.tokens - bar.start) / (time.perf_counter() - t0))
                     self.metrics.write(record)
-                bar.update(self.tokens, record["loss"])
+                bar.update(self.tokens, loss_value)
                 for cb in self.callbacks:
                     cb.on_step_end(self, record)
                 self._after_step(record)
@@ -483,8 +486,12 @@ class Trainer:
         save_file({k: v.detach() for k, v in self.model.state_dict().items()}, tmp / "model.safetensors")
         torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
         # Plain values and tensors only, so that it loads with weights_only=True.
-        state = {"trainer": asdict(self.state), "saver": self.saver.state_dict(),
-                 "averager": self.averager.state_dict(), "config": self.config.to_dict()}
+        state = {
+            "trainer": asdict(self.state),
+            "saver": self.saver.state_dict(),
+            "averager": self.averager.state_dict(),
+            "config": self.config.to_dict(),
+        }
         torch.save(_plain(state), tmp / TRAINER_STATE)
         for f in self._extra_files():
             shutil.copy2(f, tmp / f.name)
