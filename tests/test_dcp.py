@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -32,6 +34,17 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def spawn_two(fn: Any, args: tuple[Any, ...], timeout: float = 240) -> None:
+    """torch.multiprocessing.spawn of 2 ranks that fails the test instead of hanging if they deadlock."""
+    context = mp.spawn(fn, args=args, nprocs=2, join=False)
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in context.processes:
+                p.kill()
+            pytest.fail(f"2-rank processes still running after {timeout} s")
 
 
 def _extras(seed: int) -> dict[str, object]:
@@ -92,7 +105,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         )
         _dcp_snapshot(root / "dcp1" / f"step-{i * 100:04d}", i, ranks=1, nested=False)
     two = [(str(root / "dcp2" / "step-0100"), 1), (str(root / "dcp2" / "step-0300"), 3)]
-    mp.spawn(_save_two_ranks, args=(_free_port(), two), nprocs=2)  # one process group for both saves
+    spawn_two(_save_two_ranks, (_free_port(), two))  # one process group for both saves
     _dcp_snapshot(root / "dcp2" / "step-0100", 1, ranks=2, nested=True)
     _dcp_snapshot(root / "dcp2" / "step-0200", 2, ranks=1, nested=True)
     _dcp_snapshot(root / "dcp2" / "step-0300", 3, ranks=2, nested=True)

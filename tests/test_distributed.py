@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def spawn_two(fn: Any, args: tuple[Any, ...], timeout: float = 240) -> None:
+    """torch.multiprocessing.spawn of 2 ranks that fails the test instead of hanging if they deadlock."""
+    context = mp.spawn(fn, args=args, nprocs=2, join=False)
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in context.processes:
+                p.kill()
+            pytest.fail(f"2-rank processes still running after {timeout} s")
+
+
 def _rank_main(rank: int, port: int, jobs: list[dict[str, Any]], report: str) -> None:
     """One rank: run each job (a merge) in one process group; record what happened for the parent."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
@@ -85,7 +97,7 @@ def _rank_main(rank: int, port: int, jobs: list[dict[str, Any]], report: str) ->
 
 
 def _spawn(jobs: list[dict[str, Any]], report: Path) -> None:
-    mp.spawn(_rank_main, args=(_free_port(), jobs, str(report)), nprocs=2)
+    spawn_two(_rank_main, (_free_port(), jobs, str(report)))
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,13 @@ independent of the number of snapshots and of the model's size.
 
 Output goes to a hidden sibling ``.OUT.pmakit-partial`` and is renamed into place only when every shard, the index,
 the copied config/tokenizer files and the manifest are on disk. Any failure removes the partial directory.
+
+At scale (issue #6): each finished shard is recorded with its sha256 in ``.pmakit-progress/`` inside the partial
+directory, so that a merge killed where it cannot clean up (SIGKILL, OOM, a lost node) resumes with ``resume=True``,
+writing only the shards it had not finished. Under torch.distributed every rank writes the shards it owns (tensors
+split by bytes, see ``pmakit.distributed``) and the ranks agree after each stage, so that one rank's failure fails all.
+``plan_increment`` turns a previous SMA/EMA merge plus the snapshots that entered and left the window into the merge
+of the new window (``keep_fp32`` keeps the fp32 sums it needs).
 """
 
 from __future__ import annotations
@@ -871,11 +878,21 @@ def merge(
                 # The output is the fp32 sums cast once: the same bytes as casting the accumulator directly.
                 state = Snapshot(partial / FP32_DIR, tokens=plan.snapshots[-1].tokens, source="merge")
                 dtypes = {k: d for k, (_, d) in plan.tensors.items()}
-                final = plan_merge(
-                    [state], [1.0], dtype=dtypes, max_shard_size=max_shard_size, ranks=world.size, cast=True
-                )
-                if final.shards != plan.shards:
-                    raise RuntimeError("the cast pass planned other shards than the merge")
+
+                def cast_plan() -> MergePlan:  # a stage of its own: it reads what rank 0 just wrote
+                    casting = plan_merge(
+                        [state],
+                        [1.0],
+                        dtype=dtypes,
+                        max_shard_size=max_shard_size,
+                        ranks=world.size,
+                        cast=True,
+                    )
+                    if casting.shards != plan.shards:
+                        raise RuntimeError("the cast pass planned other shards than the merge")
+                    return casting
+
+                final = _stage(world, out, cast_plan)
                 final_readers = [stack.enter_context(open_reader(state.path))]
             last_pass = (final, final_readers, None if sums is not None else progress)
             _stage(
