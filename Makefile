@@ -46,8 +46,9 @@ check: install
 	$(VENV)/bin/ruff format --check src tests benchmarks
 	$(VENV)/bin/mypy
 
+# A small default (8 x 0.61 GB snapshots); the issue's size: make bench BENCH_ARGS=--full
 bench: install
-	$(PY) benchmarks/bench_merge.py
+	$(PY) benchmarks/bench_merge.py $(BENCH_ARGS)
 
 bench-scale: install
 	$(PY) benchmarks/bench_scale.py
