@@ -53,7 +53,7 @@ class TrainConfig:
     vocab_size: int = 2048
     """Byte-level BPE vocabulary trained on the corpus."""
     val_fraction: float = 0.05
-    """Fraction of the corpus files held out for validation."""
+    """Share of the corpus text (in whole files) held out for validation."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Model size."""
     batch_size: int = 16
