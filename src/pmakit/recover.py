@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import datetime
-import json
 import logging
 import math
 import os
@@ -336,27 +335,6 @@ def _as_float(v: Any) -> float:
         return math.nan
 
 
-def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The records of a ``metrics.jsonl``; a torn line (a crash mid-write) is skipped with a warning."""
-    path = Path(path)
-    records = []
-    bad = 0
-    with open(path) as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                bad += 1
-                continue
-            if isinstance(record, dict):
-                records.append(record)
-    if bad:
-        log.warning("%s: skipped %d unreadable line(s)", path, bad)
-    return records
-
-
 # ---------------------------------------------------------------------------------------------------- rollback
 
 
@@ -424,10 +402,12 @@ def spike_from_metrics(run_dir: Path, config: SpikeConfig | None = None) -> tupl
     The loss lag (``loss_lag_tokens``) is how many tokens before a train record's ``tokens`` the weights it was
     measured on were saved: one step's tokens (see ``spike_boundary``).
     """
-    metrics = run_dir / "metrics.jsonl"
+    from pmakit.metrics import METRICS_FILE, read_metrics
+
+    metrics = run_dir / METRICS_FILE
     if not metrics.is_file():
         raise PmakitError(f"{metrics} not found: pass --before TOKENS to say where the spike began")
-    records = read_metrics(metrics)
+    records = read_metrics(run_dir)  # a torn last line (a crash mid-write) is skipped
     train = [r for r in records if r.get("kind", "train") == "train" and "loss" in r and "tokens" in r]
     cfg = config or SpikeConfig()
     spikes = find_spikes(train, cfg)
