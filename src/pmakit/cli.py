@@ -269,9 +269,28 @@ def merge(
 
     world = init_from_env(device)
     try:
-        _merge(inputs, output, method, alpha, custom, last, every, until, tokens_per_step, exclude, dtype,
-               max_shard_size, force, dry_run, quiet or world.rank != 0, resume, from_previous, keep_fp32,
-               out_format, world)
+        _merge(
+            inputs,
+            output,
+            method,
+            alpha,
+            custom,
+            last,
+            every,
+            until,
+            tokens_per_step,
+            exclude,
+            dtype,
+            max_shard_size,
+            force,
+            dry_run,
+            quiet or world.rank != 0,
+            resume,
+            from_previous,
+            keep_fp32,
+            out_format,
+            world,
+        )
     finally:
         shutdown(world)
 
@@ -311,20 +330,32 @@ def _merge(
             raise PmakitError("--from-previous updates sma/ema merges; custom --weights need a full merge")
         inc = plan_increment(from_previous, chosen, weights, method=method, alpha=alpha)
         terms, term_weights, window, keep_fp32 = inc.terms, inc.weights, (chosen, weights), True
-        extra["incremental"] = {"from": str(from_previous.resolve()), "scale": inc.weights[0], "reads": inc.reads}
+        extra["incremental"] = {
+            "from": str(from_previous.resolve()),
+            "scale": inc.weights[0],
+            "reads": inc.reads,
+        }
         if not quiet:
             click.echo(f"incremental update of {from_previous}: {inc.reads} reads instead of {len(chosen)}")
-    plan = plan_merge(terms, term_weights, dtype=dtype, max_shard_size=max_shard_size, ranks=world.size,
-                      cast=True if window else None)
+    plan = plan_merge(
+        terms,
+        term_weights,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        ranks=world.size,
+        cast=True if window else None,
+    )
     if (dry_run and world.rank == 0) or not quiet:
         _print_plan(plan)
     if dry_run:
         return
-    extra.update({
-        "method": "custom" if custom is not None else method,
-        "alpha": alpha,
-        "selection": {"last": last, "every": every, "until": until, "inputs": [str(p) for p in inputs]},
-    })
+    extra.update(
+        {
+            "method": "custom" if custom is not None else method,
+            "alpha": alpha,
+            "selection": {"last": last, "every": every, "until": until, "inputs": [str(p) for p in inputs]},
+        }
+    )
     share = sum(plan.shard_input_bytes(i) for i in range(len(plan.shards)) if plan.owner(i) == world.rank)
     with _progress(share, quiet, "merging") as progress:
         result = run_merge(
@@ -380,7 +411,9 @@ def _print_plan(plan: Any) -> None:
 )
 @click.option("--snapshots", type=int, default=10, show_default=True, help="With --layout: inputs to merge.")
 @click.option("--ranks", type=int, default=1, show_default=True, help="With --plan: ranks sharing the merge.")
-@click.option("--nodes", type=int, default=1, show_default=True, help="With --plan: machines (disks) they run on.")
+@click.option(
+    "--nodes", type=int, default=1, show_default=True, help="With --plan: machines (disks) they run on."
+)
 @click.option(
     "--disk-bandwidth",
     callback=lambda c, p, v: None if v is None else _size(c, p, v),
@@ -418,11 +451,23 @@ def inspect(
     if plan or layout is not None:
         from pmakit.distributed import plan_report, render_plan
 
-        chosen = _select(inputs, last, every, until, tokens_per_step, exclude) if layout is None and inputs else None
+        chosen = (
+            _select(inputs, last, every, until, tokens_per_step, exclude)
+            if layout is None and inputs
+            else None
+        )
         if layout is None and not chosen:
             raise PmakitError("--plan needs snapshots or a --layout file")
-        scale = plan_report(chosen, layout, snapshots=snapshots, ranks=ranks, nodes=nodes, dtype=dtype,
-                            disk_bandwidth=disk_bandwidth, accumulate_bandwidth=accumulate_bandwidth)
+        scale = plan_report(
+            chosen,
+            layout,
+            snapshots=snapshots,
+            ranks=ranks,
+            nodes=nodes,
+            dtype=dtype,
+            disk_bandwidth=disk_bandwidth,
+            accumulate_bandwidth=accumulate_bandwidth,
+        )
         click.echo(json.dumps(scale, indent=2) if as_json else render_plan(scale))
         return
     if not inputs:
@@ -521,6 +566,117 @@ def recover(
         click.echo(f"  {w:8.5f}  {step}{format_tokens(snap.tokens):>8} tokens  {snap.path}")
     opt = "none (reset)" if result.optimizer_from is None else str(result.optimizer_from.path)
     click.echo(f"wrote {output} (optimizer state: {opt}); resume with: pmakit train --resume-from {output}")
+
+
+@cli.command()
+@click.argument("config", required=False, type=click.Path(path_type=Path))
+@click.option("--preset", type=str, default=None, help="A shipped config: smoke or demo [default: demo].")
+@click.option(
+    "--corpus", type=str, default=None, help="Text file, directory, glob or .npy/.bin of token ids."
+)
+@click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Run directory.")
+@click.option(
+    "--resume-from",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Continue from a full checkpoint or a `pmakit recover` output (weights and optimizer state).",
+)
+@click.option(
+    "--init-from",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Start from these weights (e.g. a merge) with a fresh optimizer and schedule (PMA-init).",
+)
+@click.option("--fresh", is_flag=True, help="Ignore the run directory's checkpoint and start over.")
+def train(
+    config: Path | None,
+    preset: str | None,
+    corpus: str | None,
+    output: Path,
+    resume_from: Path | None,
+    init_from: Path | None,
+    fresh: bool,
+) -> None:
+    """Pre-train a small Llama model with a WSD schedule, snapshots every V tokens and an online merge.
+
+    Runs resume from RUN/checkpoint after a crash or Ctrl-C: run the same command again.
+    """
+    from pmakit.config import load
+    from pmakit.train.loop import TrainConfig
+    from pmakit.train.loop import train as run_train
+
+    data = load(config, preset, default_preset="demo")
+    section = dict(data.get("train", {}))
+    if corpus is not None:
+        section["corpus"] = corpus
+    cfg = TrainConfig.from_dict(section)
+    trainer = run_train(
+        cfg, output, resume=not fresh, resume_from=resume_from, init_from=init_from, progress=True
+    )
+    click.echo(
+        f"trained {trainer.tokens:,} tokens ({trainer.step} steps); snapshots in {output / 'snapshots'}"
+    )
+
+
+@cli.command()
+@click.argument("config", required=False, type=click.Path(path_type=Path))
+@click.option(
+    "--preset", type=str, default=None, help="A shipped study: demo (default) or smoke (about a minute)."
+)
+@click.option(
+    "--corpus",
+    type=str,
+    default=None,
+    help="Text file, directory, glob or .npy/.bin of token ids [default: the Python standard library].",
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Run directory [default: runs/experiment-PRESET].",
+)
+@click.option("--fresh", is_flag=True, help="Start over instead of resuming what OUTPUT already holds.")
+@click.option(
+    "--print-config", is_flag=True, help="Print the preset's config file (to start your own) and stop."
+)
+def experiment(
+    config: Path | None,
+    preset: str | None,
+    corpus: str | None,
+    output: Path | None,
+    fresh: bool,
+    print_config: bool,
+) -> None:
+    """Train a small model, fork annealed baselines, merge its snapshots over N, V and weightings, and report.
+
+    With no arguments this is the demo: about 15-20 minutes on 2 CPU cores. Re-running resumes.
+    """
+    from pmakit.config import load, preset_text
+
+    data = load(config, preset, default_preset="demo")
+    if print_config:
+        click.echo(preset_text(data["preset"]) if config is None else json.dumps(data, indent=2))
+        return
+    if corpus is not None:
+        data.setdefault("train", {})["corpus"] = corpus
+    from pmakit.experiment import run_experiment
+    from pmakit.report import summary_text
+
+    run_dir = output or Path("runs") / f"experiment-{data['preset']}"
+    run_experiment(data, run_dir, fresh=fresh)
+    click.echo(summary_text(run_dir))
+
+
+@cli.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+def report(run_dir: Path) -> None:
+    """Rebuild RUN_DIR's report (report.md, report.html, plots/) from its results and print the summary."""
+    from pmakit.report import summary_text, write_report
+
+    paths = write_report(run_dir)
+    click.echo(summary_text(run_dir))
+    click.echo(f"wrote {paths.html}")
 
 
 def main() -> None:
