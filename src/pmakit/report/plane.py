@@ -1,0 +1,164 @@
+"""Report section and figure of the loss plane and cross terms (paper findings 9 and 10, experiments E11, E12).
+
+Reads RUN/plane.json (written by ``pmakit.analysis.loss_plane``, from ``pmakit experiment`` when
+``experiment.plane_grid`` > 0, or by ``pmakit analyze``) and draws plots/loss_plane.png. Sentences that judge are
+computed from the numbers in the file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pmakit.report.document import Block, Bullets, FigureBlock, Heading, Paragraph, Table
+
+PLANE_FILE = "plane.json"
+PLOT_FILE = "loss_plane.png"
+
+
+def read_plane(run_dir: Path) -> dict[str, Any] | None:
+    """RUN/plane.json, or None when absent or unreadable."""
+    path = run_dir / PLANE_FILE
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) and data.get("kind") == "loss_plane" else None
+
+
+def plot_plane(result: dict[str, Any], path: Path) -> Path:
+    """Contour plot of the loss on the plane: snapshots as numbered dots, the SMA merge as a star."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from pmakit.report.plots import LATEST, MERGE, _save
+
+    xs, ys, z = np.asarray(result["x"]), np.asarray(result["y"]), np.asarray(result["loss"])
+    fig = Figure(figsize=(6.6, 5.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    # Quantile levels: a few very high losses at the grid's corners must not flatten the basin into one colour.
+    levels = np.unique(np.quantile(z, np.linspace(0, 1, 16)))
+    if levels.size < 2:
+        levels = np.array([z.min(), z.min() + 1e-6])
+    filled = ax.contourf(xs, ys, z, levels=levels, cmap="viridis")
+    ax.contour(xs, ys, z, levels=levels, colors="white", linewidths=0.4, alpha=0.6)
+    fig.colorbar(filled, ax=ax, label="held-out loss (nats/token)", format="%.3f")
+    snaps = result["snapshots"]
+    sx, sy = [s["x"] for s in snaps], [s["y"] for s in snaps]
+    ax.plot(sx, sy, color="white", lw=0.8, alpha=0.8, zorder=2)
+    ax.scatter(sx, sy, s=90, c="white", edgecolors=LATEST, linewidths=1.0, zorder=3)
+    for s in snaps:
+        ax.annotate(str(s["index"]), (s["x"], s["y"]), ha="center", va="center", fontsize=7, zorder=4)
+    m = result["merge"]
+    ax.scatter([m["x"]], [m["y"]], marker="*", s=260, c=MERGE, edgecolors="white", linewidths=1.0, zorder=5)
+    ax.set_xlabel("distance along u: oldest → newest snapshot (weight-space L2)")
+    ax.set_ylabel("distance along v (orthogonal to u), towards the middle snapshot")
+    x_extent, y_extent = np.ptp(xs), np.ptp(ys)
+    if y_extent > 0 and 1 / 4 <= x_extent / y_extent <= 4:
+        ax.set_aspect("equal")
+    far = max(s["distance"] for s in snaps)
+    ax.set_title(
+        f"Loss on the plane of snapshots {snaps[result['anchors']['origin']]['index']}, "
+        f"{snaps[result['anchors']['x']]['index']}, {snaps[result['anchors']['y']]['index']} "
+        f"(★ SMA merge; off-plane ≤ {far:.3g})",
+        fontsize=9,
+    )
+    return _save(fig, path)
+
+
+def _fmt_se(d: dict[str, Any], digits: int = 4) -> str:
+    se = d.get("se")
+    return f"{d['mean']:+.{digits}f}" + (f" ± {se:.{digits}f}" if se is not None else "")
+
+
+def blocks(run_dir: Path, figure: Path | None) -> list[Block]:
+    """The section: what the plane shows, the E11 table, the figure. Empty when RUN/plane.json is absent."""
+    from pmakit.analysis import e11_lines, summary_lines
+
+    result = read_plane(run_dir)
+    if result is None:
+        return []
+    out: list[Block] = [
+        Heading("Why the merge works: loss plane and cross terms (E11, E12)"),
+        Paragraph(
+            "The held-out loss on the 2-D plane through three snapshots of the merged window (oldest, newest, "
+            "middle), with every snapshot of the window and the SMA merge projected onto it (Garipov et al. / "
+            "Izmailov et al. style). Coordinates are Euclidean distances in weight space. The snapshots other than "
+            "the three defining ones, and the merge, lie off the plane by the distance given in the table; their "
+            f"loss is their own, not the plane's. Evaluated on {result['batches']} held-out batches."
+        ),
+    ]
+    window = result.get("window", {})
+    if isinstance(window, dict) and window.get("reason"):
+        out.append(Paragraph(f"Window: {window['reason']}."))
+    rows = [
+        [str(s["index"]), str(s.get("tokens") or ""), f"{s['x']:.4g}", f"{s['y']:.4g}", f"{s['distance']:.3g}",
+         f"{s['loss']:.4f}"]
+        for s in result["snapshots"]
+    ]  # fmt: skip
+    m = result["merge"]
+    rows.append(
+        ["SMA merge", "", f"{m['x']:.4g}", f"{m['y']:.4g}", f"{m['distance']:.3g}", f"{m['loss']:.4f}"]
+    )
+    out.append(Table(["snapshot", "tokens", "x", "y", "off-plane", "loss"], rows, align="rrrrrr"))
+    out.append(Bullets(summary_lines(result)[1:4]))
+    e11 = result.get("e11")
+    if isinstance(e11, dict):
+        mr, er = e11["merge_reference"], e11["end_reference"]
+        out.append(Heading("Cross terms (paper finding 9)", 3))
+        out.append(
+            Paragraph(
+                "With deviations d_i from a reference and Hessian H, the merge beats the mean of its k members iff "
+                "C = Σ_{i≠j} d_iᵀHd_j < (k−1) D, D = Σ_i d_iᵀHd_i. For a quadratic loss C − (k−1)D = "
+                "2k²·(L(merge) − mean L(members)) for any reference, so the gap below decides the condition. Each "
+                "dᵀHd is a central second difference of held-out losses, L(ref+d) + L(ref−d) − 2L(ref): exact for "
+                "a quadratic, the segment-averaged curvature otherwise. Reference 'merge': the SMA itself "
+                "(Σd_i = 0, so C = −D by construction). Reference 'newest': the window's newest snapshot. "
+                "Values are means ± s.e. over held-out batches."
+            )
+        )
+        out.append(
+            Table(
+                ["quantity", "value"],
+                [
+                    ["L(merge) − mean L(members)", _fmt_se(e11["gap"])],
+                    ["C − (k−1)D (any reference)", _fmt_se(e11["invariant"], 3)],
+                    ["D, reference merge", _fmt_se(mr["D"], 3)],
+                    ["predicted gap D/(2k), reference merge", _fmt_se(mr["predicted_gap"])],
+                    ["D, reference newest", _fmt_se(er["D"], 3)],
+                    ["C, reference newest", _fmt_se(er["C"], 3)],
+                    ["C / ((k−1)D), reference newest", "–" if er["ratio"] is None else f"{er['ratio']:.2f}"],
+                    [
+                        "mean cosine of deviations from the merge",
+                        f"{mr['mean_cosine']:+.3f} (i.i.d.: {mr['iid_cosine']:+.3f})",
+                    ],
+                    [
+                        "mean cosine of successive steps",
+                        "–" if e11["mean_step_cosine"] is None else f"{e11['mean_step_cosine']:+.3f}",
+                    ],
+                ],
+                align="lr",
+            )
+        )
+        out.append(Bullets(e11_lines(e11)))
+    if figure is not None:
+        out.append(
+            FigureBlock(
+                figure,
+                "Loss on a plane through the window's snapshots",
+                [
+                    "Filled contours: held-out loss on the plane (colour levels at quantiles of the grid's "
+                    "losses). Numbered dots: the window's snapshots, oldest (1) to newest, projected onto the plane; "
+                    "star: the SMA merge, projected. Axes in weight-space Euclidean distance.",
+                    "Paper (finding 10): snapshots sit around a basin and their average lands near its centre.",
+                    summary_lines(result)[3],
+                ],
+            )
+        )
+    return out
