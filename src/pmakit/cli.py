@@ -679,6 +679,48 @@ def report(run_dir: Path) -> None:
     click.echo(f"wrote {paths.html}")
 
 
+@cli.command()
+@click.argument(
+    "inputs", nargs=-1, required=True, type=click.Path(path_type=Path), metavar="RUN_DIR|SNAPSHOT..."
+)
+@click.option(
+    "--last",
+    type=click.IntRange(min=3),
+    default=None,
+    help="Analyse the last N snapshots [default: an experiment's best SMA window at its last fork, else 8].",
+)
+@click.option(
+    "--grid", type=click.IntRange(min=2), default=11, show_default=True, help="Grid points per axis."
+)
+@click.option(
+    "--batches",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    help="Held-out batches per evaluation.",
+)
+@click.option(
+    "--corpus",
+    type=str,
+    default=None,
+    help="Evaluate on this corpus instead of the run's held-out split (a text file when no run config is found).",
+)
+@click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Output directory.")
+def analyze(
+    inputs: tuple[Path, ...], last: int | None, grid: int, batches: int, corpus: str | None, output: Path
+) -> None:
+    """Loss on a 2-D plane through a window's snapshots, and the merge's cross terms (paper E11, E12).
+
+    Writes OUTPUT/plane.json, OUTPUT/plane.png and OUTPUT/summary.txt. Costs grid² + 4k - 1 evaluations of
+    BATCHES held-out batches for k snapshots.
+    """
+    from pmakit.analysis import analyze as run_analysis
+
+    run_analysis(inputs, output, last=last, grid=grid, batches=batches, corpus=corpus)
+    click.echo((output / "summary.txt").read_text().rstrip())
+    click.echo(f"wrote {output / 'plane.json'}, {output / 'plane.png'}")
+
+
 def main() -> None:
     """Console-script entry point."""
     cli(prog_name="pmakit")
