@@ -273,6 +273,26 @@ def test_spike_rerun_resumes_without_training_and_a_changed_config_is_refused(
     assert proc.returncode == 1 and "spike.push_factor" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_adding_a_seed_runs_only_the_new_seed(spike: tuple[Path, str], tmp_path: Path) -> None:
+    import shutil
+
+    run = tmp_path / "copy"
+    shutil.copytree(spike[0], run)
+    before = (run / "results.jsonl").read_text()
+    more = {**TINY_SPIKE, "spike": {**TINY_SPIKE["spike"], "seeds": [0, 1, 2]}}
+    cfg = tmp_path / "more.yaml"
+    cfg.write_text(yaml.safe_dump(more))
+    proc = run_cli("experiment", cfg, "-o", run, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "seed 2: main run" in proc.stderr and "seed 0: main run" not in proc.stderr
+    after = (run / "results.jsonl").read_text()
+    assert after.startswith(before)
+    rs = rows(run)
+    assert len(rs) == 3 * (len(SPIKE_ARMS) + 2)
+    assert find(rs, 2, "final", "sma3/keep")["tokens"] == 51200
+    assert "seed 2" in (run / "report.md").read_text()
+
+
 # -------------------------------------------------------------------------------------------------- init study
 
 

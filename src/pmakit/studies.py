@@ -16,8 +16,8 @@ are the same for every seed):
    ``push_factor`` for ``push_tokens`` (the induced instability), then back to the stable LR until
    ``train.total_tokens``. This run is the **no-intervention** arm. Full checkpoints (weights + optimizer) are
    kept at every snapshot time around the push.
-2. The ``SpikeDetector`` (``pmakit.recover``) reads its per-step training log; the first spike that starts at or
-   after ``push_at`` is the one recovered from (earlier ones are reported as false alarms). ``choose_rollback``
+2. The ``SpikeDetector`` (``pmakit.recover``) reads its per-step training log; the first spike that starts after
+   ``push_at`` (the first pushed update) is the one recovered from (earlier ones are reported as false alarms). ``choose_rollback``
    picks the last K snapshots strictly before its boundary, exactly as ``SpikeRecovery`` does in a user's run.
 3. Arms, all starting at the newest chosen snapshot's tokens T and trained to ``train.total_tokens`` on the same
    data stream: ``latest/<opt>`` (the newest pre-spike snapshot) and ``sma<K>/<opt>`` (the SMA of the K chosen
@@ -32,7 +32,8 @@ latest snapshot and one from the SMA of the last N snapshots.
 Every arm is scored on the same fixed held-out batches (``train.eval_batches`` of them) every ``train.eval_every``
 snapshots, and at the end; differences between arms are paired over those batches within a seed, and spread over
 seeds for the across-seed standard errors. Re-running into the same directory resumes: arms with a final row are
-not trained again, an interrupted arm resumes from its own checkpoint. The online merge of the loop is not used
+not trained again, an interrupted arm resumes from its own checkpoint; a config that differs only by added seeds
+runs the new seeds and keeps the others. The online merge of the loop is not used
 (``average_last`` is forced to 1) and per-step train records are forced (``log_every`` 1) for the detector and the
 gradient-norm curves.
 """
@@ -918,6 +919,17 @@ def _check_same_config(run_dir: Path, study: ResolvedStudy) -> None:
     current = _config_record(study)
     if stamp.exists():
         saved = json.loads(stamp.read_text())
+        kind = study.kind
+        old_seeds, new_seeds = saved.get(kind, {}).get("seeds", []), current[kind]["seeds"]
+        if (
+            saved != current
+            and {**saved, kind: {**saved.get(kind, {}), "seeds": new_seeds}} == current
+            and set(old_seeds) <= set(new_seeds)
+        ):
+            # More seeds for a finished study: the seeds already done are kept, the new ones are run.
+            log.info("adding seeds %s to the study in %s", sorted(set(new_seeds) - set(old_seeds)), run_dir)
+            stamp.write_text(json.dumps(current, indent=2) + "\n")
+            return
         if saved != current:
             changed = sorted(
                 f"{section}.{k}"

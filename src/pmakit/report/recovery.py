@@ -145,8 +145,17 @@ def spread_text(s: Spread | None, *, signed: bool = False) -> str:
     return value + (f" ± {s.se:.4f}" if s.se is not None else " (1 seed)")
 
 
+T_975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23}
+"""Two-sided 95% critical values of Student's t by degrees of freedom (seeds - 1); 2.0 beyond 10 (the report's
+usual noise bar). Few seeds make the seed-to-seed s.e. itself uncertain, so the bar is higher."""
+
+
+def t_critical(n: int) -> float:
+    return T_975.get(n - 1, max(2.0, NOISE_Z))
+
+
 def judge_lower(s: Spread | None, subject: str, reference: str, unit: str = "nats") -> str:
-    """'X is lower than Y by 3.1 s.e. over seeds' etc., for a difference X - Y (negative = X better)."""
+    """A clause judging a difference X - Y over seeds by its t statistic (mean / s.e. over seeds)."""
     if s is None:
         return f"{subject} vs {reference}: no data"
     if s.se is None:
@@ -154,13 +163,32 @@ def judge_lower(s: Spread | None, subject: str, reference: str, unit: str = "nat
             f"{subject} minus {reference} is {s.mean:+.4f} {unit} on one seed only, so seed-to-seed noise cannot "
             "be judged"
         )
-    z = s.mean / s.se if s.se > 0 else (math.inf if s.mean > 0 else -math.inf if s.mean < 0 else 0.0)
+    t = s.mean / s.se if s.se > 0 else (math.inf if s.mean > 0 else -math.inf if s.mean < 0 else 0.0)
+    crit = t_critical(s.n)
     text = f"{subject} minus {reference}: {s.mean:+.4f} ± {s.se:.4f}{' ' + unit if unit else ''} over {s.n} seeds"
-    if z <= -NOISE_Z:
-        return f"{text}, so {subject} is lower, by {-z:.1f} standard errors over seeds"
-    if z >= NOISE_Z:
-        return f"{text}, so {subject} is higher, by {z:.1f} standard errors over seeds"
-    return f"{text}: within noise ({z:+.1f} standard errors over seeds), no measurable difference"
+    bar = f"95% two-sided needs |t| > {crit:.2f} with {s.n - 1} df"
+    if t <= -crit:
+        return f"{text}, so {subject} is lower (t = {t:.1f}; {bar})"
+    if t >= crit:
+        return f"{text}, so {subject} is higher (t = {t:+.1f}; {bar})"
+    return f"{text}: not distinguishable from 0 over seeds (t = {t:+.1f}; {bar})"
+
+
+def gap_along_the_way(data: StudyData, merge_arm: str, latest_arm: str) -> list[tuple[int, Spread | None]]:
+    """merge minus latest held-out loss at each evaluation point both arms have in every seed (from curves.csv)."""
+    by: dict[tuple[str, int], dict[int, float]] = {}
+    for p in data.curves:
+        if p["arm"] in (merge_arm, latest_arm) and p.get("val_loss") is not None:
+            by.setdefault((str(p["arm"]), int(p["seed"])), {})[int(p["tokens"])] = float(p["val_loss"])
+    seeds = data.seeds
+    common: set[int] | None = None
+    for s in seeds:
+        pts = set(by.get((merge_arm, s), {})) & set(by.get((latest_arm, s), {}))
+        common = pts if common is None else common & pts
+    out = []
+    for t in sorted(common or ()):
+        out.append((t, spread([by[(merge_arm, s)][t] - by[(latest_arm, s)][t] for s in seeds])))
+    return out
 
 
 def _paired_cell(r: dict[str, Any] | None, key: str = "delta_vs_latest", se_key: str = "delta_se") -> str:
@@ -449,6 +477,22 @@ def spike_blocks(data: StudyData) -> tuple[list[Block], list[Path]]:
                  f"/{len(seeds)}"])  # fmt: skip
     findings.insert(0, judge_lower(start_sp, f"the {fam} weights", "the latest pre-spike snapshot") +
                     " (at the resume point, before any training).")  # fmt: skip
+    way_rows = []
+    for opt in opts:
+        for t, sp in gap_along_the_way(data, f"{fam}/{opt}", f"latest/{opt}"):
+            way_rows.append([f"optimizer {opt}", fmt.tokens(t), spread_text(sp, signed=True),
+                             fmt.MISSING if sp is None or not sp.se else f"{sp.mean / sp.se:+.1f}"])  # fmt: skip
+    way: list[Block] = []
+    if way_rows:
+        way = [
+            Heading(f"{fam} − latest along the way", 3),
+            Paragraph(
+                "The same difference at every evaluation point after the resume (held-out loss of the merge arm minus "
+                "the latest arm, mean over seeds ± s.e. over seeds; t = mean / s.e.): how long the merge's head start "
+                "lasts."
+            ),
+            Table(["optimizer", "tokens", "mean ± s.e. (seeds)", "t"], way_rows),
+        ]
     blocks += [
         Heading(f"Paired difference: {fam} vs the latest pre-spike snapshot"),
         Paragraph(
@@ -457,6 +501,7 @@ def spike_blocks(data: StudyData) -> tuple[list[Block], list[Path]]:
             "the merge is better. 'wins' counts the seeds where the merge arm ended lower."
         ),
         Table(["comparison", *[f"seed {s}" for s in seeds], "mean ± s.e. (seeds)", "wins"], prow),
+        *way,
         Heading("What the numbers say"),
         Bullets(findings),
     ]
