@@ -24,7 +24,7 @@ ANY reference. How C and D split depends on the reference, so two are reported:
 Method: every ``d^T H d`` is a central second difference of losses, ``L(ref + d) + L(ref - d) - 2 L(ref)``, which is
 exact for a quadratic and, for a real loss, the curvature averaged over the segment the deviation spans (cubic terms
 cancel; the error is fourth order). That is what matters for a finite merge, costs only forward passes (no_grad,
-3k - 1 evaluations in all), and needs no Hessian-vector products, which at the deviation sizes of a high-LR stable
+3k evaluations in all), and needs no Hessian-vector products, which at the deviation sizes of a high-LR stable
 phase would measure curvature at one point only. Assumption: one H describes the loss over the window's span (the
 "end" split mixes curvatures at the newest snapshot with the gap measured at the mean). Every quantity is computed
 per held-out batch and reported as mean and standard error over batches.
@@ -279,7 +279,7 @@ def cross_terms(
             "deviation_norms": [float(d.norm()) for d in dev_merge],
             "cosines": cos_merge,
             "mean_cosine": _mean_offdiag(cos_merge),
-            "iid_cosine": -1.0 / (k - 1),
+            "cosine_note": "deviations from their mean sum to zero: with equal norms the mean cosine is -1/(k-1)",
         },
         "end_reference": {
             "D": _mean_se(d_end),
@@ -322,7 +322,7 @@ def loss_plane(
         labels: A name per snapshot (default "1".."k").
         tokens: Training tokens per snapshot, recorded in the result.
         names: Tensors to use (default: every float tensor of the newest snapshot).
-        cross: Also compute finding 9's cross terms (``cross_terms``), 3k - 1 more evaluations.
+        cross: Also compute finding 9's cross terms (``cross_terms``), 2k - 1 more evaluations.
 
     Returns:
         ``{"x": [...], "y": [...], "loss": [[...] per y] , "snapshots": [...], "merge": {...}, "e11": {...}, ...}``.
@@ -423,41 +423,52 @@ def summary_lines(result: Mapping[str, Any]) -> list[str]:
     )
     e11 = result.get("e11")
     if e11:
-        lines += e11_lines(e11)
+        body = e11_lines(e11)
+        lines += body[:1] + ["  " + line for line in body[1:]]
     return lines
 
 
 def e11_lines(e11: Mapping[str, Any]) -> list[str]:
-    """Finding 9 in words, from ``cross_terms``' numbers."""
+    """Finding 9 in words, from ``cross_terms``' numbers (first line the verdict, then the details)."""
     k, gap = e11["k"], e11["gap"]
     z = gap["mean"] / gap["se"] if gap.get("se") else None
-    ztext = f" ({abs(z):.1f} s.e. {'below' if z < 0 else 'above'} zero)" if z is not None else ""
+    if z is None:
+        ztext = " (no standard error: one batch)"
+    elif abs(z) < 2:
+        ztext = f" (within noise: {abs(z):.1f} s.e.)"
+    else:
+        ztext = f" ({abs(z):.1f} s.e. {'below' if z < 0 else 'above'} zero)"
     m, e = e11["merge_reference"], e11["end_reference"]
+    holds = "holds" if e11["condition_holds"] else "does not hold"
     lines = [
-        f"Finding 9 (k={k}): L(merge) - mean L(members) = {gap['mean']:+.4f} ± {gap['se'] or float('nan'):.4f}"
-        f"{ztext}, so C - (k-1)D = {e11['invariant']['mean']:+.4g}: the condition C < (k-1)D "
-        + ("holds." if e11["condition_holds"] else "does not hold."),
+        f"Finding 9 (k={k}): L(merge) - mean L(members) = {gap['mean']:+.4f}"
+        + (f" ± {gap['se']:.4f}" if gap.get("se") else "")
+        + f"{ztext}, so C - (k-1)D = {e11['invariant']['mean']:+.4g} and the condition C < (k-1)D {holds}.",
+        f"Around the merge: D = {m['D']['mean']:.4g} (C = -D by construction, the deviations sum to zero); the "
+        f"quadratic model predicts L(merge) - mean L(members) = {m['predicted_gap']['mean']:+.4f}, measured "
+        f"{gap['mean']:+.4f}.",
     ]
-    if m["explained"] is not None:
-        lines.append(
-            f"  Around the merge: D = {m['D']['mean']:.4g} (C = -D by construction); the quadratic model predicts a "
-            f"gain of {-m['predicted_gap']['mean']:.4f}, {100 * m['explained']:.0f}% of the measured one."
-        )
     if e["ratio"] is not None:
-        kind = (
-            "negative: complementary deviations"
-            if e["ratio"] < 0
-            else ("below 1: the condition holds" if e["ratio"] < 1 else "at least 1: the condition fails")
-        )
+        r = e["ratio"]
+        if r < 0:
+            kind = "negative: the deviations are complementary (negatively correlated in the H metric)"
+        elif r < 1:
+            kind = (
+                "between 0 and 1: the deviations are positively correlated in the H metric, not complementary, "
+                "but not fully aligned, so the condition holds"
+            )
+        else:
+            kind = "at least 1: the deviations are aligned and the condition fails"
         lines.append(
-            f"  Around the newest snapshot: C = {e['C']['mean']:.4g}, (k-1)D = {(k - 1) * e['D']['mean']:.4g}, "
-            f"C/((k-1)D) = {e['ratio']:.2f} ({kind})."
+            f"Around the newest snapshot: C = {e['C']['mean']:.4g}, (k-1)D = {(k - 1) * e['D']['mean']:.4g}, "
+            f"C/((k-1)D) = {r:.2f}, {kind}."
         )
-    if m["mean_cosine"] is not None:
+    step = e11.get("mean_step_cosine")
+    if step is not None:
+        trend = "steps persist (drift)" if step > 0 else "steps reverse (jitter)"
         lines.append(
-            f"  Cosines: deviations from the merge {m['mean_cosine']:+.3f} on average (i.i.d. baseline "
-            f"{m['iid_cosine']:+.3f}); successive steps {e11['mean_step_cosine']:+.3f} "
-            + ("(anti-correlated: jitter)." if (e11["mean_step_cosine"] or 0) < 0 else "(correlated: drift).")
+            f"Euclidean cosines: successive steps {step:+.3f} on average, {trend}; deviations from the newest "
+            f"snapshot {e['mean_cosine']:+.3f}."
         )
     return lines
 
@@ -696,3 +707,75 @@ def write_json(path: Path, data: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=1) + "\n")
     os.replace(tmp, path)
+
+
+def experiment_plane(grid: Any, run_dir: Path, *, size: int, batches: int) -> dict[str, Any] | None:
+    """The experiment's optional step: the plane for the best SMA window at the final fork's end.
+
+    ``grid`` is the experiment's ``_Grid`` (its snapshots, loaded states, model and fixed held-out batches are
+    reused). Writes RUN/plane.json (the report draws plots/loss_plane.png from it); an up-to-date plane.json is
+    not recomputed.
+    """
+    from pmakit.train.loop import swapped
+
+    last = grid.study.forks[-1].fork_tokens
+    rows = [
+        r for r in grid.rows if r["model"] == "merged" and r["method"] == "sma" and r["fork_tokens"] == last
+    ]
+    if not rows:
+        return None
+    best = min(rows, key=lambda r: r["val_loss"])  # the same choice as the experiment's headline merge
+    chosen = grid._window(best["tokens"], best["n"], best["v_tokens"])
+    if chosen is None or len(chosen) < 3:
+        log.info("loss plane: the best SMA window has fewer than 3 snapshots; skipped")
+        return None
+    # spread over the held-out split like the experiment's own batches, not its first few windows
+    held_out = list(grid.batches[:: max(1, len(grid.batches) // batches)][:batches])
+    paths = [str(s.path) for s in chosen]
+    previous = _read_json(run_dir / "plane.json")
+    if (
+        previous is not None
+        and previous.get("grid") == size
+        and previous.get("batches") == len(held_out)
+        and previous.get("window", {}).get("snapshots") == paths
+    ):
+        log.info("loss plane: already done")
+        return previous
+    log.info(
+        "loss plane: %dx%d grid through %d snapshots on %d batches", size, size, len(chosen), len(held_out)
+    )
+    model = grid.trainer.model
+    from pmakit.evaluate import evaluate
+
+    def score(state: State) -> list[float]:
+        with swapped(model, state):
+            return evaluate(model, held_out).batch_losses
+
+    t0 = time.perf_counter()
+    result = loss_plane(
+        [grid._state(s) for s in chosen],
+        score,
+        grid=size,
+        labels=[str(i + 1) for i in range(len(chosen))],
+        tokens=[s.tokens for s in chosen],
+    )
+    result["seconds"] = round(time.perf_counter() - t0, 2)
+    result["window"] = {
+        "reason": f"the best SMA at the final fork's end ({best['label']})",
+        "snapshots": paths,
+        "held_out": f"{len(held_out)} of the experiment's {len(grid.batches)} fixed held-out batches, evenly spaced",
+    }
+    write_json(run_dir / "plane.json", result)
+    return result
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    import json
+
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None

@@ -71,6 +71,10 @@ class ExperimentConfig:
     """Extra points of the stable phase where latest vs SMA(method_n) is evaluated (paper E1)."""
     eval_batches: int = 32
     """Held-out batches every model of the grid is scored on."""
+    plane_grid: int = 0
+    """Loss plane (E11, E12) at the final fork for the best SMA window: grid points per axis (0: skip it)."""
+    plane_batches: int = 4
+    """Held-out batches per evaluation of the loss plane."""
 
     def __post_init__(self) -> None:
         if not self.forks:
@@ -81,6 +85,8 @@ class ExperimentConfig:
             raise PmakitError("experiment.ns and experiment.v_multiples must be positive integers")
         for m in self.methods:
             get_weights(m, 2)  # an unknown name fails here, listing the known ones
+        if self.plane_grid == 1 or self.plane_grid < 0 or self.plane_batches < 1:
+            raise PmakitError("experiment.plane_grid must be 0 (off) or at least 2, plane_batches at least 1")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ExperimentConfig:
@@ -203,6 +209,12 @@ def run_experiment(
     grid = _Grid(study, run_dir, main, batches, corpus.bytes_per_token)
     grid.run(progress)
     seconds["merge_eval"] = time.perf_counter() - t
+    if study.exp.plane_grid:
+        from pmakit.analysis import experiment_plane
+
+        t = time.perf_counter()
+        experiment_plane(grid, run_dir, size=study.exp.plane_grid, batches=study.exp.plane_batches)
+        seconds["plane"] = time.perf_counter() - t
     main.close()
 
     _write_curves(run_dir, study)
@@ -551,12 +563,18 @@ def _jsonable(x: Any) -> Any:
     return json.loads(json.dumps(x, default=str))
 
 
+_ANALYSIS_ONLY = ("plane_grid", "plane_batches")
+
+
 def _check_same_config(run_dir: Path, study: Study) -> None:
     """Resuming with another config would mix two studies in one results file: refuse it."""
     stamp = run_dir / "config.json"
     current = {"train": _jsonable(study.train.to_dict()), "experiment": _jsonable(asdict(study.exp))}
     if stamp.exists():
         saved = json.loads(stamp.read_text())
+        for key in _ANALYSIS_ONLY:  # they change no result row, so a resumed study may turn them on or off
+            for d in (saved.get("experiment", {}), current["experiment"]):
+                d.pop(key, None)
         if saved != current:
             changed = sorted(
                 f"{section}.{k}"

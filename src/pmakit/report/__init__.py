@@ -39,6 +39,7 @@ PLOT_FILES = {
     "heatmap": "sma_n_by_v.png",
     "weightings": "weightings.png",
     "sweeps": "n_v_sweeps.png",
+    "plane": "loss_plane.png",
 }
 
 
@@ -72,7 +73,7 @@ def draw_figures(data: RunData, forks: list[ForkSummary], base: int | None) -> d
     figs = document.Figures()
     out = data.run_dir / "plots"
     try:
-        from pmakit.report import plots
+        from pmakit.report import plane, plots
     except ImportError as e:
         figs.failures.append(f"matplotlib is not available ({e}); install `pmakit[report]` for the plots.")
         return figs
@@ -86,6 +87,7 @@ def draw_figures(data: RunData, forks: list[ForkSummary], base: int | None) -> d
         "sweeps": lambda p: plots.plot_sweeps(
             forks, v_fixed=figs.sweep_v, n_fixed=figs.sweep_n, base=base, path=p
         ),
+        "plane": lambda p: plane.draw(data.run_dir, p),
     }
     for name, job in jobs.items():
         path = out / PLOT_FILES[name]
@@ -121,7 +123,9 @@ def write_report(run_dir: str | Path) -> ReportPaths:
     figs = draw_figures(data, forks, base)
     blocks = document.build(data, forks, stable_points(data), figs, base)
     drawn = [
-        run_dir / p for p in (figs.curves, figs.fork_gains, figs.heatmap, figs.weightings, figs.sweeps) if p
+        run_dir / p
+        for p in (figs.curves, figs.fork_gains, figs.heatmap, figs.weightings, figs.sweeps, figs.plane)
+        if p
     ]
     return _render(run_dir, blocks, drawn)
 

@@ -103,6 +103,8 @@ class Figures:
     """Weightings side by side."""
     sweeps: Path | None = None
     """N and V sweeps."""
+    plane: Path | None = None
+    """Loss on a plane through the snapshots (report/plane.py)."""
     weightings_v: int | None = None
     """The interval V of the weightings plot."""
     sweep_v: int | None = None
@@ -602,6 +604,9 @@ def build(
     if figure_list:
         blocks.append(Heading("Figures"))
         blocks += figure_list
+    from pmakit.report import plane
+
+    blocks += plane.blocks(data.run_dir, figs.plane)
     blocks += run_blocks(exp, data.run_dir)
     blocks.append(Heading("Files"))
     files = [

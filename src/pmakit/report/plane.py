@@ -97,15 +97,18 @@ def blocks(run_dir: Path, figure: Path | None) -> list[Block]:
     window = result.get("window", {})
     if isinstance(window, dict) and window.get("reason"):
         out.append(Paragraph(f"Window: {window['reason']}."))
+    span = float(result.get("window_span") or 1.0)
+
+    def coord(v: float) -> str:
+        return "0" if abs(v) < 1e-9 * span else f"{v:.4g}"  # float64 round-off of the defining points
+
     rows = [
-        [str(s["index"]), str(s.get("tokens") or ""), f"{s['x']:.4g}", f"{s['y']:.4g}", f"{s['distance']:.3g}",
+        [str(s["index"]), str(s.get("tokens") or ""), coord(s["x"]), coord(s["y"]), coord(s["distance"]),
          f"{s['loss']:.4f}"]
         for s in result["snapshots"]
     ]  # fmt: skip
     m = result["merge"]
-    rows.append(
-        ["SMA merge", "", f"{m['x']:.4g}", f"{m['y']:.4g}", f"{m['distance']:.3g}", f"{m['loss']:.4f}"]
-    )
+    rows.append(["SMA merge", "", coord(m["x"]), coord(m["y"]), coord(m["distance"]), f"{m['loss']:.4f}"])
     out.append(Table(["snapshot", "tokens", "x", "y", "off-plane", "loss"], rows, align="rrrrrr"))
     out.append(Bullets(summary_lines(result)[1:4]))
     e11 = result.get("e11")
@@ -130,13 +133,16 @@ def blocks(run_dir: Path, figure: Path | None) -> list[Block]:
                     ["L(merge) − mean L(members)", _fmt_se(e11["gap"])],
                     ["C − (k−1)D (any reference)", _fmt_se(e11["invariant"], 3)],
                     ["D, reference merge", _fmt_se(mr["D"], 3)],
-                    ["predicted gap D/(2k), reference merge", _fmt_se(mr["predicted_gap"])],
+                    [
+                        "quadratic prediction −D/(2k) of the gap, reference merge",
+                        _fmt_se(mr["predicted_gap"]),
+                    ],
                     ["D, reference newest", _fmt_se(er["D"], 3)],
                     ["C, reference newest", _fmt_se(er["C"], 3)],
                     ["C / ((k−1)D), reference newest", "–" if er["ratio"] is None else f"{er['ratio']:.2f}"],
                     [
-                        "mean cosine of deviations from the merge",
-                        f"{mr['mean_cosine']:+.3f} (i.i.d.: {mr['iid_cosine']:+.3f})",
+                        "mean cosine of deviations from the newest",
+                        "–" if er["mean_cosine"] is None else f"{er['mean_cosine']:+.3f}",
                     ],
                     [
                         "mean cosine of successive steps",
@@ -162,3 +168,9 @@ def blocks(run_dir: Path, figure: Path | None) -> list[Block]:
             )
         )
     return out
+
+
+def draw(run_dir: Path, path: Path) -> Path | None:
+    """plots/loss_plane.png from RUN/plane.json; None when the run has no plane."""
+    result = read_plane(run_dir)
+    return None if result is None else plot_plane(result, path)
