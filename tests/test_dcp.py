@@ -185,3 +185,13 @@ def test_inspect_lists_skipped_entries_and_bad_metadata(runs: dict[str, Path], t
     r = CliRunner().invoke(cli, ["merge", str(bad), "-o", str(tmp_path / "out")])
     assert (r.exit_code == 1 and r.exception is None) or isinstance(r.exception, SystemExit)
     assert "unreadable DCP metadata" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_plan_counts_the_saved_chunks_dcp_inputs_hold(runs: dict[str, Path]) -> None:
+    from pmakit.distributed import plan_report
+
+    snaps = discover(runs["dcp1"])
+    report = plan_report(snaps, None, disk_bandwidth=1e9, accumulate_bandwidth=1e9)
+    buffers = 1024 * 4 * (merge_mod.N_BUFFERS + 2)  # the largest tensor (64 x 16) is the chunk
+    # Each of the 3 inputs holds one saved chunk (a whole 64 x 16 bf16 tensor here), torch's loader one more.
+    assert report["max_memory_bytes"] == buffers + (3 + 1) * 64 * 16 * 2

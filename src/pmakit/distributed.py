@@ -254,7 +254,8 @@ def plan_scale(
 
     Time per rank is the larger of its I/O (reads + writes through its node's disk, shared by the node's ranks)
     and its accumulation; the merge takes as long as its slowest rank. ``unit_bytes`` is memory each input holds
-    beyond the merge's chunks (DCP inputs: one saved chunk, see formats/dcp_io.py).
+    beyond the merge's chunks (DCP inputs: one saved chunk, see formats/dcp_io.py). Memory counts pmakit's own
+    buffers; the Python process with torch imported adds its own baseline (about 150 MB of anonymous memory).
     """
     from pmakit.formats import is_float
     from pmakit.merge import CHUNK_ELEMS, N_BUFFERS
@@ -282,7 +283,10 @@ def plan_scale(
             sum(tensors[i].nbytes * snapshots for i in mine if is_float(tensors[i].dtype))
             / bandwidth.accumulate
         )
-        memory = n * 4 * (N_BUFFERS + 2) + snapshots * unit_bytes
+        # DCP: each input holds a saved chunk, and torch's loader briefly holds one more while it copies it.
+        memory = (
+            n * 4 * (N_BUFFERS + 2) + (snapshots + 1) * unit_bytes if unit_bytes else n * 4 * (N_BUFFERS + 2)
+        )
         plans.append(RankPlan(r, read, write, memory, max(io, compute)))
     return {
         "tensors": len(tensors),
