@@ -202,11 +202,11 @@ def _paired_cell(r: dict[str, Any] | None, key: str = "delta_vs_latest", se_key:
 # ----------------------------------------------------------------------------------------------------- plots
 
 
-def _figure(width: float, height: float, cols: int) -> tuple[Any, list[Any]]:
+def _figure(width: float, height: float, cols: int, rows: int = 1) -> tuple[Any, list[Any]]:
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(width, height), layout="constrained")
-    axes = [fig.add_subplot(1, cols, i + 1) for i in range(cols)]
+    axes = [fig.add_subplot(rows, cols, i + 1) for i in range(rows * cols)]
     return fig, axes
 
 
@@ -260,8 +260,31 @@ def plot_spike(data: StudyData, key: str, path: Path) -> Path | None:
     if not points:
         return None
     seeds = sorted({int(p["seed"]) for p in points})
-    fig, axes = _figure(4.3 * len(seeds) + 0.6, 4.0, len(seeds))
+    zoom = key == "val"  # a second row: the arms after the resume point, on their own scale
+    fig, axes = _figure(4.3 * len(seeds) + 0.6, 7.4 if zoom else 4.0, len(seeds), 2 if zoom else 1)
     infos = data.experiment.get("seeds", {})
+    if zoom:
+        for ax, seed in zip(axes[len(seeds) :], seeds):
+            info = infos.get(str(seed), {})
+            ys_all: list[float] = []
+            for arm in _arms_in(points):
+                if arm == NO_INTERVENTION:
+                    continue
+                xs, ys = _series(points, seed, arm, y)
+                color, ls = _arm_style(arm)
+                ax.plot(xs, ys, color=color, ls=ls, lw=1.4, marker="o", ms=2.5, label=arm)
+                ys_all += ys
+            _mark_spike(ax, info)
+            if ys_all:
+                pad = 0.05 * (max(ys_all) - min(ys_all) or 1.0)
+                ax.set_ylim(min(ys_all) - pad, max(ys_all) + pad)
+            if info.get("resume_tokens") is not None:
+                ax.set_xlim(left=info["resume_tokens"] - 2 * (data.experiment.get("base_every_tokens") or 0))
+            ax.set_title(f"seed {seed}: resumed arms only", fontsize=10)
+            ax.set_xlabel("training tokens")
+            ax.grid(alpha=0.3)
+        axes[len(seeds)].set_ylabel("held-out loss (zoom)")
+        axes = axes[: len(seeds)]
     for ax, seed in zip(axes, seeds):
         info = infos.get(str(seed), {})
         for arm in _arms_in(points):
@@ -518,7 +541,13 @@ def spike_blocks(data: StudyData) -> tuple[list[Block], list[Path]]:
         "optimizer reset, dashed = optimizer kept."
     )
     if "spike_val" in figs:
-        blocks.append(FigureBlock(figs["spike_val"], "Held-out loss of every arm, per seed", [caption_marks]))
+        blocks.append(
+            FigureBlock(
+                figs["spike_val"],
+                "Held-out loss of every arm, per seed",
+                ["Top: the whole run; bottom: the resumed arms only, on their own scale.", caption_marks],
+            )
+        )
     if "spike_train" in figs:
         blocks.append(
             FigureBlock(
