@@ -58,8 +58,9 @@ def _extras(seed: int) -> dict[str, object]:
     }
 
 
-def _save_two_ranks(rank: int, port: int, saves: list[tuple[str, int]]) -> None:
-    """One rank of FSDP-like saves: each tensor a DTensor sharded on dim 0, under ``model`` (OLMo-core)."""
+def _save_two_ranks(rank: int, port: int, saves: list[tuple[str, int, int]]) -> None:
+    """One rank of FSDP-like saves: each tensor a DTensor sharded on dim 0 (or on dim 1 as tensor parallelism
+    does, when the last 2-d tensors allow it), under ``model`` (OLMo-core)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -67,9 +68,11 @@ def _save_two_ranks(rank: int, port: int, saves: list[tuple[str, int]]) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         mesh = init_device_mesh("cpu", (2,))
-        for directory, seed in saves:
+        for directory, seed, dim in saves:
             model = {
-                k: distribute_tensor(v, mesh, [Shard(0)]) if v.dim() > 0 and v.is_floating_point() else v
+                k: distribute_tensor(v, mesh, [Shard(min(dim, v.dim() - 1))])
+                if v.dim() > 0 and v.is_floating_point()
+                else v
                 for k, v in state(seed, shapes=DCP_SHAPES).items()
             }
             with warnings.catch_warnings():
@@ -104,12 +107,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             root / "hf" / f"step-{i * 100:04d}", state(i, shapes=DCP_SHAPES), step=i * 100, tokens=i * 1000
         )
         _dcp_snapshot(root / "dcp1" / f"step-{i * 100:04d}", i, ranks=1, nested=False)
-    two = [(str(root / "dcp2" / "step-0100"), 1), (str(root / "dcp2" / "step-0300"), 3)]
+    two = [(str(root / "dcp2" / "step-0100"), 1, 0), (str(root / "dcp2" / "step-0300"), 3, 0)]
+    two.append((str(root / "tp" / "step-0100"), 1, 1))
     spawn_two(_save_two_ranks, (_free_port(), two))  # one process group for both saves
     _dcp_snapshot(root / "dcp2" / "step-0100", 1, ranks=2, nested=True)
     _dcp_snapshot(root / "dcp2" / "step-0200", 2, ranks=1, nested=True)
     _dcp_snapshot(root / "dcp2" / "step-0300", 3, ranks=2, nested=True)
-    return {"hf": root / "hf", "dcp1": root / "dcp1", "dcp2": root / "dcp2", "root": root}
+    return {"hf": root / "hf", "dcp1": root / "dcp1", "dcp2": root / "dcp2", "tp": root / "tp", "root": root}
 
 
 def test_reader_names_shapes_and_skipped_entries(runs: dict[str, Path]) -> None:
@@ -195,3 +199,13 @@ def test_plan_counts_the_saved_chunks_dcp_inputs_hold(runs: dict[str, Path]) -> 
     buffers = 1024 * 4 * (merge_mod.N_BUFFERS + 2)  # the largest tensor (64 x 16) is the chunk
     # Each of the 3 inputs holds one saved chunk (a whole 64 x 16 bf16 tensor here), torch's loader one more.
     assert report["max_memory_bytes"] == buffers + (3 + 1) * 64 * 16 * 2
+
+
+def test_tensor_parallel_chunks_are_loaded_whole(runs: dict[str, Path]) -> None:
+    """Saved chunks split on dim 1 (tensor parallelism) are not flat ranges: the tensor is loaded whole."""
+    with open_reader(runs["tp"] / "step-0100") as reader:
+        assert [(lo, hi) for lo, hi, _ in reader._unit_boxes("embed.weight")] == [(0, 64 * 16)]  # type: ignore[attr-defined]
+        for name, t in state(1, shapes=DCP_SHAPES).items():
+            flat = t.reshape(-1)
+            assert torch.equal(reader.read(name, 0, flat.numel()), flat), name
+            assert torch.equal(reader.read(name, 3, flat.numel() - 2), flat[3:-2]), name
