@@ -887,6 +887,18 @@ def _write_experiment_json(
         "started": previous.get("started", started),
         "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "seconds": {"total": round(seconds, 1), "cpu": round(cpu_seconds, 1)},
+        # every invocation (a resumed or extended study adds one), so that the whole cost stays traceable
+        "invocations": [
+            *previous.get("invocations", []),
+            {
+                "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "seconds": round(seconds, 1),
+                "cpu_seconds": round(cpu_seconds, 1),
+                "seeds": list(study.spec.seeds),
+                "load_average_before": [round(x, 2) for x in load_before],
+                "load_average_after": [round(x, 2) for x in os.getloadavg()],
+            },
+        ],
         "load_average": {
             "before": [round(x, 2) for x in load_before],
             "after": [round(x, 2) for x in os.getloadavg()],

@@ -652,12 +652,27 @@ def init_blocks(data: StudyData) -> tuple[list[Block], list[Path]]:
     return blocks, [data.run_dir / p for p in figs.values()]
 
 
+def _total_seconds(exp: dict[str, Any]) -> float | None:
+    calls = exp.get("invocations") or []
+    return sum(c.get("seconds") or 0 for c in calls) or exp.get("seconds", {}).get("total")
+
+
 def _run_facts(exp: dict[str, Any]) -> list[Block]:
     sec = exp.get("seconds", {})
     load = exp.get("load_average", {})
+    calls = exp.get("invocations") or []
+    wall = sum(c.get("seconds") or 0 for c in calls) or sec.get("total")
+    cpu = sum(c.get("cpu_seconds") or 0 for c in calls) or sec.get("cpu")
     items = [
-        f"Wall time {fmt.seconds(sec.get('total'))} (this invocation; a resumed run counts only what it did), "
-        f"CPU time {fmt.seconds(sec.get('cpu'))}, {exp.get('cpus')} CPUs, {exp.get('threads')} torch threads.",
+        f"Wall time {fmt.seconds(wall)}, CPU time {fmt.seconds(cpu)} (process user + system) over "
+        f"{max(1, len(calls))} invocation(s); {exp.get('cpus')} CPUs, {exp.get('threads')} torch threads.",
+        *[
+            f"Invocation {i}: seeds {c.get('seeds')}, {fmt.seconds(c.get('seconds'))} wall, "
+            f"{fmt.seconds(c.get('cpu_seconds'))} CPU, load average {c.get('load_average_before')} -> "
+            f"{c.get('load_average_after')}."
+            for i, c in enumerate(calls, start=1)
+            if len(calls) > 1
+        ],
         f"Load average (1/5/15 min) before: {load.get('before')}, after: {load.get('after')} (other processes "
         "on the machine slow the wall time down).",
         f"pmakit {exp.get('pmakit_version')}, torch {exp.get('torch_version')}; started {exp.get('started')}, "
@@ -681,7 +696,7 @@ def summary(run_dir: Path) -> str:
     data = load_study(run_dir)
     exp, seeds = data.experiment, data.seeds
     lines = [f"{'Spike-recovery' if data.kind == 'spike' else 'PMA-init'} study: {run_dir} "
-             f"(preset {exp.get('preset')}, {len(seeds)} seeds, {fmt.seconds(exp.get('seconds', {}).get('total'))})"]  # fmt: skip
+             f"(preset {exp.get('preset')}, {len(seeds)} seeds, {fmt.seconds(_total_seconds(exp))} wall)"]  # fmt: skip
     if data.kind == "spike":
         lines.append(f"Resumed arms' LR: {exp.get('resume_lr')}")
         for s in seeds:
