@@ -253,10 +253,24 @@ def test_cli_on_an_experiment_run_needs_no_flags_but_output(tmp_path: Path, text
     assert "Finding 9" in summary and "Loss plane" in proc.stdout
 
 
-def test_cli_without_a_run_config_asks_for_a_corpus(tmp_path: Path, text: Path) -> None:
+def test_cli_without_a_run_config_uses_corpus_with_the_snapshot_tokenizer(tmp_path: Path, text: Path) -> None:
+    from pmakit.train.data import save_tokenizer, train_tokenizer
+
     run = _tiny_run(tmp_path, text)
     (run / "config.json").unlink()
     snaps = sorted((run / "main" / "snapshots").iterdir())
     proc = run_cli("analyze", *snaps, "--grid", "2", "-o", tmp_path / "out")
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1].startswith("Error: no run config found")
+    tokenizer = train_tokenizer([text.read_text()], 300)
+    for snap in snaps:
+        save_tokenizer(tokenizer, snap)
+    proc = run_cli(
+        "analyze", *snaps[1:], "--grid", "2", "--batches", "1", "--corpus", text, "-o", tmp_path / "out"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "out" / "plane.json").read_text())
+    assert [s["tokens"] for s in result["snapshots"]] == [128, 192, 256]  # the snapshots named, all of them
+    assert (
+        result["batches"] == 1 and "tokenized with the snapshot's tokenizer" in result["window"]["held_out"]
+    )
