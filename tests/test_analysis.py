@@ -274,3 +274,64 @@ def test_cli_without_a_run_config_uses_corpus_with_the_snapshot_tokenizer(tmp_pa
     assert (
         result["batches"] == 1 and "tokenized with the snapshot's tokenizer" in result["window"]["held_out"]
     )
+
+
+# --- the experiment's step and the report section
+
+
+class _FakeGrid:
+    """The parts of pmakit.experiment._Grid that the plane step uses."""
+
+    def __init__(self, run: Path) -> None:
+        from types import SimpleNamespace
+
+        from pmakit.experiment import _load_state
+        from pmakit.snapshot import discover
+        from pmakit.train.model import ModelConfig, build_model
+
+        self.snapshots = {s.tokens: s for s in discover(run / "main" / "snapshots")}
+        self._load = _load_state
+        model = build_model(ModelConfig(layers=1, hidden=16, heads=2, seq_len=32, tie_embeddings=False), 300)
+        g = torch.Generator().manual_seed(1)
+        self.batches = [(x, x) for x in (torch.randint(0, 300, (2, 32), generator=g) for _ in range(6))]
+        self.trainer = SimpleNamespace(model=model)
+        self.study = SimpleNamespace(
+            forks=[SimpleNamespace(fork_tokens=64), SimpleNamespace(fork_tokens=128)]
+        )
+        sma = {"model": "merged", "method": "sma", "fork_tokens": 128, "tokens": 256, "v_tokens": 64}
+        self.rows = [
+            {**sma, "n": 3, "val_loss": 1.0, "label": "SMA N=3"},
+            {**sma, "n": 2, "val_loss": 2.0, "label": "SMA N=2"},
+            {**sma, "n": 4, "fork_tokens": 64, "val_loss": 0.5, "label": "an earlier fork"},
+        ]
+
+    def _window(self, end: int, n: int, v: int) -> list[Any] | None:
+        targets = [end - j * v for j in range(n)][::-1]
+        return [self.snapshots[t] for t in targets] if all(t in self.snapshots for t in targets) else None
+
+    def _state(self, snap: Any) -> dict[str, torch.Tensor]:
+        return self._load(snap.path)
+
+
+def test_experiment_step_uses_the_best_sma_window_and_feeds_the_report(tmp_path: Path, text: Path) -> None:
+    from pmakit.analysis import experiment_plane
+    from pmakit.report import plane as section
+
+    run = _tiny_run(tmp_path, text)
+    grid = _FakeGrid(run)
+    result = experiment_plane(grid, run, size=3, batches=2)
+    assert result is not None
+    assert [s["tokens"] for s in result["snapshots"]] == [128, 192, 256]  # best SMA (N=3) at the LAST fork
+    assert result["batches"] == 2 and "SMA N=3" in result["window"]["reason"]
+    written = (run / "plane.json").stat().st_mtime_ns
+    again = experiment_plane(grid, run, size=3, batches=2)  # up to date: read back, not recomputed
+    assert again == json.loads((run / "plane.json").read_text())
+    assert (run / "plane.json").stat().st_mtime_ns == written
+    png = section.draw(run, run / "plots" / "loss_plane.png")
+    assert png is not None and png.read_bytes()[:4] == b"\x89PNG"
+    blocks = section.blocks(run, Path("plots/loss_plane.png"))
+    texts = " ".join(str(b) for b in blocks)
+    assert "Cross terms" in texts and "loss_plane.png" in texts
+    verdict = "holds" if result["e11"]["condition_holds"] else "does not hold"
+    assert f"the condition C < (k-1)D {verdict}" in texts
+    assert section.blocks(tmp_path, None) == []  # no plane.json: no section
