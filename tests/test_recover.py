@@ -28,6 +28,7 @@ from pmakit.recover import (
     loss_lag_tokens,
     recover,
     robust_z,
+    spike_boundary,
 )
 from pmakit.snapshot import Snapshot, discover, read_snapshot, write_metadata
 
@@ -320,6 +321,25 @@ def test_recover_excludes_the_snapshot_whose_weights_made_the_first_bad_loss(tmp
     # one step later the 6000 snapshot is clean again
     run2 = build_run(tmp_path / "b", spike_at=6200)
     assert [s.tokens for s in recover(run2, out=tmp_path / "out2", last=2).snapshots] == [5000, 6000]
+
+
+def test_boundary_with_sparse_logs_is_the_last_in_line_record() -> None:
+    # Logged every 10 steps of 10 tokens: the loss at step 1000 is the first bad one; steps 991-999 were not
+    # logged, so the weights after step 990 (9900 tokens) on are suspect.
+    losses = series(200)
+    records = [{"kind": "train", "step": 10 * i, "tokens": 100 * i, "loss": x} for i, x in enumerate(losses)]
+    for r in records[100:]:
+        r["loss"] += 2.0
+    (spike,) = find_spikes(records)
+    assert (spike.start_step, spike.previous_tokens) == (1000, 9900)
+    assert loss_lag_tokens(records) == 10
+    assert spike_boundary(spike, 10) == 9900  # not 10000 - 10
+    # one record per step: the previous record is one step back, the same as the lag
+    per_step = [{"kind": "train", "step": i, "tokens": 10 * i, "loss": x} for i, x in enumerate(losses)]
+    for r in per_step[100:]:
+        r["loss"] += 2.0
+    (spike,) = find_spikes(per_step)
+    assert spike_boundary(spike, loss_lag_tokens(per_step)) == spike.previous_tokens == 990
 
 
 def test_loss_lag_from_steps_or_from_the_smallest_gap() -> None:

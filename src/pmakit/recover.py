@@ -109,6 +109,8 @@ class Spike:
     """The largest robust z of the loss over the excursion (None when no step could be judged)."""
     steps: int
     """Steps from the start to the detection, both included."""
+    previous_tokens: int | None = None
+    """Tokens of the record just before the start (None for the first record): see ``spike_boundary``."""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe record (non-finite numbers as strings, since JSON has no NaN)."""
@@ -142,6 +144,7 @@ class _Point:
     grad_norm: float | None
     z_loss: float | None
     z_grad: float | None
+    prev_tokens: int | None = None  # the record seen just before this one
 
     @property
     def z(self) -> float:
@@ -212,18 +215,18 @@ class SpikeDetector:
         cfg = self.config
         if self._last_tokens is not None and tokens <= self._last_tokens:
             self.rewind(tokens)
-        self._last_tokens = tokens
+        prev, self._last_tokens = self._last_tokens, tokens
         loss = float(loss)
         if not math.isfinite(loss):
             # A NaN/Inf loss cannot recover by itself: a spike now, even in warmup, unless one is already open.
-            point = _Point(tokens, step, loss, grad_norm, math.inf, None)
+            point = _Point(tokens, step, loss, grad_norm, math.inf, None, prev)
             if self._latched is not None:
                 self._calm = 0
                 return None
             return self._report([*self._run, point], "non-finite loss")
         if tokens < cfg.warmup_tokens:
             return None
-        point = self._judge(tokens, step, loss, grad_norm)
+        point = dataclasses.replace(self._judge(tokens, step, loss, grad_norm), prev_tokens=prev)
         out_of_line = self._out_of_line(point)
         if self._latched is not None:
             if out_of_line:
@@ -301,6 +304,7 @@ class SpikeDetector:
             baseline=self.baseline,
             z=max(zs) if zs else None,
             steps=len(run) + sum(1 for p in self._recent if first.tokens <= p.tokens < run[0].tokens),
+            previous_tokens=first.prev_tokens,
         )
         self._latched = spike
         self._calm = 0
@@ -457,10 +461,16 @@ def spike_boundary(spike: Spike, loss_lag_tokens: int) -> int:
     """Snapshots strictly below this are safe to merge.
 
     A train record's loss is measured on the weights BEFORE its step's update, while its ``tokens`` count that
-    step: the first out-of-line loss, logged at T tokens, came from the weights saved at T - (one step's tokens).
-    Those are the first bad weights, so the boundary is ``spike.start_tokens - loss_lag_tokens``.
+    step: the first out-of-line loss, logged at T tokens, came from the weights saved at T - (one step's tokens),
+    the first known-bad weights, so the boundary is at most ``spike.start_tokens - loss_lag_tokens``. When records
+    are sparser than steps (logged every k steps), the weights between the last in-line record and the first bad
+    one were never measured: the boundary is then the previous record's tokens (the weights saved there produced
+    the first loss not logged). With a record per step both are the same.
     """
-    return spike.start_tokens - loss_lag_tokens
+    boundary = spike.start_tokens - loss_lag_tokens
+    if spike.previous_tokens is not None:
+        boundary = min(boundary, spike.previous_tokens)
+    return boundary
 
 
 def recover(
