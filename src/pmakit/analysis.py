@@ -258,7 +258,7 @@ def cross_terms(
     dev_merge = [t - mean for t in thetas]
     dev_end = [t - end for t in thetas[:-1]]
     steps = [b - a for a, b in zip(thetas, thetas[1:])]
-    cos_merge, cos_end = _cosines(dev_merge), _cosines(dev_end) if k > 2 else [[1.0]]
+    cos_merge, cos_end = _cosines(dev_merge), _cosines(dev_end)
     step_cos = [float(_cosines([a, b])[0][1]) for a, b in zip(steps, steps[1:])]
     dm, de, ce = float(d_merge.mean()), float(d_end.mean()), float(c_end.mean())
     return {
