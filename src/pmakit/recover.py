@@ -713,6 +713,9 @@ class SpikeRecovery(Callback):
     discarded. The token count does not go back (the trainer continues from where it stopped, on fresh data), so
     later snapshots land at the next multiples of V as before; the online merge is rebuilt from the pre-spike
     snapshots. After ``max_recoveries`` (counted across resumes) the next spike stops the run with a clear message.
+
+    Fewer than K snapshots before the spike (early in a run, or a saver ``keep_last`` that already removed older
+    ones: keep it above K plus the snapshots a detection delay can add) merges what there is; none stops the run.
     """
 
     def __init__(self, config: RecoveryConfig | None = None) -> None:
