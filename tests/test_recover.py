@@ -577,11 +577,6 @@ def test_spike_recovery_stops_after_max_recoveries(tmp_path: Path) -> None:
     assert trainer.tokens < 140 * TRAIN_TPS
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Trainer.load_checkpoint (train/loop.py) still requires trainer.pt; a `pmakit recover` output has "
-    "pmakit.json (step, tokens) and optimizer.pt only with keep-latest",
-)
 def test_recover_output_resumes_in_the_trainer(tmp_path: Path) -> None:
     run = tmp_path / "run"
     trainer = tiny_trainer(run, [], None, resume=False, total_steps=48, keep_checkpoints_at=(32 * TRAIN_TPS,))

@@ -506,15 +506,32 @@ class Trainer:
         shutil.rmtree(old, ignore_errors=True)
 
     def load_checkpoint(self, directory: Path, *, fork: bool = False) -> None:
-        """Restore a full state. ``fork``: a new run branching off another run's state (its own saver/averager)."""
+        """Restore a full state, or continue from a snapshot with its step and tokens (a `pmakit recover` output).
+
+        ``fork``: a new run branching off another run's state (it keeps the parent's snapshot grid but starts its
+        own online merge). A snapshot without the trainer's state resumes at its ``pmakit.json`` step and tokens,
+        with its ``optimizer.pt`` when it has one (``--optimizer keep-latest``), else a fresh optimizer.
+        """
+        from pmakit.snapshot import read_snapshot
+
         state_file = directory / TRAINER_STATE
         if not state_file.exists():
-            raise PmakitError(f"{directory}: not a full training checkpoint (no {TRAINER_STATE})")
+            snap = read_snapshot(directory)
+            if snap.step is None:
+                raise PmakitError(
+                    f"{directory}: its pmakit.json has no step, so training cannot continue from it"
+                )
+            self._load_weights(directory)
+            if (directory / "optimizer.pt").exists():
+                self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
+            self.state = _State(step=snap.step, tokens=snap.tokens)
+            self.saver.last_mark = snap.tokens // self.config.every_tokens
+            log.info("continuing from %s at %d tokens (step %d)", directory, snap.tokens, snap.step)
+            return
         self._load_weights(directory)
         self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
         saved = torch.load(state_file, weights_only=True)
         self.state = _State(**saved["trainer"])
-        # A fork keeps the token grid of its parent's saver but starts its own online merge.
         self.saver.load_state_dict(saved["saver"])
         if not fork:
             self.averager.load_state_dict(saved["averager"])
