@@ -602,12 +602,22 @@ def init_blocks(data: StudyData) -> tuple[list[Block], list[Path]]:
                           spread_text(dsp, signed=True) if arm != "latest" else ""])  # fmt: skip
             if arm != "latest":
                 findings.append(f"{stage}: " + judge_lower(dsp, f"`{fam}`", "`latest`") + ".")
-    blocks += [
-        Heading("Held-out loss"),
-        Table(header, table),
-        Heading("What the numbers say"),
-        Bullets(findings),
-    ]
+    way_rows = [
+        [fmt.tokens(t), fmt.tokens(t - (spec.get("init_at") or 0)), spread_text(sp, signed=True),
+         fmt.MISSING if sp is None or not sp.se else f"{sp.mean / sp.se:+.1f}"]
+        for t, sp in gap_along_the_way(data, fam, "latest")
+    ]  # fmt: skip
+    blocks += [Heading("Held-out loss"), Table(header, table)]
+    if way_rows:
+        blocks += [
+            Heading(f"{fam} − latest along the way", 3),
+            Paragraph(
+                "Held-out loss of the merge arm minus the latest arm at every evaluation point of the continued "
+                "training (mean over seeds ± s.e. over seeds; t = mean / s.e.): how long the merge's head start lasts."
+            ),
+            Table(["tokens", "into continued training", "mean ± s.e. (seeds)", "t"], way_rows),
+        ]
+    blocks += [Heading("What the numbers say"), Bullets(findings)]
     # gradient norms
     grows = []
     for arm in ("latest", fam):
