@@ -621,7 +621,11 @@ def train(
 @cli.command()
 @click.argument("config", required=False, type=click.Path(path_type=Path))
 @click.option(
-    "--preset", type=str, default=None, help="A shipped study: demo (default) or smoke (about a minute)."
+    "--preset",
+    type=str,
+    default=None,
+    help="A shipped study: demo (default), smoke (about a minute), spike (loss-spike recovery, paper E10) or "
+    "init (continued training from a merge, E9).",
 )
 @click.option(
     "--corpus",
