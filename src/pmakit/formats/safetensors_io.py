@@ -280,17 +280,100 @@ _SYNC_FILE_RANGE = _libc_sync_file_range()
 _SYNC_FILE_RANGE_WRITE = 2
 
 
-class ShardWriter:
-    """Streams one shard: header first, then each tensor's bytes in order, chunk by chunk."""
+_DIRECT_ALIGN = 4096
+"""O_DIRECT transfers: buffer address, file offset and length are multiples of this (any block size divides it)."""
+_DIRECT_STAGE = 8 * 2**20
+"""Bytes staged before each O_DIRECT write."""
 
-    def __init__(self, path: Path, shard: Shard, metadata: dict[str, str] | None = None) -> None:
+
+class _DirectFile:
+    """Appends to a file through O_DIRECT, bypassing the page cache.
+
+    A buffered write() copies every byte into freshly allocated page-cache pages and leaves them for the kernel to
+    flush (on this 2-core VM that copy was a quarter of a merge's CPU time). Here bytes are staged in a reused,
+    page-aligned buffer and written in whole aligned blocks straight to the disk; the tail is padded and the file
+    truncated to its length at the end. Where the file system refuses O_DIRECT, it falls back to buffered writes.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
+        self._stage = mmap.mmap(-1, _DIRECT_STAGE)  # anonymous maps are page aligned
+        self._view = memoryview(self._stage)
+        self._fill = 0  # staged bytes
+        self._size = 0  # bytes in the file
+
+    @staticmethod
+    def open(path: Path) -> _DirectFile | None:
+        """A direct writer, or None where the OS has no O_DIRECT or the file system refuses it."""
+        if not hasattr(os, "O_DIRECT"):
+            return None
+        try:
+            return _DirectFile(path)
+        except OSError:
+            return None
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def write(self, data: bytes | memoryview) -> None:
+        data = memoryview(data).cast("B")
+        while len(data):
+            n = min(len(data), _DIRECT_STAGE - self._fill)
+            self._view[self._fill : self._fill + n] = data[:n]
+            self._fill += n
+            data = data[n:]
+            if self._fill == _DIRECT_STAGE:
+                self._write_staged(_DIRECT_STAGE)
+                self._fill = 0
+
+    def _write_staged(self, n: int) -> None:
+        done = 0
+        while done < n:
+            try:
+                done += os.write(self._fd, self._view[done:n])
+            except OSError as e:
+                if e.errno != 22:  # EINVAL: O_DIRECT refused after all; write through the page cache instead
+                    raise
+                import fcntl  # Unix only, like O_DIRECT itself
+
+                fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+        self._size += n
+
+    def finish(self) -> None:
+        """Write the staged tail (padded to a whole block) and cut the file to its real length."""
+        tail = self._fill
+        if tail:
+            padded = -(-tail // _DIRECT_ALIGN) * _DIRECT_ALIGN
+            self._write_staged(padded)
+            self._size -= padded - tail
+            os.ftruncate(self._fd, self._size)
+        self._fill = 0
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self._view.release()
+        self._stage.close()
+
+
+class ShardWriter:
+    """Streams one shard: header first, then each tensor's bytes in order, chunk by chunk.
+
+    ``direct=True`` writes through O_DIRECT (see ``_DirectFile``): for large outputs written once, like a merge's.
+    """
+
+    def __init__(
+        self, path: Path, shard: Shard, metadata: dict[str, str] | None = None, *, direct: bool = False
+    ) -> None:
         self.path = path
         self.shard = shard
         self._expected = [(t.name, t.nbytes) for t in shard.tensors]
         self._pos = 0  # index of the tensor being written
         self._written = 0  # bytes of it written so far
         self._hash = hashlib.sha256()
-        self._f = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self._direct = _DirectFile.open(path) if direct else None
+        self._f = self._direct or open(path, "wb")  # noqa: SIM115 - closed in close()
         self._size = 0  # bytes written
         self._flushed = 0  # bytes whose writeback has been started
         self._emit(header_bytes(shard.tensors, metadata))
@@ -303,8 +386,9 @@ class ShardWriter:
     def start_writeback(self, min_bytes: int = 32 * 2**20) -> None:
         """Start writing to disk what was written so far (without waiting), so that ``close``'s fsync has little
         left to wait for. Does nothing until ``min_bytes`` are pending, or where the OS has no sync_file_range."""
-        if _SYNC_FILE_RANGE is None or self._size - self._flushed < min_bytes:
+        if _SYNC_FILE_RANGE is None or self._direct is not None or self._size - self._flushed < min_bytes:
             return
+        assert not isinstance(self._f, _DirectFile)
         self._f.flush()
         if _SYNC_FILE_RANGE(
             self._f.fileno(), self._flushed, self._size - self._flushed, _SYNC_FILE_RANGE_WRITE
@@ -331,7 +415,10 @@ class ShardWriter:
         if self._pos != len(self._expected):
             self._f.close()
             raise RuntimeError(f"{self.path}: closed before all tensors were written")
-        self._f.flush()
+        if isinstance(self._f, _DirectFile):
+            self._f.finish()
+        else:
+            self._f.flush()
         if fsync:
             os.fsync(self._f.fileno())
         self._f.close()
