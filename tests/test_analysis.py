@@ -301,7 +301,8 @@ class _FakeGrid:
         sma = {"model": "merged", "method": "sma", "fork_tokens": 128, "tokens": 256, "v_tokens": 64}
         self.rows = [
             {**sma, "n": 3, "val_loss": 1.0, "label": "SMA N=3"},
-            {**sma, "n": 2, "val_loss": 2.0, "label": "SMA N=2"},
+            {**sma, "n": 2, "val_loss": 0.1, "label": "SMA N=2"},  # lowest, but a plane needs 3 snapshots
+            {**sma, "n": 4, "val_loss": 2.0, "label": "SMA N=4"},
             {**sma, "n": 4, "fork_tokens": 64, "val_loss": 0.5, "label": "an earlier fork"},
         ]
 
@@ -321,7 +322,8 @@ def test_experiment_step_uses_the_best_sma_window_and_feeds_the_report(tmp_path:
     grid = _FakeGrid(run)
     result = experiment_plane(grid, run, size=3, batches=2)
     assert result is not None
-    assert [s["tokens"] for s in result["snapshots"]] == [128, 192, 256]  # best SMA (N=3) at the LAST fork
+    # the best SMA of at least 3 snapshots (N=3) at the LAST fork
+    assert [s["tokens"] for s in result["snapshots"]] == [128, 192, 256]
     assert result["batches"] == 2 and "SMA N=3" in result["window"]["reason"]
     written = (run / "plane.json").stat().st_mtime_ns
     again = experiment_plane(grid, run, size=3, batches=2)  # up to date: read back, not recomputed

@@ -557,10 +557,14 @@ def choose_window(inputs: Sequence[Path], last: int | None) -> Window:
 
 
 def _best_sma(run: Path) -> dict[str, Any] | None:
-    """The lowest-loss SMA row at the experiment's last fork, from results.jsonl."""
+    """The lowest-loss SMA row of 3 or more snapshots at the experiment's last fork, from results.jsonl."""
     from pmakit.experiment import iter_rows
 
-    rows = [r for r in iter_rows(run) if r.get("model") == "merged" and r.get("method") == "sma"]
+    rows = [
+        r
+        for r in iter_rows(run)
+        if r.get("model") == "merged" and r.get("method") == "sma" and (r.get("n") or 0) >= 3
+    ]
     forks = [r["fork_tokens"] for r in rows if r.get("fork_tokens") is not None]
     if not forks:
         return None
@@ -720,14 +724,17 @@ def experiment_plane(grid: Any, run_dir: Path, *, size: int, batches: int) -> di
 
     last = grid.study.forks[-1].fork_tokens
     rows = [
-        r for r in grid.rows if r["model"] == "merged" and r["method"] == "sma" and r["fork_tokens"] == last
+        r
+        for r in grid.rows
+        if r["model"] == "merged" and r["method"] == "sma" and r["fork_tokens"] == last and r["n"] >= 3
     ]
     if not rows:
+        log.info("loss plane: no SMA of 3 or more snapshots at the last fork; skipped")
         return None
-    best = min(rows, key=lambda r: r["val_loss"])  # the same choice as the experiment's headline merge
+    # the experiment's headline merge, unless that merges only 2 snapshots (a plane needs 3)
+    best = min(rows, key=lambda r: r["val_loss"])
     chosen = grid._window(best["tokens"], best["n"], best["v_tokens"])
-    if chosen is None or len(chosen) < 3:
-        log.info("loss plane: the best SMA window has fewer than 3 snapshots; skipped")
+    if chosen is None:
         return None
     # spread over the held-out split like the experiment's own batches, not its first few windows
     held_out = list(grid.batches[:: max(1, len(grid.batches) // batches)][:batches])
