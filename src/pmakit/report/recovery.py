@@ -202,12 +202,21 @@ def _paired_cell(r: dict[str, Any] | None, key: str = "delta_vs_latest", se_key:
 # ----------------------------------------------------------------------------------------------------- plots
 
 
-def _figure(width: float, height: float, cols: int, rows: int = 1) -> tuple[Any, list[Any]]:
+def _seed_grid(n: int, per_seed: int = 1) -> tuple[Any, list[Any], list[Any]]:
+    """A figure with one panel per seed (``per_seed`` stacked panels each), at most 3 seeds per row."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(width, height), layout="constrained")
-    axes = [fig.add_subplot(rows, cols, i + 1) for i in range(rows * cols)]
-    return fig, axes
+    cols = min(3, n)
+    blocks = math.ceil(n / cols)
+    rows = blocks * per_seed
+    fig = Figure(figsize=(4.3 * cols + 0.6, 3.7 * rows + 0.3), layout="constrained")
+    main, extra = [], []
+    for i in range(n):
+        b, c = divmod(i, cols)
+        main.append(fig.add_subplot(rows, cols, b * per_seed * cols + c + 1))
+        if per_seed > 1:
+            extra.append(fig.add_subplot(rows, cols, (b * per_seed + 1) * cols + c + 1))
+    return fig, main, extra
 
 
 def _save(fig: Any, path: Path) -> Path:
@@ -261,10 +270,10 @@ def plot_spike(data: StudyData, key: str, path: Path) -> Path | None:
         return None
     seeds = sorted({int(p["seed"]) for p in points})
     zoom = key == "val"  # a second row: the arms after the resume point, on their own scale
-    fig, axes = _figure(4.3 * len(seeds) + 0.6, 7.4 if zoom else 4.0, len(seeds), 2 if zoom else 1)
+    fig, axes, zooms = _seed_grid(len(seeds), 2 if zoom else 1)
     infos = data.experiment.get("seeds", {})
     if zoom:
-        for ax, seed in zip(axes[len(seeds) :], seeds):
+        for ax, seed in zip(zooms, seeds):
             info = infos.get(str(seed), {})
             ys_all: list[float] = []
             for arm in _arms_in(points):
@@ -283,8 +292,7 @@ def plot_spike(data: StudyData, key: str, path: Path) -> Path | None:
             ax.set_title(f"seed {seed}: resumed arms only", fontsize=10)
             ax.set_xlabel("training tokens")
             ax.grid(alpha=0.3)
-        axes[len(seeds)].set_ylabel("held-out loss (zoom)")
-        axes = axes[: len(seeds)]
+        zooms[0].set_ylabel("held-out loss (zoom)")
     for ax, seed in zip(axes, seeds):
         info = infos.get(str(seed), {})
         for arm in _arms_in(points):
@@ -318,7 +326,7 @@ def plot_init(data: StudyData, key: str, path: Path) -> Path | None:
     if not points:
         return None
     seeds = sorted({int(p["seed"]) for p in points})
-    fig, axes = _figure(4.3 * len(seeds) + 0.6, 4.0, len(seeds))
+    fig, axes, _ = _seed_grid(len(seeds))
     init = data.experiment.get("config", {}).get("init", {})
     start = init.get("init_at")
     for ax, seed in zip(axes, seeds):
