@@ -533,6 +533,7 @@ def spike_blocks(data: StudyData) -> tuple[list[Block], list[Path]]:
         ),
         Table(["comparison", *[f"seed {s}" for s in seeds], "mean ± s.e. (seeds)", "wins"], prow),
         *way,
+        *_reset_vs_keep(data, fam, findings),
         Heading("What the numbers say"),
         Bullets(findings),
     ]
@@ -565,6 +566,32 @@ def spike_blocks(data: StudyData) -> tuple[list[Block], list[Path]]:
     blocks += [Paragraph(f, note=True) for f in failures]
     blocks += _run_facts(exp)
     return blocks, [data.run_dir / p for p in figs.values()]
+
+
+def _reset_vs_keep(data: StudyData, fam: str, findings: list[str]) -> list[Block]:
+    """Optimizer reset minus kept, per family, along the way; the last point's verdict goes to ``findings``."""
+    rows = []
+    for family in ("latest", fam):
+        gaps = gap_along_the_way(data, f"{family}/reset", f"{family}/keep")
+        for t, sp in gaps:
+            rows.append([family, fmt.tokens(t), spread_text(sp, signed=True),
+                         fmt.MISSING if sp is None or not sp.se else f"{sp.mean / sp.se:+.1f}"])  # fmt: skip
+        if gaps:
+            t, sp = gaps[-1]
+            findings.append(
+                judge_lower(sp, f"`{family}/reset`", f"`{family}/keep`")
+                + f" (at {fmt.tokens(t)} tokens, from curves.csv)."
+            )
+    if not rows:
+        return []
+    return [
+        Heading("Optimizer reset − kept along the way", 3),
+        Paragraph(
+            "Held-out loss of the reset arm minus the kept arm of the same starting weights (mean over seeds ± s.e. "
+            "over seeds; t = mean / s.e.). The reset arms restart AdamW at the full LR without a warmup."
+        ),
+        Table(["weights", "tokens", "mean ± s.e. (seeds)", "t"], rows),
+    ]
 
 
 # ------------------------------------------------------------------------------------------------ init study
