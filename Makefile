@@ -6,7 +6,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 TORCH := torch==2.13.0
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: demo test check bench bench-scale install clean
+.PHONY: demo test check bench bench-scale bench-train install clean
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,10 @@ bench: install
 
 bench-scale: install
 	$(PY) benchmarks/bench_scale.py
+
+# Training overhead of snapshots + the online merge at the demo's size
+bench-train: install
+	$(PY) benchmarks/bench_train.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
