@@ -1,9 +1,12 @@
 """Merge throughput and memory: pmakit vs the I/O floor, a naive load-all baseline and mergekit, in one run.
 
-    python benchmarks/bench_merge.py          # `make bench`: 8 x 0.61 GB (4 layers), 2 repeats: ~5 min on 2 cores
-    python benchmarks/bench_merge.py --full   # the issue's size: 8 x 1.61 GB (15 layers, 0.8B params): ~25 min
+    python benchmarks/bench_merge.py          # `make bench`: 8 x 0.61 GB (4 layers), 2 repeats: ~12 min*
+    python benchmarks/bench_merge.py --full   # the issue's size: 8 x 1.61 GB (15 layers, 0.8B params): ~30 min*
     python benchmarks/bench_merge.py --full --n 16 --skip naive mergekit cold --repeats 1   # memory at N=16
     python benchmarks/bench_merge.py --layers 2 --n 4 --repeats 1   # a quick look
+
+(*) on this project's 2-core machine at load average ~10 (other jobs); naive and mergekit take most of it, and
+`--skip naive mergekit` leaves the floor and pmakit only. The first run also installs mergekit (~1 min).
 
 Every method merges the same N bf16 Llama-shaped snapshots (hidden 2048, intermediate 5632, vocab 32000, GQA 16/4
 heads; SMA, fp32 accumulation, bf16 output). Runs are interleaved (repeat -> mode -> method) so that load from other
@@ -12,7 +15,8 @@ measured in the same run, CPU seconds (user + sys of the process and its childre
 (RssAnon sampled every 10 ms from /proc: mmapped file pages are the page cache's, not the process's).
 
 warm: inputs read into the page cache right before each run; floor = `cat` of every input to /dev/null plus `cp` of
-      one input-sized file as the output (no fsync; pmakit fsyncs its output, mergekit and naive do not).
+      one input-sized file as the output through the page cache, no fsync (pmakit writes its output with
+      O_DIRECT and fsyncs it; mergekit and naive write through the page cache and do not fsync).
 cold: every input evicted from the page cache (posix_fadvise DONTNEED) before each run; floor = the same, cold.
 mergekit 0.1.5 is installed into its own venv under the data directory, with torch pinned to 2.13.0 so that pip
 never downloads another torch. Data (default ./bench-data, git-ignored) is reused between runs; delete it after.
@@ -282,7 +286,7 @@ def report(
             print(
                 f"{mode:5} {name:9} {t:9.2f} {min(ts):6.2f}-{max(ts):6.2f} {t / floor:8.2f} "
                 f"{statistics.median(cpu[(mode, name)]):7.1f} {in_bytes / t / 1e9:8.2f} "
-                f"{peaks[(mode, name)] / 2**20:9.0f} {mk / t:13.2f}x"
+                f"{peaks[(mode, name)] / 2**20:9.0f} {f'{mk / t:.2f}x' if mk == mk else '-':>14}"
             )
 
 
