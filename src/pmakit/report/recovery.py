@@ -736,6 +736,15 @@ def build(run_dir: Path) -> tuple[list[Block], list[Path]]:
     return init_blocks(data)
 
 
+def _short(sp: Spread | None) -> str:
+    """'+0.0058 ± 0.0030 (t=+1.9, 5 seeds; 95% needs |t|>2.78)'"""
+    if sp is None:
+        return fmt.MISSING
+    if not sp.se:
+        return f"{sp.mean:+.4f} ({sp.n} seed)"
+    return f"{sp.mean:+.4f} ± {sp.se:.4f} (t={sp.mean / sp.se:+.1f}, {sp.n} seeds; 95% needs |t|>{t_critical(sp.n):.2f})"
+
+
 def summary(run_dir: Path) -> str:
     """One terminal screen: the final losses per arm and the paired merge-vs-latest verdicts."""
     data = load_study(run_dir)
@@ -746,14 +755,20 @@ def summary(run_dir: Path) -> str:
         lines.append(f"Resumed arms' LR: {exp.get('resume_lr')}")
         for s in seeds:
             info = exp.get("seeds", {}).get(str(s), {})
-            lines.append(f"  seed {s}: {info.get('spike_text', info.get('error', 'no spike'))}")
+            spike = info.get("spike")
+            lines.append(
+                f"  seed {s}: spike from {fmt.tokens(spike['start_tokens'])} tokens (z={float(spike['z']):.0f}), "
+                f"merged {', '.join(fmt.tokens(m['tokens']) for m in info.get('merged', []))}"
+                if spike
+                else f"  seed {s}: {info.get('error', 'no spike')}"
+            )
         for arm in _spike_arms(data):
             sp = spread([(data.row(s, "final", arm) or {}).get("val_loss") for s in seeds])
             lines.append(f"  {arm:<18} final val loss {spread_text(sp)}")
         fam = _merge_family(data)
         for opt in sorted({a.split("/")[1] for a in _spike_arms(data) if "/" in a}):
             sp = spread([(data.row(s, "final", f"{fam}/{opt}") or {}).get("delta_vs_latest") for s in seeds])
-            lines.append("  " + judge_lower(sp, f"{fam}/{opt}", f"latest/{opt}"))
+            lines.append(f"  {fam}/{opt} − latest/{opt}: {_short(sp)}")
     else:
         fam = next((r["model"] for r in data.rows if r["model"] != "latest"), "merge")
         for stage in ("start", "early", "final"):
