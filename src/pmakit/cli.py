@@ -715,7 +715,7 @@ def analyze(
 ) -> None:
     """Loss on a 2-D plane through a window's snapshots, and the merge's cross terms (paper E11, E12).
 
-    Writes OUTPUT/plane.json, OUTPUT/plane.png and OUTPUT/summary.txt. Costs grid² + 4k - 1 evaluations of
+    Writes OUTPUT/plane.json, OUTPUT/plane.png and OUTPUT/summary.txt. Costs grid² + 3k evaluations of
     BATCHES held-out batches for k snapshots.
     """
     from pmakit.analysis import analyze as run_analysis
