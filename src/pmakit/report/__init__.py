@@ -218,5 +218,5 @@ def summary_text(run_dir: str | Path) -> str:
         lines.append(f"Report: not written yet ({page})")
     pngs = sorted((run_dir / "plots").glob("*.png")) if (run_dir / "plots").is_dir() else []
     if pngs:
-        lines.append(f"Plots:  {run_dir / 'plots'} ({', '.join(p.name for p in pngs)})")
+        lines.append(f"Plots:  {run_dir / 'plots'}/ ({len(pngs)} figures, embedded in the HTML report)")
     return "\n".join(lines)
