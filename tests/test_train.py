@@ -13,7 +13,7 @@ from pmakit.errors import PmakitError
 from pmakit.merge import merge
 from pmakit.metrics import read_metrics
 from pmakit.snapshot import discover
-from pmakit.train.loop import Callback, StopTraining, Trainer, TrainConfig
+from pmakit.train.loop import Callback, StopTraining, TrainConfig, Trainer
 from pmakit.train.model import ModelConfig
 from pmakit.weights import get_weights
 

@@ -577,8 +577,8 @@ def held_out_batches(
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], str]:
     """The run's fixed held-out batches (its corpus cache, reused), or ``corpus`` tokenized with the snapshot's
     tokenizer when no run config is found. Returns the batches and where they came from."""
-    from pmakit.train.data import prepare_corpus, val_batches
-    from pmakit.train.loop import TrainConfig, _cache_dir
+    from pmakit.train.data import val_batches
+    from pmakit.train.loop import TrainConfig, load_corpus
 
     newest = window.snapshots[-1].path
     raw = find_train_config(window.run_dir or newest)
@@ -586,14 +586,7 @@ def held_out_batches(
         if corpus is not None:
             raw["corpus"] = corpus
         cfg = TrainConfig.from_dict(raw)
-        data = prepare_corpus(
-            cfg.corpus,
-            _cache_dir(),
-            vocab_size=cfg.vocab_size,
-            val_fraction=cfg.val_fraction,
-            max_bytes=cfg.max_corpus_bytes,
-            seed=cfg.seed,
-        )
+        data = load_corpus(cfg)
         got = val_batches(data.val, batch_size=cfg.batch_size, seq_len=cfg.model.seq_len, max_batches=batches)
         return got, f"the run's held-out split ({data.files.get('source', cfg.corpus or 'stdlib')})"
     if corpus is None:

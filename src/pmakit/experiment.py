@@ -158,8 +158,8 @@ def run_experiment(
     data: Mapping[str, Any], run_dir: str | Path, *, fresh: bool = False, progress: bool = True
 ) -> Path:
     """Run (or resume) the study into ``run_dir``; returns the report's path."""
-    from pmakit.train.data import prepare_corpus, val_batches
-    from pmakit.train.loop import _cache_dir
+    from pmakit.train.data import val_batches
+    from pmakit.train.loop import load_corpus
 
     if data.get("study"):  # the spike / init presets (pmakit.studies)
         from pmakit.studies import run_study
@@ -175,14 +175,7 @@ def run_experiment(
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     t = time.perf_counter()
     cfg = study.train
-    corpus = prepare_corpus(
-        cfg.corpus,
-        _cache_dir(),
-        vocab_size=cfg.vocab_size,
-        val_fraction=cfg.val_fraction,
-        max_bytes=cfg.max_corpus_bytes,
-        seed=cfg.seed,
-    )
+    corpus = load_corpus(cfg)
     seconds["corpus"] = time.perf_counter() - t
 
     t = time.perf_counter()

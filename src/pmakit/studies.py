@@ -402,8 +402,7 @@ def run_study(
 ) -> Path:
     """Run (or resume) a spike or init study into ``run_dir``; returns the report's path."""
     from pmakit.experiment import _read_rows, _remove_run
-    from pmakit.train.data import prepare_corpus
-    from pmakit.train.loop import _cache_dir
+    from pmakit.train.loop import load_corpus
 
     study = resolve_study(data)
     run_dir = Path(run_dir)
@@ -416,14 +415,7 @@ def run_study(
     load0 = os.getloadavg()
     cfg = study.train
     # One corpus (and so one held-out set) for every seed: the seed changes only the init and the data order.
-    corpus = prepare_corpus(
-        cfg.corpus,
-        _cache_dir(),
-        vocab_size=cfg.vocab_size,
-        val_fraction=cfg.val_fraction,
-        max_bytes=cfg.max_corpus_bytes,
-        seed=cfg.seed,
-    )
+    corpus = load_corpus(cfg)
     ctx = _Ctx(study, run_dir, corpus, progress, _read_rows(run_dir / "results.jsonl"), _Scorer(cfg, corpus))
     per_seed: dict[str, Any] = {}
     for seed in study.spec.seeds:

@@ -238,14 +238,7 @@ class Trainer:
         # --- data
         from pmakit.train import data as data_mod
 
-        self.corpus = corpus or data_mod.prepare_corpus(
-            config.corpus,
-            _cache_dir(),
-            vocab_size=config.vocab_size,
-            val_fraction=config.val_fraction,
-            max_bytes=config.max_corpus_bytes,
-            seed=config.seed,
-        )
+        self.corpus = corpus or load_corpus(config)
         self.val = data_mod.val_batches(
             self.corpus.val,
             batch_size=config.batch_size,
@@ -639,6 +632,20 @@ def _plain(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [_plain(v) for v in x]
     return str(x) if isinstance(x, Path) else x
+
+
+def load_corpus(config: TrainConfig) -> Any:
+    """The tokenized corpus of ``config`` (built once, then read from the per-user cache)."""
+    from pmakit.train.data import prepare_corpus
+
+    return prepare_corpus(
+        config.corpus,
+        _cache_dir(),
+        vocab_size=config.vocab_size,
+        val_fraction=config.val_fraction,
+        max_bytes=config.max_corpus_bytes,
+        seed=config.seed,
+    )
 
 
 def _cache_dir() -> Path:
