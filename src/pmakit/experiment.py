@@ -538,7 +538,8 @@ def _write_experiment_json(
         "config": {"train": _jsonable(study.train.to_dict()), "experiment": _jsonable(asdict(study.exp))},
         "started": previous.get("started", started),
         "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "seconds": {k: round(v, 1) for k, v in seconds.items()},
+        # Time spent over every invocation: a resumed study adds what this one did to what the earlier ones did.
+        "seconds": {k: round(v + previous.get("seconds", {}).get(k, 0.0), 1) for k, v in seconds.items()},
         "model": trainer.describe(),
         "corpus": _jsonable(corpus.files),
         "forks": [{**asdict(f), "eval_tokens": f.eval_tokens} for f in study.forks],
