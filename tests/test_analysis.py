@@ -285,12 +285,12 @@ class _FakeGrid:
     def __init__(self, run: Path) -> None:
         from types import SimpleNamespace
 
-        from pmakit.experiment import _load_state
+        from pmakit.formats import read_state
         from pmakit.snapshot import discover
         from pmakit.train.model import ModelConfig, build_model
 
         self.snapshots = {s.tokens: s for s in discover(run / "main" / "snapshots")}
-        self._load = _load_state
+        self._load = read_state
         model = build_model(ModelConfig(layers=1, hidden=16, heads=2, seq_len=32, tie_embeddings=False), 300)
         g = torch.Generator().manual_seed(1)
         self.batches = [(x, x) for x in (torch.randint(0, 300, (2, 32), generator=g) for _ in range(6))]

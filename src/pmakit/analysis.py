@@ -479,9 +479,9 @@ def e11_lines(e11: Mapping[str, Any]) -> list[str]:
 
 def load_state(directory: Path) -> dict[str, torch.Tensor]:
     """A snapshot's weights (any format pmakit reads)."""
-    from pmakit.experiment import _load_state
+    from pmakit.formats import read_state
 
-    return _load_state(Path(directory))
+    return read_state(directory)
 
 
 def find_train_config(start: Path) -> dict[str, Any] | None:

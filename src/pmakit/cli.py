@@ -238,28 +238,7 @@ def _progress(total: int, quiet: bool, label: str) -> Iterator[Callable[[int], N
     show_default=True,
     help="Where to accumulate; under torchrun, cuda uses NCCL and cpu uses gloo.",
 )
-def merge(
-    inputs: tuple[Path, ...],
-    output: Path,
-    method: str,
-    alpha: float,
-    custom: list[float] | None,
-    last: int | None,
-    every: int | None,
-    until: int | None,
-    tokens_per_step: int | None,
-    exclude: tuple[Path, ...],
-    dtype: str,
-    max_shard_size: int,
-    force: bool,
-    dry_run: bool,
-    quiet: bool,
-    resume: bool,
-    from_previous: Path | None,
-    keep_fp32: bool,
-    out_format: str,
-    device: str,
-) -> None:
+def merge(device: str, quiet: bool, **options: Any) -> None:
     """Average snapshots chosen by tokens into a model directory (HF safetensors layout).
 
     A RUN_DIR is a folder of snapshot directories (default: its last 10); SNAPSHOTs named one by one are all used.
@@ -269,28 +248,7 @@ def merge(
 
     world = init_from_env(device)
     try:
-        _merge(
-            inputs,
-            output,
-            method,
-            alpha,
-            custom,
-            last,
-            every,
-            until,
-            tokens_per_step,
-            exclude,
-            dtype,
-            max_shard_size,
-            force,
-            dry_run,
-            quiet or world.rank != 0,
-            resume,
-            from_previous,
-            keep_fp32,
-            out_format,
-            world,
-        )
+        _merge(**options, quiet=quiet or world.rank != 0, world=world)
     finally:
         shutdown(world)
 

@@ -32,6 +32,8 @@ import torch
 import pmakit
 from pmakit.errors import PmakitError
 from pmakit.evaluate import EvalResult, evaluate, paired_difference
+from pmakit.formats import read_state
+from pmakit.merge import average_states
 from pmakit.schedule import WSD
 from pmakit.snapshot import Snapshot, discover
 from pmakit.train.loop import TrainConfig, Trainer
@@ -350,7 +352,7 @@ class _Grid:
             row = {**item, "label": f"latest snapshot ({format_tokens(tokens)})"}
         elif item["model"] == "annealed":
             branch = self.run_dir / f"anneal-{item['fork_tokens']}" / "checkpoint"
-            result = self._score(_load_state(branch))
+            result = self._score(read_state(branch))
             row = {**item, "label": f"anneal from {format_tokens(item['fork_tokens'])}"}
         else:
             chosen = self._window(tokens, item["n"], item["v_tokens"])
@@ -401,22 +403,11 @@ class _Grid:
 
     def _state(self, snap: Snapshot) -> dict[str, torch.Tensor]:
         if snap.tokens not in self._states:
-            self._states[snap.tokens] = _load_state(snap.path)
+            self._states[snap.tokens] = read_state(snap.path)
         return self._states[snap.tokens]
 
     def _average(self, chosen: Sequence[Snapshot], weights: Sequence[float]) -> dict[str, torch.Tensor]:
-        """fp32 weighted sum, the same arithmetic as ``pmakit merge`` (checked against it in the tests)."""
-        states = [self._state(s) for s in chosen]
-        out = {}
-        for name, ref in states[-1].items():
-            if ref.is_floating_point():
-                acc = torch.zeros_like(ref, dtype=torch.float32)
-                for st, w in zip(states, weights):
-                    acc.add_(st[name].float(), alpha=w)
-                out[name] = acc
-            else:
-                out[name] = ref
-        return out
+        return average_states([self._state(s) for s in chosen], weights)
 
     def _append(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
@@ -466,13 +457,6 @@ def _label(item: Mapping[str, Any], cfg: TrainConfig) -> str:
     alpha = f"({item['alpha']:g})" if item.get("alpha") is not None else ""
     vm = item["v_tokens"] // cfg.every_tokens
     return f"{method}{alpha} N={item['n']} V={vm}x ({format_tokens(item['v_tokens'])})"
-
-
-def _load_state(directory: Path) -> dict[str, torch.Tensor]:
-    from pmakit.formats import open_reader
-
-    with open_reader(directory) as reader:
-        return {k: reader.read(k, 0, i.numel).clone().reshape(i.shape) for k, i in reader.tensors.items()}
 
 
 def _read_rows(path: Path) -> list[dict[str, Any]]:

@@ -803,7 +803,7 @@ def _finish(
     if fsync:
         _fsync_dir(partial)
     killer.at("before-rename")
-    _replace(partial, out)
+    replace_dir(partial, out)
     # Only now: a kill before the rename must still find the progress record to resume from.
     shutil.rmtree(out / PROGRESS_DIR, ignore_errors=True)
     return record
@@ -957,7 +957,24 @@ def _window_inputs(snapshots: Sequence[Snapshot], weights: Sequence[float]) -> l
         ]
 
 
-def _replace(partial: Path, out: Path) -> None:
+def average_states(
+    states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]
+) -> dict[str, torch.Tensor]:
+    """The in-memory counterpart of ``merge`` for small models: fp32 weighted sum of float tensors, non-float
+    tensors from the newest state (``states`` oldest first)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, ref in states[-1].items():
+        if ref.is_floating_point():
+            acc = torch.zeros_like(ref, dtype=torch.float32)
+            for state, w in zip(states, weights):
+                acc.add_(state[name].float(), alpha=w)
+            out[name] = acc
+        else:
+            out[name] = ref
+    return out
+
+
+def replace_dir(partial: Path, out: Path) -> None:
     """Move the finished ``partial`` to ``out``; an old ``out`` is removed only after the new one is in place."""
     old = None
     if out.exists():

@@ -502,7 +502,7 @@ def recover(
         allow_fewer: merge what there is when fewer than ``last`` snapshots precede the spike.
         force: replace ``out`` if it exists.
     """
-    from pmakit.merge import merge
+    from pmakit.merge import merge, replace_dir
     from pmakit.snapshot import discover
     from pmakit.weights import get_weights
 
@@ -588,7 +588,7 @@ def recover(
             loss=None,
             recovery=record,
         )
-        _replace(staging, out)
+        replace_dir(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -647,18 +647,6 @@ def _copy_tokenizer(run_dir: Path, target: Path) -> None:
 def _inside(path: Path, directory: Path) -> bool:
     path, directory = path.resolve(), directory.resolve()
     return path == directory or directory in path.parents
-
-
-def _replace(staging: Path, out: Path) -> None:
-    """Move the finished ``staging`` to ``out``; an old ``out`` is removed only once the new one is in place."""
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.pmakit-old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out, old)
-    os.replace(staging, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------------- during training

@@ -58,6 +58,7 @@ import torch
 import pmakit
 from pmakit.errors import PmakitError
 from pmakit.evaluate import EvalResult, paired_difference
+from pmakit.merge import average_states
 from pmakit.train.loop import TrainConfig, Trainer
 from pmakit.units import format_tokens, parse_tokens
 
@@ -493,9 +494,9 @@ def _finish(trainer: Trainer) -> EvalResult:
 
 
 def _load(directory: Path) -> dict[str, torch.Tensor]:
-    from pmakit.experiment import _load_state
+    from pmakit.formats import read_state
 
-    return _load_state(directory)
+    return read_state(directory)
 
 
 # ------------------------------------------------------------------------------------------------- spike study
@@ -713,7 +714,7 @@ def _init_seed(ctx: _Ctx, seed: int) -> dict[str, Any]:
     window = [snaps[spec.init_at - k * v] for k in range(spec.n)][::-1]
     weights = get_weights(spec.method, spec.n)
     latest_state = _load(window[-1].path)
-    merged = _weighted(ctx, [_load(s.path) for s in window], weights)
+    merged = average_states([_load(s.path) for s in window], weights)
     checkpoint = run / "checkpoints" / f"tokens-{spec.init_at}"
     schedule = continue_schedule(cfg, spec)
     sma = spec.merge_arm
@@ -770,21 +771,6 @@ def _init_seed(ctx: _Ctx, seed: int) -> dict[str, Any]:
         if changed:
             _rewrite(ctx)
     return info
-
-
-def _weighted(
-    ctx: _Ctx, states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]
-) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for name, ref in states[-1].items():
-        if ref.is_floating_point():
-            acc = torch.zeros_like(ref, dtype=torch.float32)
-            for st, w in zip(states, weights):
-                acc.add_(st[name].float(), alpha=w)
-            out[name] = acc
-        else:
-            out[name] = ref
-    return out
 
 
 def _grad_stats(run_dir: Path, lo: int, hi: int) -> dict[str, float | None]:

@@ -111,6 +111,12 @@ def open_reader(directory: str | os.PathLike[str]) -> Reader:
     return fmt.open(directory)
 
 
+def read_state(directory: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """A snapshot's whole state dict in memory (any format pmakit reads), each tensor an owned copy."""
+    with open_reader(directory) as reader:
+        return {k: reader.read(k, 0, i.numel).clone().reshape(i.shape) for k, i in reader.tensors.items()}
+
+
 def _load_builtin_formats() -> None:
     if FORMATS:
         return

@@ -491,12 +491,9 @@ class Trainer:
         from pmakit.snapshot import write_metadata
 
         write_metadata(tmp, step=self.step, tokens=self.tokens, lr=self.lr_at(self.tokens), kind="checkpoint")
-        old = directory.parent / f".{directory.name}.old"
-        if directory.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(directory, old)
-        os.replace(tmp, directory)
-        shutil.rmtree(old, ignore_errors=True)
+        from pmakit.merge import replace_dir
+
+        replace_dir(tmp, directory)
 
     def load_checkpoint(self, directory: Path, *, fork: bool = False) -> None:
         """Restore a full state, or continue from a snapshot with its step and tokens (a `pmakit recover` output).
@@ -530,13 +527,9 @@ class Trainer:
             self.averager.load_state_dict(saved["averager"])
 
     def _load_weights(self, directory: Path) -> None:
-        from pmakit.formats import open_reader
+        from pmakit.formats import read_state
 
-        with open_reader(directory) as reader:
-            state = {
-                name: reader.read(name, 0, info.numel).clone().reshape(info.shape)
-                for name, info in reader.tensors.items()
-            }
+        state = read_state(directory)
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         missing = [k for k in missing if k != "lm_head.weight" or not self.config.model.tie_embeddings]
         if missing or unexpected:
