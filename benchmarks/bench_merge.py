@@ -1,6 +1,6 @@
 """Merge throughput and memory: pmakit vs the I/O floor, a naive load-all baseline and mergekit, in one run.
 
-    python benchmarks/bench_merge.py          # `make bench`: 8 x 0.61 GB (4 layers), 2 repeats: ~12 min*
+    python benchmarks/bench_merge.py          # `make bench`: 8 x 0.61 GB (4 layers), 2 repeats: ~5 min idle, ~12 min*
     python benchmarks/bench_merge.py --full   # the issue's size: 8 x 1.61 GB (15 layers, 0.8B params): ~30 min*
     python benchmarks/bench_merge.py --full --n 16 --skip naive mergekit cold --repeats 1   # memory at N=16
     python benchmarks/bench_merge.py --layers 2 --n 4 --repeats 1   # a quick look
