@@ -19,6 +19,12 @@ $(VENV)/.installed: $(VENV)/.torch pyproject.toml
 	$(PIP) install -q $(TORCH) -e ".[dev]"
 	touch $@
 
+# The test extra adds the pre-training frameworks (OLMo-core, torchtitan, Megatron-core) whose own code writes the
+# checkpoints that tests/layouts/ merges; torch stays pinned on the same line.
+$(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
+	$(PIP) install -q $(TORCH) -e ".[test]"
+	touch $@
+
 install: $(VENV)/.installed
 
 # Headless Chromium for the HTML report test (tests/test_report.py): apt-get installs it when run as root;
@@ -38,7 +44,7 @@ $(VENV)/.chromium: | $(VENV)/.torch
 demo: install
 	$(VENV)/bin/pmakit experiment -o runs/demo
 
-test: install $(VENV)/.chromium
+test: $(VENV)/.installed-test $(VENV)/.chromium
 	$(PY) -m pytest -q
 
 check: install
