@@ -226,10 +226,12 @@ def _progress(total: int, quiet: bool, label: str) -> Iterator[Callable[[int], N
 @click.option(
     "--format",
     "out_format",
-    type=click.Choice(["safetensors", "dcp"]),
-    default="safetensors",
+    type=click.Choice(["native", "safetensors", "dcp", "olmo-core", "torchtitan", "megatron"]),
+    default="native",
     show_default=True,
-    help="Output layout: HF safetensors, or torch.distributed.checkpoint (DCP).",
+    help="Output layout. native: the newest input's own (an OLMo-core, torchtitan or Megatron checkpoint that "
+    "trainer loads; HF safetensors for pmakit, HF and plain DCP inputs); safetensors: HF layout under the "
+    "names the inputs use; dcp: torch.distributed.checkpoint, names at the top level; or a trainer's layout.",
 )
 @click.option(
     "--device",
@@ -326,7 +328,7 @@ def _merge(
             progress=progress,
             manifest_extra=extra,
             resume=resume,
-            out_format=out_format,
+            out_format=None if out_format == "native" else out_format,
             keep_fp32=keep_fp32,
             world=world,
             window=window,
@@ -403,7 +405,8 @@ def inspect(
     disk_bandwidth: int | None,
     accumulate_bandwidth: int | None,
 ) -> None:
-    """Table of snapshots, their compatibility, and what a merge of them would need."""
+    """Table of snapshots (with the run layout that recognised each), their compatibility, and what a merge of
+    them would need. Exits non-zero when nothing is mergeable."""
     from pmakit.inspect import inspect_inputs, render
 
     if plan or layout is not None:
@@ -443,6 +446,8 @@ def inspect(
         click.echo(json.dumps(report, indent=2))
     else:
         render(report)
+    if not report["compatible"]:  # scripts can test the exit code: nothing here can be merged
+        raise PmakitError(f"nothing to merge: {'; '.join(report['problems'])}")
 
 
 @cli.command()

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pmakit.errors import PmakitError
-from pmakit.formats import open_reader
+from pmakit.layouts import open_weights
 from pmakit.snapshot import (
     IncompleteSnapshot,
     Snapshot,
@@ -60,10 +60,11 @@ def inspect_inputs(
     complete = sort_snapshots(r for r in rows if isinstance(r, Snapshot) and r.path.resolve() not in skip)
     table: list[dict[str, Any]] = []
     for snap in complete:
-        with open_reader(snap.path) as reader:
+        with open_weights(snap.path) as reader:
             table.append(
                 {
                     "path": str(snap.path),
+                    "layout": snap.layout,
                     "complete": True,
                     "step": snap.step,
                     "tokens": snap.tokens,
@@ -123,10 +124,10 @@ def render(report: dict[str, Any]) -> None:
 
     console = Console()
     table = Table(title="snapshots")
-    for col in ("path", "step", "tokens", "lr", "loss", "format", "size", "complete"):
+    for col in ("path", "layout", "step", "tokens", "lr", "loss", "format", "size", "complete"):
         table.add_column(
             col,
-            justify="left" if col in ("path", "format") else "right",
+            justify="left" if col in ("path", "layout", "format") else "right",
             overflow="fold" if col == "path" else "ellipsis",
             no_wrap=col != "path",
         )
@@ -134,6 +135,7 @@ def render(report: dict[str, Any]) -> None:
         if row["complete"]:
             table.add_row(
                 row["path"],
+                row["layout"],
                 _s(row["step"]),
                 format_tokens(row["tokens"]),
                 _g(row["lr"]),
@@ -143,7 +145,7 @@ def render(report: dict[str, Any]) -> None:
                 "yes",
             )
         else:
-            table.add_row(row["path"], "", "", "", "", "", "", "[red]no[/red]")
+            table.add_row(row["path"], "", "", "", "", "", "", "", "[red]no[/red]")
     console.print(table)
     for row in report["snapshots"]:
         if not row["complete"]:

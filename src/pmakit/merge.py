@@ -44,8 +44,9 @@ import torch
 import pmakit
 from pmakit.distributed import World
 from pmakit.errors import PmakitError
-from pmakit.formats import Reader, TensorInfo, is_float, open_reader
+from pmakit.formats import Reader, TensorInfo, is_float
 from pmakit.formats.safetensors_io import OutputTensor, Shard, ShardWriter, plan_shards, write_index
+from pmakit.layouts import native_format, open_weights, writer
 from pmakit.snapshot import MERGE_MANIFEST, METADATA_FILE, Snapshot
 from pmakit.units import format_bytes
 
@@ -201,7 +202,7 @@ def plan_merge(
     if not snapshots:
         raise PmakitError("no snapshots to merge")
     with contextlib.ExitStack() as stack:
-        readers = [stack.enter_context(open_reader(s.path)) for s in snapshots]
+        readers = [stack.enter_context(open_weights(s.path)) for s in snapshots]
         _validate(readers, snapshots, cast=dtype not in (None, "same") if cast is None else cast)
         newest = readers[-1]
         order = sorted(newest.tensors, key=lambda k: newest.tensors[k].order)
@@ -572,7 +573,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-OUT_FORMATS = ("safetensors", "dcp")
 FP32_DIR = "pmakit-fp32"
 """Inside a merge made with ``keep_fp32``: the fp32 sums (HF layout) that an incremental update starts from."""
 PROGRESS_DIR = ".pmakit-progress"
@@ -757,9 +757,10 @@ def _stage(world: World, out: Path, fn: Callable[[], Any], rank0: bool = False) 
     return result
 
 
-def _to_dcp(plan: MergePlan, partial: Path, world: World, fsync: bool) -> None:
-    """Rewrite this rank's finished safetensors shards as DCP files in ``partial`` (a collective)."""
-    from pmakit.formats import dcp_io
+def _write_layout(plan: MergePlan, partial: Path, world: World, fsync: bool, out_format: str) -> list[str]:
+    """Rewrite this rank's finished safetensors shards in the ``out_format`` layout inside ``partial`` (a
+    collective under torch.distributed); the files it wrote. The tensors handed over are views of the mapped
+    shards, so the layout's writer streams them from the page cache."""
     from pmakit.formats.safetensors_io import SafetensorsReader
 
     with SafetensorsReader(partial) as staged:
@@ -769,8 +770,10 @@ def _to_dcp(plan: MergePlan, partial: Path, world: World, fsync: bool) -> None:
             if plan.owner(i) == world.rank
             for t in s.tensors
         }
-        dcp_io.save(mine, partial, distributed=world.distributed, fsync=fsync)
+        template = plan.snapshots[-1].path
+        files = writer(out_format).write(mine, template, partial, distributed=world.distributed, fsync=fsync)
         mine.clear()
+    return files
 
 
 def _finish(
@@ -778,21 +781,23 @@ def _finish(
     readers: Sequence[Reader],
     partial: Path,
     out: Path,
-    out_format: str,
+    written: list[str] | None,
     fsync: bool,
     manifest: Callable[[list[dict[str, Any]], list[str]], dict[str, Any]],
     killer: _Killer,
 ) -> dict[str, Any]:
-    """Rank 0, once every shard is written: drop staged files, copy extras, write the manifest, rename."""
+    """Rank 0, once every shard is written: drop staged files, copy extras, write the manifest, rename.
+
+    ``written``: the files a layout's writer made from the staged safetensors shards (None: the shards are the
+    output)."""
     prog = _Progress(partial)
-    if out_format == "dcp":
+    if written is not None:
         for s in plan.shards:
             (partial / s.file).unlink(missing_ok=True)
         (partial / "model.safetensors.index.json").unlink(missing_ok=True)
         files = [
-            {"name": f.name, "size": f.stat().st_size, "sha256": _sha256_file(f)}
-            for f in sorted(partial.iterdir())
-            if f.is_file() and (f.suffix == ".distcp" or f.name == ".metadata")
+            {"name": f, "size": (partial / f).stat().st_size, "sha256": _sha256_file(partial / f)}
+            for f in written
         ]
     else:
         write_index(partial, plan.shards)
@@ -822,7 +827,7 @@ def merge(
     threads: int = 1,
     fsync: bool = True,
     resume: bool = False,
-    out_format: str = "safetensors",
+    out_format: str | None = "safetensors",
     keep_fp32: bool = False,
     world: World | None = None,
     window: tuple[Sequence[Snapshot], Sequence[float]] | None = None,
@@ -839,7 +844,8 @@ def merge(
         fsync: flush the output to disk before renaming it into place.
         resume: continue an interrupted merge into ``out`` (same inputs and options) from its partial directory,
             writing only the shards it had not finished; without one, start from the beginning.
-        out_format: ``safetensors`` (HF layout) or ``dcp`` (torch.distributed.checkpoint, names at the top level).
+        out_format: ``safetensors`` (HF layout), a run layout that writes itself back (``dcp``: names at the top
+            level; ``olmo-core``, ...: see ``pmakit.layouts``), or None for the newest input's own layout.
         keep_fp32: also keep the fp32 sums in ``out/pmakit-fp32/`` when the output is cast to a narrower dtype
             (what ``incremental_terms`` needs to update this merge exactly).
         world: this process's rank among the ranks sharing the merge (default: a single process).
@@ -849,12 +855,13 @@ def merge(
     start = time.perf_counter()
     out = Path(out)
     world = world or World()
-    if out_format not in OUT_FORMATS:
-        raise PmakitError(f"unknown output format {out_format!r}; use {' or '.join(OUT_FORMATS)}")
     cast = True if window is not None else None
     plan = plan_merge(
         snapshots, weights, dtype=dtype, max_shard_size=max_shard_size, ranks=world.size, cast=cast
     )
+    out_format = out_format or native_format(plan.snapshots[-1])
+    if out_format != "safetensors":
+        writer(out_format)  # an unknown format fails before any work
     narrow = any(is_float(d) and d != torch.float32 for _, d in plan.tensors.values())
     sums = None
     if keep_fp32 and narrow:
@@ -868,7 +875,7 @@ def merge(
     try:
         torch.set_num_threads(threads)
         with contextlib.ExitStack() as stack:
-            readers = [stack.enter_context(open_reader(s.path)) for s in plan.snapshots]
+            readers = [stack.enter_context(open_weights(s.path)) for s in plan.snapshots]
             options = {"format": out_format, "keep_fp32": sums is not None, "ranks": world.size}
             fingerprint = _fingerprint(plan, readers, **options)
             _stage(world, out, lambda: _prepare(out, partial, plan, fingerprint, force, resume), rank0=True)
@@ -900,16 +907,20 @@ def merge(
                     return casting
 
                 final = _stage(world, out, cast_plan)
-                final_readers = [stack.enter_context(open_reader(state.path))]
+                final_readers = [stack.enter_context(open_weights(state.path))]
             last_pass = (final, final_readers, None if sums is not None else progress)
             _stage(
                 world,
                 out,
                 lambda: _write_pass(*last_pass[:2], partial, "", world, last_pass[2], fsync, killer),
             )
-            if out_format == "dcp":
+            written = None
+            if out_format != "safetensors":
+                layout_format = out_format
                 _stage(world, out, lambda: write_index(partial, plan.shards), rank0=True)
-                _stage(world, out, lambda: _to_dcp(plan, partial, world, fsync))
+                written = _stage(
+                    world, out, lambda: _write_layout(plan, partial, world, fsync, layout_format)
+                )
 
             def manifest(files: list[dict[str, Any]], copied: list[str]) -> dict[str, Any]:
                 record = _manifest(plan, readers, files, copied, dtype, manifest_extra or {})
@@ -929,7 +940,7 @@ def merge(
             result = _stage(
                 world,
                 out,
-                lambda: _finish(plan, readers, partial, out, out_format, fsync, manifest, killer),
+                lambda: _finish(plan, readers, partial, out, written, fsync, manifest, killer),
                 rank0=True,
             )
     except BaseException:
@@ -943,7 +954,7 @@ def merge(
 
 def _window_inputs(snapshots: Sequence[Snapshot], weights: Sequence[float]) -> list[dict[str, Any]]:
     with contextlib.ExitStack() as stack:
-        readers = [stack.enter_context(open_reader(s.path)) for s in snapshots]
+        readers = [stack.enter_context(open_weights(s.path)) for s in snapshots]
         return [
             {
                 "path": str(s.path.resolve()),
@@ -1013,7 +1024,7 @@ def _same_files(snapshot: Path, recorded: Any) -> bool:
     """The snapshot's header checksums still match what the previous merge recorded."""
     if not isinstance(recorded, list):
         return False
-    with open_reader(snapshot) as reader:
+    with open_weights(snapshot) as reader:
         return [f.header_sha256 for f in reader.files] == [r.get("header_sha256") for r in recorded]
 
 
@@ -1065,7 +1076,7 @@ def plan_increment(
     state = previous / FP32_DIR
     if not state.is_dir():
         state = previous
-        with open_reader(previous) as reader:
+        with open_weights(previous) as reader:
             narrow = sorted(
                 {
                     str(i.dtype)
