@@ -15,6 +15,14 @@ saved chunks are not dim-0 slabs (tensor parallelism) is loaded whole.
 The model state may be at the top level (torchtitan) or under a top-level ``model`` key (OLMo-core); either way the
 merged names are the model's own. Optimizer, scheduler, data loader, RNG and other non-tensor entries are skipped
 and listed in ``Reader.skipped``.
+
+``.metadata`` is a pickle. It is read by a restricted unpickler that builds only torch's DCP metadata classes,
+``torch.Size``, dtypes and paths: nothing else in it can run. Trainers that save through their own storage writer
+pickle their own storage-info class (OLMo-core's ``olmo_core...filesystem._StorageInfo``, without the
+``transform_descriptors`` torch 2.13 reads): any ``*.filesystem._StorageInfo`` becomes torch's, and other classes
+of a trainer's checkpoint package (``olmo_core.*``) become inert stand-ins, so such checkpoints are read without
+the trainer installed. Any failure inside DCP (including its ``CheckpointException``, a ``BaseException``) is one
+``PmakitError``.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import pickle
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -64,9 +73,11 @@ def _dcp() -> Any:
 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import (
         ChunkStorageMetadata,
+        Metadata,
         MetadataIndex,
         TensorStorageMetadata,
     )
@@ -106,6 +117,8 @@ def _dcp() -> Any:
         FileSystemReader=FileSystemReader,
         FileSystemWriter=FileSystemWriter,
         ChunkStorageMetadata=ChunkStorageMetadata,
+        CheckpointException=CheckpointException,
+        Metadata=Metadata,
         MetadataIndex=MetadataIndex,
         TensorStorageMetadata=TensorStorageMetadata,
         CachedMetadataReader=CachedMetadataReader,
@@ -113,12 +126,70 @@ def _dcp() -> Any:
     )
 
 
+TRAINER_PACKAGES = ("olmo_core.",)
+"""Packages whose classes in ``.metadata`` become stand-ins (see the module docstring)."""
+
+
+class _StandIn:
+    """An inert object in place of a trainer's own class in ``.metadata``: keeps whatever state it was given."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args, self.kwargs = args, kwargs
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+
+@functools.cache
+def _allowed_globals() -> dict[tuple[str, str], Any]:
+    import copyreg
+    import pathlib
+
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    allowed: dict[tuple[str, str], Any] = {
+        ("torch", "Size"): torch.Size,
+        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,  # a layout from its name
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,
+        ("collections", "OrderedDict"): __import__("collections").OrderedDict,
+        ("copyreg", "_reconstructor"): copyreg._reconstructor,  # type: ignore[attr-defined]
+    }
+    for name in ("Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
+        allowed[("pathlib", name)] = getattr(pathlib, name)
+    for name, value in vars(metadata).items():
+        if isinstance(value, type) and value.__module__ == metadata.__name__:
+            allowed[(metadata.__name__, name)] = value
+    for name, value in vars(torch).items():
+        if isinstance(value, torch.dtype):
+            allowed[("torch", name)] = value
+    return allowed
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds only allow-listed classes (see the module docstring); anything else is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = _allowed_globals()
+        if (module, name) in allowed:
+            return allowed[(module, name)]
+        if name == "_StorageInfo" and module.endswith(".filesystem"):
+            return allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")]
+        if module.startswith(TRAINER_PACKAGES):
+            return _StandIn
+        raise pickle.UnpicklingError(f"refused to unpickle {module}.{name} (not DCP metadata)")
+
+
 def read_metadata(path: Path) -> Metadata:
-    """The checkpoint's metadata, read by torch; a damaged file is one clear error."""
+    """The checkpoint's metadata, unpickled with an allow-list; a damaged or foreign file is one clear error."""
+    file = path / METADATA_FILE
     try:
-        return _dcp().FileSystemReader(path).read_metadata()
-    except Exception as e:  # torch raises pickle, EOF and OS errors for a bad file
-        raise PmakitError(f"{path / METADATA_FILE}: unreadable DCP metadata ({type(e).__name__}: {e})") from e
+        with open(file, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except Exception as e:  # pickle, EOF, OS and attribute errors for a bad file
+        raise PmakitError(f"{file}: unreadable DCP metadata ({type(e).__name__}: {e})") from e
+    if not isinstance(metadata, _dcp().Metadata):
+        raise PmakitError(f"{file}: unreadable DCP metadata (holds a {type(metadata).__name__})")
+    return metadata
 
 
 def _paths(metadata: Metadata) -> dict[str, tuple[str, ...]]:
@@ -208,8 +279,8 @@ class DCPReader(Reader):
                 # dcp.load warns that it runs without a process group: that is the intent here.
                 warnings.simplefilter("ignore", UserWarning)
                 _dcp().dcp.load({}, storage_reader=self._storage, planner=planner, no_dist=True)
-        except Exception as e:
-            raise PmakitError(f"{self.path}: reading tensor {name!r} failed ({type(e).__name__}: {e})") from e
+        except (Exception, _dcp().CheckpointException) as e:  # the latter is a BaseException
+            raise PmakitError(f"{self.path}: reading tensor {name!r} failed ({_brief(e)})") from e
         return dest.reshape(-1)
 
     def read(self, name: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -271,18 +342,35 @@ FORMAT = Format("dcp", _detect, DCPReader)
 
 
 def save(
-    tensors: Mapping[str, torch.Tensor],
+    tensors: Mapping[str, Any],
     directory: str | os.PathLike[str],
     *,
     distributed: bool = False,
     fsync: bool = True,
 ) -> None:
-    """Write ``tensors`` as a DCP checkpoint, the model's names at the top level (as torchtitan saves them).
+    """Write ``tensors`` as a DCP checkpoint, the model's names at the top level (as torchtitan saves them), or
+    nested as given (``{"model": tensors}``: keys ``model.<name>``, as OLMo-core saves them).
 
     With ``distributed``, every rank of the default process group calls this with its own disjoint tensors and
     torch writes one ``.metadata`` for all of them (a collective).
     """
     writer = _dcp().FileSystemWriter(Path(directory), sync_files=fsync, thread_count=1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        _dcp().dcp.save(dict(tensors), storage_writer=writer, no_dist=not distributed)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            _dcp().dcp.save(dict(tensors), storage_writer=writer, no_dist=not distributed)
+    except _dcp().CheckpointException as e:  # a BaseException: would escape every ``except Exception``
+        raise PmakitError(f"{directory}: writing the DCP checkpoint failed ({_brief(e)})") from e
+
+
+def _brief(e: BaseException) -> str:
+    """One line for an error; a CheckpointException's per-rank failures reduced to the first one's message."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, Mapping) and failures:
+        rank, inner = next(iter(failures.items()))
+        if isinstance(inner, tuple) and inner:  # torch's (exception, stack frames)
+            inner = inner[0]
+        return f"rank {rank}: {_brief(inner) if isinstance(inner, BaseException) else inner}"
+    text = str(e).strip().splitlines()
+    hint = " (truncated or damaged file)" if isinstance(e, EOFError) else ""
+    return f"{type(e).__name__}: {text[0]}{hint}" if text else f"{type(e).__name__}{hint}"

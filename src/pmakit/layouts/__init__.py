@@ -52,6 +52,7 @@ __all__ = [
 _BUILTIN = (
     "pmakit",
     # Framework layouts go here, before the generic ones below.
+    "olmo_core",
     "hf_trainer",
     "dcp",
     "hf_model",

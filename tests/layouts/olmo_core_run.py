@@ -1,0 +1,142 @@
+"""Runs OLMo-core's own Trainer on CPU (gloo) for the layout tests: ``python olmo_core_run.py MODE ARGS`` or under
+``torchrun --nproc-per-node 2`` (FSDP over 2 ranks).
+
+Modes:
+  train SAVE STEPS        a tiny transformer, a checkpoint every step (CheckpointerCallback), ModelMergeCallback on
+  reshard SRC DST K       the last K SRC/stepN loaded by OLMo-core's Checkpointer into this world size, saved to DST/stepN
+  pma-init CKPT SAVE DUMP Trainer.load_checkpoint(CKPT), its loaded weights saved to DUMP, then one training step
+  callback SAVE STEPS     pmakit's OLMo-core callback on the Trainer (snapshots every V tokens, online merge eval)
+
+No CPU patch was needed: OLMo-core 3.0.0 trains, checkpoints and loads on CPU with gloo as it is.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from olmo_core.config import DType
+from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
+from olmo_core.distributed.parallel import DataParallelType
+from olmo_core.distributed.utils import get_rank, get_world_size
+from olmo_core.nn.transformer import TransformerConfig
+from olmo_core.optim import AdamWConfig
+from olmo_core.train import (
+    Duration,
+    TrainerConfig,
+    prepare_training_environment,
+    teardown_training_environment,
+)
+from olmo_core.train.callbacks import CheckpointerCallback, ModelMergeCallback
+from olmo_core.train.checkpoint import CheckpointerConfig
+from olmo_core.train.train_module import TransformerDataParallelConfig, TransformerTrainModuleConfig
+
+VOCAB = 64
+SEQ = 16
+BATCH = 4  # sequences per step
+TOKENS_PER_STEP = BATCH * SEQ
+
+
+def train_module(work: Path) -> Any:
+    model = TransformerConfig.llama_like(
+        d_model=32, vocab_size=VOCAB, n_layers=2, n_heads=2, hidden_size_multiple_of=16
+    ).build(init_device="cpu")
+    ws = get_world_size()
+    dp = None
+    if ws > 1:
+        dp = TransformerDataParallelConfig(
+            name=DataParallelType.fsdp, param_dtype=DType.float32, reduce_dtype=DType.float32
+        )
+    config = TransformerTrainModuleConfig(
+        rank_microbatch_size=TOKENS_PER_STEP // ws,
+        max_sequence_length=SEQ,
+        optim=AdamWConfig(lr=1e-2),
+        dp_config=dp,
+    )
+    return config.build(model, device=torch.device("cpu"))
+
+
+def data_loader(work: Path) -> Any:
+    tokens = work / "tokens.npy"
+    if get_rank() == 0 and not tokens.exists():
+        work.mkdir(parents=True, exist_ok=True)
+        np.random.default_rng(0).integers(1, VOCAB, 20_000, dtype=np.uint16).tofile(tokens)
+    torch.distributed.barrier()
+    tokenizer = TokenizerConfig(vocab_size=VOCAB, eos_token_id=0, pad_token_id=0)
+    dataset = NumpyFSLDatasetConfig(
+        paths=[str(tokens)], sequence_length=SEQ, tokenizer=tokenizer, work_dir=str(work)
+    ).build()
+    return NumpyDataLoaderConfig(global_batch_size=TOKENS_PER_STEP, seed=0, num_workers=0).build(dataset)
+
+
+def trainer(save: Path, steps: int, callbacks: dict[str, Any]) -> Any:
+    work = save.parent / "work"
+    config = TrainerConfig(
+        save_folder=str(save),
+        work_dir=str(work),
+        max_duration=Duration.steps(steps),
+        device="cpu",
+        save_overwrite=True,
+        metrics_collect_interval=1,
+    )
+    for name, cb in callbacks.items():
+        config = config.with_callback(name, cb)
+    return config.build(train_module(work), data_loader(work))
+
+
+def train(save: Path, steps: int) -> None:
+    callbacks = {
+        "checkpointer": CheckpointerCallback(
+            save_interval=1, ephemeral_save_interval=None, save_async=False, max_checkpoints=None
+        ),
+        # OLMo-core's own online merge: writes stepN-merged/, which pmakit must ignore.
+        "model_merger": ModelMergeCallback(enabled=True, merge_step=[3], merge_last_n_steps=2),
+    }
+    trainer(save, steps, callbacks).fit()
+
+
+def reshard(src: Path, dst: Path, last: int) -> None:
+    tm = train_module(dst.parent / "work")
+    checkpointer = CheckpointerConfig(work_dir=str(dst.parent / "work"), save_overwrite=True).build()
+    steps = sorted(int(p.name[4:]) for p in src.glob("step*") if p.name[4:].isdigit())
+    for step in steps[-last:]:
+        state = checkpointer.load(str(src / f"step{step}"), tm)
+        assert state is not None
+        checkpointer.save(str(dst / f"step{step}"), tm, state)
+
+
+def pma_init(ckpt: Path, save: Path, dump: Path) -> None:
+    t = trainer(save, 10**6, {})
+    t.load_checkpoint(str(ckpt))
+    model = t.train_module.model
+    if get_rank() == 0:
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, dump)
+    t.max_duration = Duration.steps(t.global_step + 1)
+    t.fit()
+
+
+def main() -> None:
+    mode, *args = sys.argv[1:]
+    prepare_training_environment(seed=0, backend="cpu:gloo")
+    try:
+        if mode == "train":
+            train(Path(args[0]), int(args[1]))
+        elif mode == "reshard":
+            reshard(Path(args[0]), Path(args[1]), int(args[2]))
+        elif mode == "pma-init":
+            pma_init(Path(args[0]), Path(args[1]), Path(args[2]))
+        else:
+            raise SystemExit(f"unknown mode {mode}")
+    finally:
+        teardown_training_environment()
+
+
+if __name__ == "__main__":
+    main()
