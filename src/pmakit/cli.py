@@ -551,6 +551,36 @@ def recover(
     help="Start from these weights (e.g. a merge) with a fresh optimizer and schedule (PMA-init).",
 )
 @click.option("--fresh", is_flag=True, help="Ignore the run directory's checkpoint and start over.")
+@click.option(
+    "--replicas",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Train R model copies, one process each, under torchrun --nproc-per-node R (each on its own data shard).",
+)
+@click.option(
+    "--sync",
+    type=click.Choice(["weights", "gradients"]),
+    default="weights",
+    show_default=True,
+    help="With --replicas: average weights every --sync-every steps (local SGD / DiLoCo), or all-reduce "
+    "gradients every step (synchronous data parallel, the baseline).",
+)
+@click.option(
+    "--sync-every", type=click.IntRange(min=1), default=1, show_default=True, help="H: inner steps between syncs."
+)
+@click.option(
+    "--outer",
+    type=click.Choice(["average", "sgd", "nesterov"]),
+    default="average",
+    show_default=True,
+    help="What a sync does: average the copies (local SGD), or an outer SGD / Nesterov step on the averaged "
+    "pseudo-gradient (DiLoCo).",
+)
+@click.option("--outer-lr", type=float, default=0.7, show_default=True, help="Outer learning rate (DiLoCo).")
+@click.option("--outer-momentum", type=float, default=0.9, show_default=True, help="Outer momentum (DiLoCo).")
+@click.option(
+    "--save-replicas", is_flag=True, help="Also snapshot each copy's own weights before a sync (RUN/replicas/)."
+)
 def train(
     config: Path | None,
     preset: str | None,
@@ -559,6 +589,8 @@ def train(
     resume_from: Path | None,
     init_from: Path | None,
     fresh: bool,
+    replicas: int | None,
+    **sync: Any,
 ) -> None:
     """Pre-train a small Llama model with a WSD schedule, snapshots every V tokens and an online merge.
 
@@ -567,15 +599,25 @@ def train(
     from pmakit.config import load
     from pmakit.train.loop import TrainConfig
     from pmakit.train.loop import train as run_train
+    from pmakit.train.replicas import start_copies
 
     data = load(config, preset, default_preset="demo")
     section = dict(data.get("train", {}))
     if corpus is not None:
         section["corpus"] = corpus
     cfg = TrainConfig.from_dict(section)
+    copies = start_copies(cfg, replicas, **sync)
     trainer = run_train(
-        cfg, output, resume=not fresh, resume_from=resume_from, init_from=init_from, progress=True
+        cfg,
+        output,
+        resume=not fresh,
+        resume_from=resume_from,
+        init_from=init_from,
+        progress=copies.is_writer,
+        copies=copies,
     )
+    if not copies.is_writer:
+        return
     click.echo(
         f"trained {trainer.tokens:,} tokens ({trainer.step} steps); snapshots in {output / 'snapshots'}"
     )

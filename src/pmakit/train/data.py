@@ -165,17 +165,18 @@ def prepare_corpus(
 
 
 def get_batch(
-    tokens: np.ndarray, step: int, *, batch_size: int, seq_len: int, seed: int
+    tokens: np.ndarray, step: int, *, batch_size: int, seq_len: int, seed: int, shard: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Random windows ``(x, y)``, ``y`` = ``x`` shifted by one token, int64 tensors of shape (batch, seq_len).
 
-    The windows depend only on ``(seed, step)`` (a fresh numpy Generator, no global RNG state), so a run resumed
-    or forked at step k sees exactly the batches the original run saw from step k on.
+    The windows depend only on ``(seed, step, shard)`` (a fresh numpy Generator, no global RNG state), so a run
+    resumed or forked at step k sees exactly the batches the original run saw from step k on. ``shard`` is a model
+    copy's own data stream (``pmakit train --replicas``); shard 0 is the single-copy stream.
     """
-    if step < 0 or seed < 0:
-        raise PmakitError(f"step and seed must be >= 0, got step={step}, seed={seed}")
+    if step < 0 or seed < 0 or shard < 0:
+        raise PmakitError(f"step, seed and shard must be >= 0, got step={step}, seed={seed}, shard={shard}")
     _check_window(len(tokens), batch_size, seq_len, what="training")
-    rng = np.random.default_rng((seed, step))
+    rng = np.random.default_rng((seed, step) if shard == 0 else (seed, step, shard))
     starts = rng.integers(0, len(tokens) - seq_len, size=batch_size)
     return _windows(tokens, starts, seq_len)
 

@@ -35,6 +35,7 @@ from pmakit.evaluate import EvalResult, batch_loss, evaluate
 from pmakit.metrics import MetricsLog
 from pmakit.schedule import WSD
 from pmakit.train.model import ModelConfig, build_model, count_parameters
+from pmakit.train.replicas import SingleCopy
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,8 @@ class TrainConfig:
     """Decay shape: linear, cosine or 1sqrt."""
     min_lr_ratio: float = 0.0
     """LR at the end of the decay, as a fraction of the peak."""
+    optimizer: str = "adamw"
+    """``adamw``, or ``sgd`` (plain SGD, no momentum: the reference for model-copy tests)."""
     weight_decay: float = 0.1
     """AdamW weight decay (not applied to norms and biases)."""
     betas: tuple[float, float] = (0.9, 0.95)
@@ -113,6 +116,8 @@ class TrainConfig:
             raise PmakitError("decay_tokens is longer than the run")
         if self.average_last < 1:
             raise PmakitError("average_last must be at least 1")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise PmakitError(f"unknown optimizer {self.optimizer!r}; use adamw or sgd")
 
     @property
     def tokens_per_step(self) -> int:
@@ -224,12 +229,19 @@ class Trainer:
         resume_from: str | Path | None = None,
         resume: bool = True,
         progress: bool = False,
+        copies: SingleCopy | None = None,
     ) -> None:
         from pmakit.evaluate import cpu_threads
 
         self.config = config
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # Model copies (``pmakit train --replicas``): rank 0 writes the run; the others only train and log.
+        self.copies = copies or SingleCopy()
+        for interval in (config.every_tokens, config.checkpoint_every_tokens, *config.keep_checkpoints_at):
+            if interval:
+                self.copies.check_interval(interval, config.tokens_per_step)
+        self._copies_state: dict[str, Any] | None = None
         self.callbacks = list(callbacks)
         self.schedule = schedule or config.schedule()
         self.progress = progress
@@ -247,16 +259,19 @@ class Trainer:
         )
         # bits per byte use the whole held-out text's bytes per token (the batches are a sample of it)
         self.bytes_per_token = self.corpus.bytes_per_token
-        self._install_tokenizer()
+        if self.copies.is_writer:
+            self._install_tokenizer()
 
         # --- model and optimizer
         ids = self._special_ids()
         model: Any = build_model(config.model, self.corpus.vocab_size, seed=config.seed, **ids)
-        model.config.save_pretrained(self.run_dir / "model-config")
+        if self.copies.is_writer:
+            model.config.save_pretrained(self.run_dir / "model-config")
         self.model: torch.nn.Module = model
         self.optimizer = self._make_optimizer()
         self.state = _State()
-        self.metrics = MetricsLog(self.run_dir)
+        rank_dir = self.run_dir / "replicas" / f"rank-{self.copies.rank}"
+        self.metrics = MetricsLog(self.run_dir if self.copies.is_writer else rank_dir)
 
         # --- snapshots and the online merge
         from pmakit.online import OnlineAverager
@@ -282,6 +297,9 @@ class Trainer:
         elif init_from is not None:
             self._load_weights(Path(init_from))
             log.info("initialised from %s", init_from)
+        self.copies.attach(self.model)
+        if self._copies_state is not None:
+            self.copies.load_state_dict(self._copies_state, self.optimizer)
 
     # ------------------------------------------------------------------ set-up helpers
 
@@ -320,6 +338,8 @@ class Trainer:
             {"params": decay, "weight_decay": self.config.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ]
+        if self.config.optimizer == "sgd":
+            return torch.optim.SGD(groups, lr=self.config.lr, foreach=True)
         return torch.optim.AdamW(groups, lr=self.config.lr, betas=self.config.betas, foreach=True)
 
     # ------------------------------------------------------------------ properties
@@ -357,18 +377,23 @@ class Trainer:
                     batch_size=cfg.batch_size,
                     seq_len=cfg.model.seq_len,
                     seed=cfg.seed,
+                    shard=self.copies.rank,
                 )
-                lr = self.lr_at(self.tokens + x.numel())
+                step_tokens = x.numel() * self.copies.size  # all copies' tokens
+                lr = self.lr_at(self.tokens + step_tokens)
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr
                 loss = batch_loss(self.model, x, y)
                 loss.backward()
                 loss_value = loss.item()
+                self.copies.reduce_gradients(self.model)
                 grad_norm = self._clip()
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 self.state.step += 1
-                self.state.tokens += x.numel()
+                self.state.tokens += step_tokens
+                if self.copies.due(self.step):
+                    self._sync_copies()
                 record: dict[str, Any] = {
                     "kind": "train",
                     "tokens": self.tokens,
@@ -377,6 +402,8 @@ class Trainer:
                     "grad_norm": grad_norm,
                     "lr": lr,
                 }
+                if self.copies.size > 1:
+                    record["all_reduces"] = self.copies.all_reduces
                 if self.step % cfg.log_every == 0 or not math.isfinite(loss_value):
                     record["tokens_per_s"] = round((self.tokens - bar.start) / (time.perf_counter() - t0))
                     self.metrics.write(record)
@@ -391,7 +418,8 @@ class Trainer:
             log.warning("training stopped: %s", e)
         except KeyboardInterrupt:
             self.saver.wait()
-            self.save_checkpoint(self.run_dir / CHECKPOINT)
+            if self.copies.size == 1:  # copies cannot gather their states once one of them is gone
+                self.save_checkpoint(self.run_dir / CHECKPOINT)
             log.warning(
                 "interrupted at %d tokens; the state is saved: run the same command to resume", self.tokens
             )
@@ -409,8 +437,31 @@ class Trainer:
         max_norm = self.config.grad_clip if self.config.grad_clip > 0 else math.inf
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
+    def _sync_copies(self) -> None:
+        """Bring the model copies together; first snapshot this copy's own weights when a snapshot is due."""
+        cfg = self.config
+        if self.copies.save_replicas and self.tokens // cfg.every_tokens > self.saver.last_mark:
+            from pmakit.formats.safetensors_io import save_file
+            from pmakit.snapshot import write_metadata
+
+            directory = (
+                self.run_dir / "replicas" / f"rank-{self.copies.rank}" / "snapshots" / f"step-{self.step}"
+            )
+            directory.mkdir(parents=True, exist_ok=True)
+            save_file(
+                {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                directory / "model.safetensors",
+            )
+            for f in self._extra_files():
+                shutil.copy2(f, directory / f.name)
+            write_metadata(directory, step=self.step, tokens=self.tokens, replica=self.copies.rank)
+        self.copies.sync(self.model)
+
     def _after_step(self, record: dict[str, Any]) -> None:
         cfg = self.config
+        if not self.copies.is_writer:
+            self._checkpoint_if_due()
+            return
         snapshot = self.saver.maybe_save(
             self.model, tokens=self.tokens, step=self.step, lr=record["lr"], loss=record["loss"]
         )
@@ -424,6 +475,10 @@ class Trainer:
             n_snap = self.tokens // cfg.every_tokens
             if cfg.eval_every and n_snap % cfg.eval_every == 0:
                 self.evaluate_now()
+        self._checkpoint_if_due()
+
+    def _checkpoint_if_due(self) -> None:
+        cfg = self.config
         every_ckpt = cfg.checkpoint_every_tokens or cfg.every_tokens
         if self.tokens % every_ckpt < cfg.tokens_per_step:
             self.save_checkpoint(self.run_dir / CHECKPOINT)
@@ -470,7 +525,13 @@ class Trainer:
         self.averager.update(state, tokens=snapshot.tokens, path=snapshot.path)
 
     def save_checkpoint(self, directory: Path) -> None:
-        """The full state (weights, optimizer, trainer, saver, averager), written to a temp dir then renamed."""
+        """The full state (weights, optimizer, trainer, saver, averager), written to a temp dir then renamed.
+
+        With model copies every rank calls it (their optimizer states are gathered) and rank 0 writes.
+        """
+        copies = self.copies.gather_state(self.optimizer)
+        if not self.copies.is_writer:
+            return
         tmp = directory.parent / f".{directory.name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -485,6 +546,8 @@ class Trainer:
             "averager": self.averager.state_dict(),
             "config": self.config.to_dict(),
         }
+        if copies is not None:
+            state["copies"] = {**self.copies.state_dict(), "copies": copies}
         torch.save(_plain(state), tmp / TRAINER_STATE)
         for f in self._extra_files():
             shutil.copy2(f, tmp / f.name)
@@ -522,6 +585,8 @@ class Trainer:
         self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
         saved = torch.load(state_file, weights_only=True)
         self.state = _State(**saved["trainer"])
+        if "copies" in saved or self.copies.size > 1:
+            self._copies_state = saved.get("copies", {})
         self.saver.load_state_dict(saved["saver"])
         if not fork:
             self.averager.load_state_dict(saved["averager"])

@@ -1,0 +1,128 @@
+"""Model copies under torchrun (gloo, 2 processes): synchronous data parallel, local SGD, DiLoCo, resume."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from pmakit.cli import cli
+from pmakit.formats import read_state
+
+CONFIG = """
+train:
+  corpus: null
+  max_corpus_bytes: 300000
+  vocab_size: 300
+  val_fraction: 0.2
+  model: {layers: 1, hidden: 32, heads: 2, seq_len: 32}
+  batch_size: 4
+  total_tokens: TOTAL
+  lr: 0.05
+  optimizer: OPT
+  warmup_tokens: 0
+  grad_clip: 0
+  every_tokens: 1280
+  average_last: 2
+  eval_every: 1
+  eval_batches: 2
+  seed: 0
+"""
+
+
+def _config(tmp: Path, name: str, total: int = 2560, optimizer: str = "sgd") -> Path:
+    path = tmp / f"{name}.yaml"
+    path.write_text(CONFIG.replace("TOTAL", str(total)).replace("OPT", optimizer))
+    return path
+
+
+def _torchrun(config: Path, out: Path, *args: str) -> None:
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PMAKIT_CACHE": os.environ.get("PMAKIT_CACHE", "")}
+    env = {k: v for k, v in env.items() if v}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["-m", "pmakit", "train", str(config), "-o", str(out), "--replicas", "2", *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _weights(run: Path, step: int) -> dict[str, torch.Tensor]:
+    return read_state(run / "snapshots" / f"step-{step:08d}")
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+@pytest.mark.slow
+def test_local_sgd_with_h1_equals_synchronous_data_parallel(tmp_path: Path) -> None:
+    # With plain SGD, averaging the copies after every step is the all-reduced gradient step:
+    # mean_r(p - lr g_r) = p - lr mean_r(g_r).
+    cfg = _config(tmp_path, "sgd")
+    _torchrun(cfg, tmp_path / "sync", "--sync", "gradients")
+    _torchrun(cfg, tmp_path / "local", "--sync-every", "1")
+    sync, local = _weights(tmp_path / "sync", 10), _weights(tmp_path / "local", 10)
+    assert _max_diff(sync, local) < 1e-6
+    assert _max_diff(sync, _weights(tmp_path / "sync", 5)) > 1e-3  # the model did move
+
+
+@pytest.mark.slow
+def test_diloco_with_unit_outer_sgd_is_local_sgd_and_resumes_exactly(tmp_path: Path) -> None:
+    # Outer SGD with lr 1 and no momentum: global - mean(global - local) = mean(local), local SGD's average.
+    sgd = _config(tmp_path, "sgd")
+    _torchrun(sgd, tmp_path / "local", "--sync-every", "5")
+    _torchrun(
+        sgd,
+        tmp_path / "unit",
+        "--sync-every",
+        "5",
+        "--outer",
+        "sgd",
+        "--outer-lr",
+        "1",
+        "--outer-momentum",
+        "0",
+    )
+    assert _max_diff(_weights(tmp_path / "local", 10), _weights(tmp_path / "unit", 10)) < 1e-6
+    cfg = _config(tmp_path, "adam", optimizer="adamw")
+    # Nesterov DiLoCo stopped half-way and resumed equals the straight run (inner and outer states restored).
+    diloco = ("--sync-every", "5", "--outer", "nesterov", "--save-replicas")
+    _torchrun(cfg, tmp_path / "straight", *diloco)
+    _torchrun(_config(tmp_path, "half", total=1280, optimizer="adamw"), tmp_path / "resumed", *diloco)
+    _torchrun(cfg, tmp_path / "resumed", *diloco)
+    straight, resumed = _weights(tmp_path / "straight", 10), _weights(tmp_path / "resumed", 10)
+    assert _max_diff(straight, resumed) == 0.0
+    _torchrun(cfg, tmp_path / "local-adam", "--sync-every", "5")
+    assert (
+        _max_diff(straight, _weights(tmp_path / "local-adam", 10)) > 1e-3
+    )  # Nesterov is not plain averaging
+    # Each copy's own pre-sync weights were kept; their average is not the global model (outer momentum).
+    copies = [
+        read_state(next((tmp_path / "straight" / "replicas" / f"rank-{r}" / "snapshots").glob("step-*10")))
+        for r in (0, 1)
+    ]
+    assert _max_diff(copies[0], copies[1]) > 1e-4
+
+
+def test_replicas_outside_torchrun_is_one_clear_error(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        cli, ["train", str(_config(tmp_path, "c")), "-o", str(tmp_path / "r"), "--replicas", "2"]
+    )
+    assert result.exit_code == 1
+    assert "torchrun --nproc-per-node 2" in result.output
+    assert not (tmp_path / "r").exists()
+
+
+def test_bad_replica_options_are_refused() -> None:
+    from pmakit.errors import PmakitError
+    from pmakit.train.replicas import ReplicaConfig
+
+    with pytest.raises(PmakitError, match="sync=gradients"):
+        ReplicaConfig(sync="gradients", sync_every=10)
+    with pytest.raises(PmakitError, match="outer"):
+        ReplicaConfig(outer="adam")
