@@ -46,3 +46,33 @@ def olmo_core_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     run_framework(script, "train", root / "ws1" / "save", 10)
     run_framework(script, "reshard", root / "ws1" / "save", root / "ws2" / "save", 4, ranks=2)
     return {"ws1": root / "ws1" / "save", "ws2": root / "ws2" / "save", "root": root}
+
+
+@pytest.fixture(scope="session")
+def olmo_core_callback_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """pmakit's PMACallback on OLMo-core's Trainer, 8 steps: ``full`` uninterrupted; ``resumed`` killed after
+    step 5 (its last checkpoint is step 4) and resumed by the Trainer; ``ws2`` under FSDP over 2 ranks. Each has
+    ``save`` (OLMo-core's checkpoints) and ``pma`` (pmakit's snapshots and metrics.jsonl)."""
+    pytest.importorskip("olmo_core")
+    root = tmp_path_factory.mktemp("olmo_core_callback")
+    script = HERE / "olmo_core_run.py"
+    runs = {name: root / name for name in ("full", "resumed", "ws2")}
+    run_framework(script, "callback", runs["full"] / "save", runs["full"] / "pma", 8)
+    crashed = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "callback",
+            runs["resumed"] / "save",
+            runs["resumed"] / "pma",
+            "8",
+            "5",
+        ],
+        capture_output=True,
+        env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(SRC)},
+        timeout=300,
+    )
+    assert crashed.returncode == 17, crashed.stderr[-3000:]  # the Crash callback's os._exit
+    run_framework(script, "callback", runs["resumed"] / "save", runs["resumed"] / "pma", 8)
+    run_framework(script, "callback", runs["ws2"] / "save", runs["ws2"] / "pma", 8, ranks=2)
+    return runs

@@ -5,7 +5,9 @@ Modes:
   train SAVE STEPS        a tiny transformer, a checkpoint every step (CheckpointerCallback), ModelMergeCallback on
   reshard SRC DST K       the last K SRC/stepN loaded by OLMo-core's Checkpointer into this world size, saved to DST/stepN
   pma-init CKPT SAVE DUMP Trainer.load_checkpoint(CKPT), its loaded weights saved to DUMP, then one training step
-  callback SAVE STEPS     pmakit's OLMo-core callback on the Trainer (snapshots every V tokens, online merge eval)
+  callback SAVE PMA STEPS [CRASH]  pmakit's OLMo-core PMACallback (snapshots into PMA every 2 steps' tokens, online
+                          merge of 3 evaluated by an LM evaluator every 2 steps, checkpoints every 2 steps);
+                          with CRASH, the process dies (os._exit) right after step CRASH
 
 No CPU patch was needed: OLMo-core 3.0.0 trains, checkpoints and loads on CPU with gloo as it is.
 """
@@ -23,7 +25,12 @@ from typing import Any
 import numpy as np
 import torch
 from olmo_core.config import DType
-from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
+from olmo_core.data import (
+    NumpyDataLoaderConfig,
+    NumpyFSLDatasetConfig,
+    NumpyPaddedFSLDatasetConfig,
+    TokenizerConfig,
+)
 from olmo_core.distributed.parallel import DataParallelType
 from olmo_core.distributed.utils import get_rank, get_world_size
 from olmo_core.nn.transformer import TransformerConfig
@@ -34,7 +41,12 @@ from olmo_core.train import (
     prepare_training_environment,
     teardown_training_environment,
 )
-from olmo_core.train.callbacks import CheckpointerCallback, ModelMergeCallback
+from olmo_core.train.callbacks import (
+    Callback,
+    CheckpointerCallback,
+    LMEvaluatorCallbackConfig,
+    ModelMergeCallback,
+)
 from olmo_core.train.checkpoint import CheckpointerConfig
 from olmo_core.train.train_module import TransformerDataParallelConfig, TransformerTrainModuleConfig
 
@@ -63,13 +75,21 @@ def train_module(work: Path) -> Any:
     return config.build(model, device=torch.device("cpu"))
 
 
-def data_loader(work: Path) -> Any:
-    tokens = work / "tokens.npy"
+TOKENIZER = TokenizerConfig(vocab_size=VOCAB, eos_token_id=0, pad_token_id=0)
+
+
+def token_file(work: Path, name: str, seed: int) -> Path:
+    tokens = work / name
     if get_rank() == 0 and not tokens.exists():
         work.mkdir(parents=True, exist_ok=True)
-        np.random.default_rng(0).integers(1, VOCAB, 20_000, dtype=np.uint16).tofile(tokens)
+        np.random.default_rng(seed).integers(1, VOCAB, 20_000, dtype=np.uint16).tofile(tokens)
     torch.distributed.barrier()
-    tokenizer = TokenizerConfig(vocab_size=VOCAB, eos_token_id=0, pad_token_id=0)
+    return tokens
+
+
+def data_loader(work: Path) -> Any:
+    tokens = token_file(work, "tokens.npy", 0)
+    tokenizer = TOKENIZER
     dataset = NumpyFSLDatasetConfig(
         paths=[str(tokens)], sequence_length=SEQ, tokenizer=tokenizer, work_dir=str(work)
     ).build()
@@ -122,6 +142,44 @@ def pma_init(ckpt: Path, save: Path, dump: Path) -> None:
     t.fit()
 
 
+class Crash(Callback):
+    """Kills the process after step ``at``, as a node failure would (after the callbacks of that step)."""
+
+    priority = -10
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def post_step(self) -> None:
+        if self.step == self.at:
+            os._exit(17)
+
+
+def callback(save: Path, pma: Path, steps: int, crash: int | None) -> None:
+    from pmakit.integrations.olmo_core import PMACallback
+
+    work = save.parent / "work"
+    evaluator = LMEvaluatorCallbackConfig(
+        eval_dataset=NumpyPaddedFSLDatasetConfig(
+            paths=[str(token_file(work, "eval.npy", 1))],
+            metadata=[{"label": "val"}],
+            sequence_length=SEQ,
+            tokenizer=TOKENIZER,
+            work_dir=str(work),
+        ),
+        eval_interval=2,
+        eval_duration=Duration.steps(2),
+    )
+    callbacks: dict[str, Any] = {
+        "checkpointer": CheckpointerCallback(save_interval=2, ephemeral_save_interval=None, save_async=False),
+        "lm_evaluator": evaluator,
+        "pma": PMACallback(save_dir=str(pma), every_tokens=2 * TOKENS_PER_STEP, last=3),
+    }
+    if crash is not None:
+        callbacks["crash"] = Crash(crash)
+    trainer(save, steps, callbacks).fit()
+
+
 def main() -> None:
     mode, *args = sys.argv[1:]
     prepare_training_environment(seed=0, backend="cpu:gloo")
@@ -132,6 +190,9 @@ def main() -> None:
             reshard(Path(args[0]), Path(args[1]), int(args[2]))
         elif mode == "pma-init":
             pma_init(Path(args[0]), Path(args[1]), Path(args[2]))
+        elif mode == "callback":
+            crash = int(args[3]) if len(args) > 3 else None
+            callback(Path(args[0]), Path(args[1]), int(args[2]), crash)
         else:
             raise SystemExit(f"unknown mode {mode}")
     finally:

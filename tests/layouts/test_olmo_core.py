@@ -171,3 +171,60 @@ def test_damaged_checkpoint_is_one_error_line(olmo_core_runs: dict[str, Path], t
     assert r.exit_code == 1, r.output
     assert "step10" in r.stderr and "truncated or damaged" in r.stderr and len(r.stderr.splitlines()) == 1
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
+# -- the online callback (pmakit.integrations.olmo_core.PMACallback) on OLMo-core's Trainer -----------------------
+
+
+def evals(run: Path) -> dict[int, dict[str, object]]:
+    records = [json.loads(line) for line in (run / "pma" / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in records if r["kind"] == "eval"}
+
+
+@pytest.mark.parametrize("run", ["full", "ws2"])
+def test_callback_snapshots_are_the_trainers_weights(
+    olmo_core_callback_runs: dict[str, Path], run: str
+) -> None:
+    from safetensors.torch import load_file
+
+    pma = olmo_core_callback_runs[run] / "pma"
+    snaps = discover(pma)
+    assert [(s.step, s.tokens) for s in snaps] == [
+        (2, 128),
+        (4, 256),
+        (6, 384),
+        (8, 512),
+    ]  # every 2 x 64 tokens
+    saved = load_file(pma / "step-00000008" / "model.safetensors")
+    want = model_weights(olmo_core_callback_runs[run] / "save" / "step8")  # FSDP shards gathered for ws2
+    assert saved.keys() == want.keys()
+    for name, value in want.items():
+        assert torch.equal(saved[name], value), name
+
+
+def test_callback_evaluates_the_average_and_puts_the_weights_back(
+    olmo_core_callback_runs: dict[str, Path], olmo_core_runs: dict[str, Path]
+) -> None:
+    records = evals(olmo_core_callback_runs["full"])
+    assert {s: r["n"] for s, r in records.items()} == {
+        2: 1,
+        4: 2,
+        6: 3,
+        8: 3,
+    }  # the evaluator runs every 2 steps
+    assert all(isinstance(r["metrics"]["lm/val/CE loss"], float) for r in records.values())  # type: ignore[index]
+    # Training went on from the trained weights: the same run without the callback has the same step-8 weights.
+    with_cb = model_weights(olmo_core_callback_runs["full"] / "save" / "step8")
+    without = model_weights(olmo_core_runs["ws1"] / "step8")
+    for name, value in without.items():
+        assert torch.equal(with_cb[name], value), name
+
+
+def test_callback_resumes_the_interrupted_window(olmo_core_callback_runs: dict[str, Path]) -> None:
+    """Killed after step 5, resumed from the step-4 checkpoint: the window [2, 4] is restored and completed at
+    step 6, where OLMo-core's ModelMergeCallback would skip it; the merges match the uninterrupted run's."""
+    full, resumed = evals(olmo_core_callback_runs["full"]), evals(olmo_core_callback_runs["resumed"])
+    assert resumed[6]["n"] == 3
+    for step in (6, 8):
+        assert resumed[step]["metrics"] == full[step]["metrics"], step
+    assert [s.step for s in discover(olmo_core_callback_runs["resumed"] / "pma")] == [2, 4, 6, 8]

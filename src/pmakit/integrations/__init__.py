@@ -123,9 +123,16 @@ class PMACore:
         self.averager.update(state, tokens=snapshot.tokens, path=snapshot.path)
 
     def step(
-        self, model: nn.Module, *, tokens: int, step: int, lr: float | None = None, loss: float | None = None
+        self,
+        model: nn.Module | Mapping[str, torch.Tensor],
+        *,
+        tokens: int,
+        step: int,
+        lr: float | None = None,
+        loss: float | None = None,
     ) -> Snapshot | None:
-        """After an optimizer step: save a snapshot when a multiple of ``every_tokens`` was crossed."""
+        """After an optimizer step: save a snapshot of ``model`` (or of its state dict, gathered from shards by the
+        adapter) when a multiple of ``every_tokens`` was crossed."""
         if self.saver is None:
             raise PmakitError("PMACallback was not started (no train-begin event)")
         snapshot = self.saver.maybe_save(model, tokens=tokens, step=step, lr=lr, loss=loss)

@@ -1,0 +1,230 @@
+"""PMA for OLMo-core's ``Trainer``: a callback beside its ``CheckpointerCallback`` and evaluators::
+
+    trainer_config.with_callback("pma", PMACallback(save_dir="runs/x-pma", every_tokens=2_000_000, last=10))
+
+Every ``every_tokens`` training tokens (``trainer.global_train_tokens_seen``) it saves a pmakit snapshot of the
+model (full weights, gathered from FSDP shards on rank 0, in OLMo-core's parameter names) into ``save_dir``, and
+keeps an online ``method`` average of the last ``last`` snapshots. Whenever the trainer's ``EvaluatorCallback``\\ s
+evaluate (every ``eval_every``-th time), the average is loaded into the model, the same evaluators run again with
+metric prefix ``eval/pmakit`` (e.g. ``eval/pmakit/lm/CE loss``), and the trained weights are put back. Records
+also go to ``save_dir/metrics.jsonl``.
+
+Resume-safe: the callback's state (the saver's token marks and the averager's window) is saved in OLMo-core's
+trainer state (``train/rankR.pt``), and on a resume the running sums are rebuilt from the window's snapshots on
+disk, so a window interrupted by a restart is completed, not skipped (OLMo-core's ``ModelMergeCallback`` skips
+it). Without that state (first resume of an older run) the window is rebuilt from the snapshots in ``save_dir``
+up to the resumed token count.
+
+Keep ``save_dir`` outside the trainer's ``save_folder``: a merge of the save folder would otherwise see every
+save twice. ``pmakit merge save_dir -o OUT`` merges the snapshots offline; ``pmakit merge save_folder -o OUT``
+merges OLMo-core's own checkpoints (see ``pmakit.layouts.olmo_core``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from olmo_core.train.callbacks import Callback, EvaluatorCallback
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+
+from pmakit.errors import PmakitError
+from pmakit.integrations import PMACore
+
+log = logging.getLogger(__name__)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+@dataclass
+class PMACallback(Callback):
+    """Snapshots every ``every_tokens`` tokens into ``save_dir`` and an online average of the last ``last``,
+    evaluated with the trainer's evaluators every ``eval_every``-th evaluation (0: never)."""
+
+    # Before the CheckpointerCallback (1), which saves in post_train_batch: a checkpoint of this step then
+    # records this step's snapshot, so a resume from it neither saves it again nor loses it from the window.
+    priority: ClassVar[int] = 2
+
+    save_dir: str = ""
+    """Where the pmakit snapshots go (outside the trainer's save_folder)."""
+    every_tokens: int = 0
+    """V: training tokens between snapshots."""
+    last: int = 10
+    """N: snapshots in the online average."""
+    method: str = "sma"
+    """Weighting of the online average (sma, ema, ...; see pmakit.weights)."""
+    eval_every: int = 1
+    """Evaluate the average at every eval_every-th evaluation of the trainer's evaluators (0: never)."""
+    alpha: float = 0.2
+    """EMA factor."""
+    keep_last: int | None = None
+    """Keep only the newest K snapshots on disk (None: all; at least ``last``)."""
+    prefix: str = "eval/pmakit"
+    """Metric prefix of the average's evaluation."""
+    enabled: bool = True
+
+    _core: PMACore | None = field(default=None, init=False, repr=False)
+    _resumed: dict[str, Any] | None = field(default=None, init=False, repr=False)
+
+    def post_attach(self) -> None:
+        if not self.enabled:
+            return
+        if not self.save_dir or self.every_tokens < 1:
+            raise PmakitError("PMACallback needs save_dir and every_tokens >= 1")
+        self._core = PMACore(
+            self.save_dir,
+            self.every_tokens,
+            last=self.last,
+            method=self.method,
+            eval_every=self.eval_every,
+            alpha=self.alpha,
+            keep_last=self.keep_last,
+        )
+
+    @property
+    def core(self) -> PMACore:
+        if self._core is None:
+            raise PmakitError("PMACallback is not attached to a trainer (or not enabled)")
+        return self._core
+
+    # -- OLMo-core hooks ----------------------------------------------------------------------------------------
+
+    def pre_train(self) -> None:
+        if not self.enabled or _rank() != 0:
+            return
+        tokens = self.trainer.global_train_tokens_seen
+        resumed = self._resumed
+        self.core.start(self._model(), tokens)
+        if resumed is not None and self.core.saver is not None:
+            # The checkpoint's own window, not whatever snapshots a crashed continuation left after it.
+            self.core.saver.load_state_dict(resumed["saver"])
+            self.core.averager.load_state_dict(resumed["averager"])
+            log.info("PMA: resumed the online average of %d snapshots", self.core.averager.count)
+
+    def post_train_batch(self) -> None:
+        """The snapshot, right after the optimizer step (before the checkpointer's hook: see ``priority``)."""
+        if not self.enabled:
+            return
+        tokens = self.trainer.global_train_tokens_seen
+        saver = self.core.saver if _rank() == 0 else None
+        due = saver is not None and saver.due(tokens)
+        if self._agree(due):
+            state = self._full_state()  # a collective: every rank takes part, rank 0 gets the tensors
+            if _rank() == 0:
+                self.core.step(state, tokens=tokens, step=self.step)
+
+    def post_step(self) -> None:
+        """The average's evaluation at the steps the evaluators evaluate (just before they do)."""
+        if self.enabled and self._evaluators_ran():
+            self._evaluate_average(self.trainer.global_train_tokens_seen)
+
+    def state_dict(self) -> dict[str, Any]:
+        if not self.enabled or self._core is None or self._core.saver is None:
+            return {}
+        # Plain values only (OLMo-core's trainer state is read back with weights_only loads).
+        return {
+            "saver": self._core.saver.state_dict(),
+            "averager": self._core.averager.state_dict(include_tensors=False),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._resumed = dict(state_dict) if state_dict else None
+
+    def post_train(self) -> None:
+        if self._core is not None:
+            self._core.close()
+
+    def close(self) -> None:
+        if self._core is not None:
+            self._core.close()
+
+    # -- the work -----------------------------------------------------------------------------------------------
+
+    def _model(self) -> torch.nn.Module:
+        model = self.trainer.train_module.model  # type: ignore[attr-defined]
+        assert isinstance(model, torch.nn.Module)
+        return model
+
+    def _agree(self, flag: bool) -> bool:
+        """Rank 0's decision, on every rank (only rank 0 runs the saver)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return flag
+        box = [flag]
+        dist.broadcast_object_list(box, src=0)
+        return bool(box[0])
+
+    def _full_state(self) -> dict[str, torch.Tensor]:
+        """The model's full state dict on rank 0's CPU (FSDP shards gathered), nothing elsewhere."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self._model(), options=options)
+        return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+    def _evaluators_ran(self) -> bool:
+        """Whether the trainer's evaluators evaluate at this step (their own condition)."""
+        for cb in self._evaluator_callbacks():
+            if self.step > 1 and (
+                (cb.eval_interval is not None and self.step % cb.eval_interval == 0)
+                or (cb.fixed_steps is not None and self.step in cb.fixed_steps)
+            ):
+                return True
+        return False
+
+    def _evaluator_callbacks(self) -> list[EvaluatorCallback]:
+        return [cb for cb in self.trainer.callbacks.values() if isinstance(cb, EvaluatorCallback)]
+
+    def _evaluate_average(self, tokens: int) -> None:
+        core = self.core
+        ready = False
+        if _rank() == 0:
+            core.evaluations += 1
+            if core.eval_every and core.evaluations % core.eval_every == 0 and core.saver is not None:
+                core.saver.wait()  # this step's snapshot belongs in the average
+                ready = core.averager.count > 0
+        if not self._agree(ready):
+            return
+        metrics: dict[str, float] = {}
+        with self._average_loaded():
+            for cb in self._evaluator_callbacks():
+                cb.perform_eval(prefix=self.prefix)
+            for name in self._metric_names():
+                value = self.trainer.get_metric(name)
+                if value is not None:
+                    metrics[name.removeprefix(self.prefix + "/")] = float(value)
+        if _rank() == 0:
+            record = {"kind": "eval", "model": core.averager.label, "tokens": tokens, "step": self.step}
+            core.write({**record, "n": core.averager.count, "metrics": metrics})
+
+    def _metric_names(self) -> list[str]:
+        names = []
+        for cb in self._evaluator_callbacks():
+            for evaluator in cb.evaluators:
+                for label in getattr(evaluator, "metrics", {}):
+                    names.append(f"{self.prefix}/{evaluator.name}/{label}/CE loss")
+        return names
+
+    @contextlib.contextmanager
+    def _average_loaded(self) -> Iterator[None]:
+        """Within the block the model holds the average (sent from rank 0 into every rank's shards); the trained
+        weights (each rank's own shards, copied) are put back in ``finally``."""
+        model = self._model()
+        own = get_model_state_dict(model).items()
+        backup: dict[str, Any] = {k: v.detach().clone() for k, v in own if isinstance(v, torch.Tensor)}
+        average: dict[str, Any] = self.core.averager.average() if _rank() == 0 else {}
+        try:
+            full = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+            set_model_state_dict(model, average, options=full)
+            del average
+            yield
+        finally:
+            set_model_state_dict(model, backup, options=StateDictOptions(strict=False))
