@@ -126,3 +126,33 @@ def test_bad_replica_options_are_refused() -> None:
         ReplicaConfig(sync="gradients", sync_every=10)
     with pytest.raises(PmakitError, match="outer"):
         ReplicaConfig(outer="adam")
+
+
+@pytest.mark.slow
+def test_replicas_study_smoke_preset_end_to_end(tmp_path: Path) -> None:
+    import json
+
+    run = tmp_path / "study"
+    cmd = [sys.executable, "-m", "pmakit", "experiment", "--preset", "replicas-smoke", "-o", str(run)]
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "results.jsonl").read_text().splitlines()]
+    by = {(r["arm"], r["model"]): r for r in rows}
+    # 160 optimizer steps of 512 tokens (2 copies x 4 x 64): one all-reduce per step, per H = 4 steps, none alone.
+    assert by[("sync", "latest")]["all_reduces"] == 160
+    assert by[("local-H4", "latest")]["all_reduces"] == 40
+    assert by[("single", "latest")]["all_reduces"] == 0
+    assert ("diloco-H4", "pma4-copies") in by  # kept per-copy snapshots: PMA across copies and time
+    assert by[("sync", "latest")]["delta_vs_sync"] == 0.0
+    assert all(len(r["batch_losses"]) == 4 for r in rows)
+    report = (run / "report.md").read_text()
+    assert "the 2% target" in report and "plots/replicas.png" in report
+    # Re-running resumes: nothing is trained again, the scores are the same.
+    again = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "already trained" in again.stderr
+    assert [json.loads(line) for line in (run / "results.jsonl").read_text().splitlines()] == rows

@@ -163,6 +163,10 @@ def run_experiment(
     from pmakit.train.data import val_batches
     from pmakit.train.loop import load_corpus
 
+    if data.get("study") == "replicas":  # model copies (pmakit.lab.replicas)
+        from pmakit.lab.replicas import run_replica_study
+
+        return run_replica_study(data, run_dir, fresh=fresh, progress=progress)
     if data.get("study"):  # the spike / init presets (pmakit.studies)
         from pmakit.studies import run_study
 

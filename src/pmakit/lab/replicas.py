@@ -1,0 +1,341 @@
+"""The ``replicas`` study (``pmakit experiment --preset replicas``): model copies kept together by synchronous data
+parallel, local SGD and DiLoCo, with PMA on top of each.
+
+Every arm trains the same model on the same number of tokens per step: R copies of ``batch_size`` sequences under
+torchrun (``pmakit train --replicas R``), or one copy of R x ``batch_size`` sequences (``single``, the single-copy
+reference). Each arm snapshots its (synced) model every V tokens; V is a multiple of every arm's sync interval, so
+every snapshot is of the synced model. At the end every arm is scored on the same held-out batches: its latest
+weights, PMA (the SMA of its last N snapshots) and, for arms that keep per-copy snapshots, PMA across copies and
+time (the SMA of every copy's own weights at the last N syncs). Differences are paired over the batches.
+
+Run directory:
+    RUN/arms/NAME/             each arm's run (``pmakit train`` layout: snapshots/, metrics.jsonl, checkpoint/)
+    RUN/results.jsonl|.csv     one row per (arm, model): loss, s.e., all-reduces, paired differences
+    RUN/curves.csv             held-out loss vs tokens and vs all-reduces of every arm (the online evaluations)
+    RUN/experiment.json        ``"study": "replicas"``, the config, seconds per arm
+Re-running resumes: a finished arm is not trained again, an interrupted one resumes from its checkpoint.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import pmakit
+from pmakit.errors import PmakitError
+from pmakit.evaluate import EvalResult, evaluate, paired_difference
+
+log = logging.getLogger(__name__)
+STUDY = "replicas"
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One way of training: how many copies and how they are kept together."""
+
+    name: str
+    """Directory name and label."""
+    replicas: int = 2
+    """Model copies (1: a single copy with ``replicas`` x the batch; see ``ReplicaStudy.replicas``)."""
+    sync: str = "weights"
+    """``gradients`` (synchronous data parallel) or ``weights`` (local SGD / DiLoCo)."""
+    sync_every: int = 1
+    """H, inner steps between weight syncs."""
+    outer: str = "average"
+    """``average`` (local SGD), ``sgd`` or ``nesterov`` (DiLoCo)."""
+    outer_lr: float = 0.7
+    """DiLoCo's outer learning rate."""
+    outer_momentum: float = 0.9
+    """DiLoCo's outer momentum."""
+    save_replicas: bool = False
+    """Keep each copy's own snapshots, for PMA across copies and time."""
+
+    def args(self) -> list[str]:
+        """The ``pmakit train`` options of this arm."""
+        if self.replicas == 1:
+            return []
+        out = ["--replicas", str(self.replicas), "--sync", self.sync]
+        if self.sync == "weights":
+            out += ["--sync-every", str(self.sync_every), "--outer", self.outer]
+            out += ["--outer-lr", str(self.outer_lr), "--outer-momentum", str(self.outer_momentum)]
+        return out + (["--save-replicas"] if self.save_replicas else [])
+
+    def all_reduces(self, step: int) -> int:
+        """All-reduces (syncs) after ``step`` optimizer steps."""
+        if self.replicas == 1:
+            return 0
+        return step if self.sync == "gradients" else step // self.sync_every
+
+
+@dataclass(frozen=True)
+class ReplicaStudy:
+    """The ``replicas:`` section of the preset."""
+
+    replicas: int = 2
+    """R: model copies of the multi-copy arms (processes under torchrun)."""
+    arms: tuple[Arm, ...] = field(default_factory=tuple)
+    """The arms; ``sync`` (synchronous data parallel) is the reference of the paired differences."""
+    last: int = 4
+    """N of the PMA: the SMA of each arm's last N snapshots."""
+    eval_batches: int = 16
+    """Held-out batches of the final scores (the same for every arm)."""
+
+    def __post_init__(self) -> None:
+        names = [a.name for a in self.arms]
+        if "sync" not in names or "single" not in names:
+            raise PmakitError("the replicas study needs the arms 'sync' (reference) and 'single'")
+        if len(set(names)) != len(names):
+            raise PmakitError(f"arm names must be unique: {names}")
+        if self.last < 2:
+            raise PmakitError("replicas.last must be at least 2 (a PMA of one snapshot is the latest)")
+
+
+def resolve(data: Mapping[str, Any]) -> tuple[Any, ReplicaStudy]:
+    """The train config and the study of a preset's mapping; unknown keys are an error naming them."""
+    from pmakit.train.loop import TrainConfig
+
+    section = dict(data.get(STUDY) or {})
+    known = {"replicas", "arms", "last", "eval_batches"}
+    if set(section) - known:
+        raise PmakitError(f"unknown {STUDY} keys: {sorted(set(section) - known)}; known: {sorted(known)}")
+    replicas = int(section.get("replicas", 2))
+    arms = []
+    for item in section.get("arms") or ():
+        arm = Arm(**{"replicas": replicas, **dict(item)})
+        if arm.name == "single":
+            arm = Arm(name="single", replicas=1)
+        arms.append(arm)
+    study = ReplicaStudy(
+        replicas, tuple(arms), int(section.get("last", 4)), int(section.get("eval_batches", 16))
+    )
+    return TrainConfig.from_dict(dict(data.get("train") or {})), study
+
+
+def _arm_config(train: Any, arm: Arm, study: ReplicaStudy) -> dict[str, Any]:
+    """The arm's ``train:`` section: the single copy takes all copies' sequences in one batch."""
+    cfg = train.to_dict()
+    if arm.replicas == 1:
+        cfg["batch_size"] = train.batch_size * study.replicas
+    cfg["keep_last"] = None
+    return {"train": cfg}
+
+
+def _run_arm(run_dir: Path, train: Any, arm: Arm, study: ReplicaStudy) -> float:
+    """Train (or resume) one arm in a subprocess; returns its wall seconds."""
+    import yaml
+
+    arm_dir = run_dir / "arms" / arm.name
+    if _trained_tokens(arm_dir) >= train.total_tokens:
+        log.info("arm %s: already trained", arm.name)
+        return 0.0
+    arm_dir.mkdir(parents=True, exist_ok=True)
+    config = arm_dir.parent / f"{arm.name}.yaml"
+    config.write_text(yaml.safe_dump(_arm_config(train, arm, study), sort_keys=False))
+    cmd = [sys.executable, "-m", "pmakit", "train", str(config), "-o", str(arm_dir), *arm.args()]
+    if arm.replicas > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd = [*launcher, "--nproc-per-node", str(arm.replicas), *cmd[1:]]
+    log.info("arm %s: %s", arm.name, " ".join(cmd[2:]))
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1" if arm.replicas > 1 else ""}
+    t = time.perf_counter()
+    done = subprocess.run(cmd, env={k: v for k, v in env.items() if v}, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
+        raise PmakitError(f"arm {arm.name} failed (exit {done.returncode}): {tail[0]}")
+    return time.perf_counter() - t
+
+
+def _previous_seconds(run_dir: Path) -> dict[str, float]:
+    """Seconds per arm recorded by an earlier invocation (a resumed study keeps its arms' training times)."""
+    try:
+        return dict(json.loads((run_dir / "experiment.json").read_text())["seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def _trained_tokens(arm_dir: Path) -> int:
+    """Tokens of the arm's final checkpoint (0 when it has none yet)."""
+    try:
+        return int(json.loads((arm_dir / "checkpoint" / "pmakit.json").read_text())["tokens"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
+def _snapshots(directory: Path) -> list[Path]:
+    from pmakit.snapshot import discover
+
+    return [s.path for s in discover(directory)] if directory.is_dir() else []
+
+
+class _Scorer:
+    """Scores states on the fixed held-out batches with one model instance."""
+
+    def __init__(self, train: Any, study: ReplicaStudy, snapshot: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        from pmakit.train.data import val_batches
+        from pmakit.train.loop import load_corpus
+
+        corpus = load_corpus(train)
+        self.batches = val_batches(
+            corpus.val,
+            batch_size=train.batch_size,
+            seq_len=train.model.seq_len,
+            max_batches=study.eval_batches,
+        )
+        self.bytes_per_token = corpus.bytes_per_token
+        self.model = AutoModelForCausalLM.from_pretrained(snapshot, torch_dtype=torch.float32)
+
+    def __call__(self, state: Mapping[str, torch.Tensor]) -> EvalResult:
+        from pmakit.train.loop import swapped
+
+        with swapped(self.model, state):
+            return evaluate(self.model, self.batches, bytes_per_token=self.bytes_per_token)
+
+
+def _score_arm(scorer: _Scorer, run_dir: Path, arm: Arm, study: ReplicaStudy) -> dict[str, EvalResult]:
+    """Latest, PMA over time, and (with per-copy snapshots) PMA over copies and time."""
+    from pmakit.formats import read_state
+    from pmakit.merge import average_states
+
+    snaps = _snapshots(run_dir / "arms" / arm.name / "snapshots")
+    if len(snaps) < study.last:
+        raise PmakitError(
+            f"arm {arm.name} has {len(snaps)} snapshots, fewer than replicas.last = {study.last}"
+        )
+    window = [read_state(p) for p in snaps[-study.last :]]
+    out = {
+        "latest": scorer(window[-1]),
+        f"pma{study.last}": scorer(average_states(window, [1 / study.last] * study.last)),
+    }
+    copies = [
+        _snapshots(run_dir / "arms" / arm.name / "replicas" / f"rank-{r}" / "snapshots")
+        for r in range(arm.replicas)
+    ]
+    if arm.save_replicas and all(len(c) >= study.last for c in copies):
+        states = [read_state(p) for c in copies for p in c[-study.last :]]
+        out[f"pma{study.last}-copies"] = scorer(average_states(states, [1 / len(states)] * len(states)))
+    return out
+
+
+def _rows(scores: dict[str, dict[str, EvalResult]], arms: Sequence[Arm], train: Any) -> list[dict[str, Any]]:
+    """One row per (arm, model), with differences paired against the sync arm's model of the same kind and the
+    single copy's."""
+    steps = {
+        a.name: train.total_tokens // (train.tokens_per_step * (1 if a.replicas == 1 else a.replicas))
+        for a in arms
+    }
+    rows = []
+    for arm in arms:
+        for model, result in scores[arm.name].items():
+            kind = model.replace("-copies", "")
+            row: dict[str, Any] = {
+                "arm": arm.name,
+                "model": model,
+                "tokens": train.total_tokens,
+                "all_reduces": arm.all_reduces(steps[arm.name]),
+                "val_loss": result.loss,
+                "val_loss_se": result.loss_se,
+                "bpb": result.bpb,
+                "batch_losses": result.batch_losses,
+            }
+            for ref in ("sync", "single"):
+                d, se = paired_difference(result, scores[ref][kind])
+                row[f"delta_vs_{ref}"], row[f"delta_vs_{ref}_se"] = d, se
+            rows.append(row)
+    return rows
+
+
+def _curves(run_dir: Path, arms: Sequence[Arm]) -> list[dict[str, Any]]:
+    """The online evaluations of every arm (latest and its online merge) against tokens and all-reduces."""
+    from pmakit.metrics import read_metrics
+
+    out = []
+    for arm in arms:
+        for r in read_metrics(run_dir / "arms" / arm.name):
+            if r.get("kind") == "eval":
+                out.append(
+                    {
+                        "arm": arm.name,
+                        "model": "latest" if r["model"] == "latest" else "merged",
+                        "tokens": r["tokens"],
+                        "all_reduces": arm.all_reduces(int(r["step"])),
+                        "val_loss": r["val_loss"],
+                        "val_loss_se": r.get("val_loss_se"),
+                    }
+                )
+    return out
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _write(run_dir: Path, name: str, rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> None:
+    _atomic_text(run_dir / f"{name}.jsonl", "".join(json.dumps(dict(r)) + "\n" for r in rows))
+    tmp = run_dir / f".{name}.csv.tmp"
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    tmp.replace(run_dir / f"{name}.csv")
+
+
+RESULT_COLUMNS = (
+    "arm", "model", "tokens", "all_reduces", "val_loss", "val_loss_se", "bpb",
+    "delta_vs_sync", "delta_vs_sync_se", "delta_vs_single", "delta_vs_single_se",
+)  # fmt: skip
+CURVE_COLUMNS = ("arm", "model", "tokens", "all_reduces", "val_loss", "val_loss_se")
+
+
+def run_replica_study(
+    data: Mapping[str, Any], run_dir: str | Path, *, fresh: bool = False, progress: bool = True
+) -> Path:
+    """Run (or resume) the study into ``run_dir``; returns the report's path."""
+    train, study = resolve(data)
+    run_dir = Path(run_dir)
+    if fresh and (run_dir / "arms").exists():
+        import shutil
+
+        shutil.rmtree(run_dir / "arms")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    previous = _previous_seconds(run_dir)
+    seconds = {
+        arm.name: _run_arm(run_dir, train, arm, study) or previous.get(arm.name, 0.0) for arm in study.arms
+    }
+    t = time.perf_counter()
+    first = _snapshots(run_dir / "arms" / "sync" / "snapshots")[-1]
+    scorer = _Scorer(train, study, first)
+    scores = {arm.name: _score_arm(scorer, run_dir, arm, study) for arm in study.arms}
+    seconds["evaluation"] = time.perf_counter() - t
+    _write(run_dir, "results", _rows(scores, study.arms, train), RESULT_COLUMNS)
+    _write(run_dir, "curves", _curves(run_dir, study.arms), CURVE_COLUMNS)
+    record = {
+        "study": STUDY,
+        "preset": data.get("preset"),
+        "config": {"train": train.to_dict(), STUDY: asdict(study)},
+        "seconds": seconds,
+        "started": started,
+        "pmakit": pmakit.__version__,
+        "load_average": os.getloadavg(),
+    }
+    _atomic_text(run_dir / "experiment.json", json.dumps(record, indent=1, default=str) + "\n")
+    from pmakit.report import write_report
+
+    paths = write_report(run_dir)
+    return Path(getattr(paths, "html", run_dir / "report.html"))
