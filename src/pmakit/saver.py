@@ -22,7 +22,9 @@ import os
 import re
 import shutil
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +137,22 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+@dataclass
+class SaverTimings:
+    """In-process timers of a ``SnapshotSaver`` (seconds, summed over its saves).
+
+    ``caller_seconds`` is what training waits for: wall time inside ``maybe_save`` when a save is due (the CPU copy,
+    plus waiting for a previous write still in flight). ``writer_cpu_seconds`` is the writer thread's own CPU
+    time (serialising, writing, fsync, and the ``on_save`` callbacks such as the online averager's update), which
+    competes with training for cores; ``callback_cpu_seconds`` is the callbacks' part of it.
+    """
+
+    caller_seconds: float = 0.0
+    writer_cpu_seconds: float = 0.0
+    callback_cpu_seconds: float = 0.0
+    saves: int = 0
+
+
 class SnapshotSaver:
     """Writes ``directory/step-XXXXXXXX/`` snapshots every ``every_tokens`` training tokens.
 
@@ -199,6 +217,8 @@ class SnapshotSaver:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._error_path: Path | None = None
+        self.timings = SaverTimings()
+        """Where the saving time goes: the training thread's share and the writer thread's CPU."""
         self.directory.mkdir(parents=True, exist_ok=True)
         self._remove_stale_partials()
 
@@ -222,7 +242,11 @@ class SnapshotSaver:
         self._raise_error()
         if not self.due(tokens):
             return None
-        return self.save(model_or_state, tokens=tokens, step=step, lr=lr, loss=loss, **meta)
+        start = time.perf_counter()
+        try:
+            return self.save(model_or_state, tokens=tokens, step=step, lr=lr, loss=loss, **meta)
+        finally:
+            self.timings.caller_seconds += time.perf_counter() - start
 
     def save(
         self,
@@ -258,10 +282,13 @@ class SnapshotSaver:
     # -- how --------------------------------------------------------------------------------------------------
 
     def _write_guarded(self, snapshot: Snapshot, state: dict[str, torch.Tensor]) -> None:
+        start = time.thread_time()
         try:
             self._write(snapshot, state)
         except BaseException as e:
             self._error, self._error_path = e, snapshot.path
+        finally:
+            self.timings.writer_cpu_seconds += time.thread_time() - start
 
     def _write(self, snapshot: Snapshot, state: dict[str, torch.Tensor]) -> None:
         path = snapshot.path
@@ -290,8 +317,11 @@ class SnapshotSaver:
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
             raise
+        start = time.thread_time()
         for callback in self.on_save:
             callback(snapshot, state)
+        self.timings.callback_cpu_seconds += time.thread_time() - start
+        self.timings.saves += 1
         self._apply_retention(keep=path)
 
     def _move_into_place(self, partial: Path, path: Path) -> None:
