@@ -6,7 +6,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 TORCH := torch==2.13.0
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: demo test check bench bench-scale bench-train install clean
+.PHONY: demo test check bench bench-olmo bench-scale bench-train install clean
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -53,8 +53,12 @@ check: install
 	$(VENV)/bin/mypy
 
 # A small default (8 x 0.61 GB snapshots); the issue's size: make bench BENCH_ARGS=--full
-bench: install
+bench: install bench-olmo
 	$(PY) benchmarks/bench_merge.py $(BENCH_ARGS)
+
+# pmakit vs OLMo-core's offline merge (whole fp32 state in memory) on checkpoints OLMo-core itself writes
+bench-olmo: $(VENV)/.installed-test
+	$(PY) benchmarks/bench_olmo_merge.py
 
 bench-scale: install
 	$(PY) benchmarks/bench_scale.py

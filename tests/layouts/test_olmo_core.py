@@ -36,12 +36,20 @@ def hand_average(checkpoints: list[Path]) -> dict[str, torch.Tensor]:
 
 
 def test_save_folder_is_read_from_olmo_cores_own_metadata(olmo_core_runs: dict[str, Path]) -> None:
+    from pmakit.layouts import open_weights
+
     snaps = discover(olmo_core_runs["ws1"])
     # step0 .. step10; OLMo-core's own step3-merged is not a snapshot.
     assert [s.path.name for s in snaps] == [f"step{i}" for i in range(11)]
     assert [s.tokens for s in snaps] == [64 * i for i in range(11)]  # 4 sequences x 16 tokens per step
     assert {(s.layout, s.source) for s in snaps} == {("olmo-core", "olmo-core")}
     assert (olmo_core_runs["ws1"] / "step3-merged").is_dir()
+    # Every saved chunk (1 rank or FSDP's 2) is mapped from the .distcp file, not loaded into memory.
+    for run in ("ws1", "ws2"):
+        with open_weights(olmo_core_runs[run] / "step10") as reader:
+            for name in reader.tensors:
+                for _, _, box in reader._unit_boxes(name):  # type: ignore[attr-defined]
+                    assert reader._mapped(name, box) is not None, (run, name)  # type: ignore[attr-defined]
 
 
 def test_merge_with_no_token_flags_is_the_hand_average_and_olmo_core_loads_it(

@@ -5,12 +5,12 @@ the saved chunk layout; ``torch.distributed.checkpoint.load`` (``no_dist=True``,
 inside a distributed merge) fills preallocated tensors through a small ``LoadPlanner`` that asks for one region of
 one tensor at a time.
 
-The unit of reading is a saved chunk: DCP stores each rank's piece of a tensor as one ``torch.save`` record, and
-torch reads a record whole. So the reader loads the saved chunk (a dim-0 slab, as FSDP and single-process saves
-write them) that covers the range asked for, keeps it while the merge walks through it, and drops it once the merge
-has moved past: every byte is read once, and a DCP input holds one saved chunk in memory (the tensor divided by the
-trainer's data-parallel size; the whole tensor for a single-process save), not one merge chunk. A tensor whose
-saved chunks are not dim-0 slabs (tensor parallelism) is loaded whole.
+The unit of reading is a saved chunk: DCP stores each rank's piece of a tensor as one ``torch.save`` record.
+Such a record is mapped, not loaded (``torch_record``): the reader returns views of the page cache, so a DCP input
+costs no memory, whatever N and the tensor sizes, like a safetensors input. A record it cannot map (compressed or
+re-encoded by newer torch writers, a view of a larger storage) is loaded whole through ``dcp.load``, kept while the
+merge walks through it and dropped once the merge has moved past. A tensor whose saved chunks are not dim-0 slabs
+(tensor parallelism) is loaded whole.
 
 The model state may be at the top level (torchtitan) or under a top-level ``model`` key (OLMo-core); either way the
 merged names are the model's own. Optimizer, scheduler, data loader, RNG and other non-tensor entries are skipped
@@ -27,8 +27,10 @@ the trainer installed. Any failure inside DCP (including its ``CheckpointExcepti
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import mmap
 import os
 import pickle
 import warnings
@@ -40,6 +42,8 @@ import torch
 
 from pmakit.errors import PmakitError
 from pmakit.formats import FileInfo, Format, Reader, TensorInfo
+from pmakit.formats.safetensors_io import _inside
+from pmakit.formats.torch_record import record_view
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
@@ -202,16 +206,26 @@ def _paths(metadata: Metadata) -> dict[str, tuple[str, ...]]:
     return out
 
 
-def model_entries(metadata: Metadata) -> tuple[dict[str, str], list[str]]:
-    """(model name -> checkpoint key, skipped keys). Under ``model`` when there is one, else the top level."""
+def model_entries(metadata: Metadata, model_key: str | None = None) -> tuple[dict[str, str], list[str]]:
+    """(model name -> checkpoint key, skipped keys). Under ``model`` when there is one, else the top level.
+
+    ``model_key``: the model is exactly the entries under this key, saved nested (``{"model": {...}}``) or as flat
+    keys ``model.<name>`` (as a trainer's own layout guarantees, e.g. OLMo-core's).
+    """
     paths = _paths(metadata)
+    if model_key is not None:
+        prefix = model_key + "."
+        for key, path in paths.items():
+            if len(path) == 1 and path[0].startswith(prefix):
+                paths[key] = (model_key, path[0][len(prefix) :])
     entries = metadata.state_dict_metadata
-    nested = any(p[0] == MODEL_KEY and len(p) > 1 for p in paths.values())
+    nested = model_key is not None or any(p[0] == MODEL_KEY and len(p) > 1 for p in paths.values())
+    model_key = model_key or MODEL_KEY
     names: dict[str, str] = {}
     skipped: list[str] = []
     for key, path in paths.items():
         if nested:
-            name = ".".join(path[1:]) if path[0] == MODEL_KEY and len(path) > 1 else None
+            name = ".".join(path[1:]) if path[0] == model_key and len(path) > 1 else None
         else:
             name = None if path[0] in NOT_MODEL or len(path) > 1 else key
         if name is None or not isinstance(entries[key], _dcp().TensorStorageMetadata):
@@ -229,11 +243,11 @@ def _is_slab(chunk: ChunkStorageMetadata, size: torch.Size) -> bool:
 class DCPReader(Reader):
     format = "dcp"
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, model_key: str | None = None) -> None:
         super().__init__(path)
         self.metadata = read_metadata(path)
         self._storage = _dcp().CachedMetadataReader(path, self.metadata)
-        names, self.skipped = model_entries(self.metadata)
+        names, self.skipped = model_entries(self.metadata, model_key)
         storage = self.metadata.storage_data if isinstance(self.metadata.storage_data, Mapping) else {}
         files = sorted(f.name for f in path.glob("*.distcp"))
         self.files = [
@@ -256,6 +270,7 @@ class DCPReader(Reader):
         self._current = ""
         self._storage_data = storage
         self._fds: dict[str, int] = {}
+        self._maps: dict[str, mmap.mmap] = {}
         self._hinted: set[tuple[str, int]] = set()
 
     def _unit_boxes(self, name: str) -> list[tuple[int, int, ChunkStorageMetadata]]:
@@ -271,7 +286,31 @@ class DCPReader(Reader):
         numel = self.tensors[name].numel
         return [(0, numel, _dcp().ChunkStorageMetadata(torch.Size([0] * len(size)), torch.Size(size)))]
 
+    def _mapped(self, name: str, box: ChunkStorageMetadata) -> torch.Tensor | None:
+        """A saved chunk as a view of the mapped file (see ``torch_record``), or None to load it through DCP."""
+        if box not in self._md[name].chunks:
+            return None
+        info = self._storage_data.get(_dcp().MetadataIndex(self._keys[name], box.offsets))
+        if info is None or getattr(info, "transform_descriptors", None):
+            return None  # torch's newer writers may compress or re-encode a record: DCP knows how to read it
+        relative = str(info.relative_path)
+        if relative not in self._maps:
+            file = _inside(self.path, relative)
+            with open(file, "rb") as f:
+                self._maps[relative] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        view = record_view(
+            self._maps[relative],
+            int(info.offset),
+            int(info.length),
+            self.tensors[name].dtype,
+            tuple(box.sizes),
+        )
+        return view
+
     def _load(self, name: str, box: ChunkStorageMetadata) -> torch.Tensor:
+        mapped = self._mapped(name, box)
+        if mapped is not None:
+            return mapped
         dest = torch.empty(tuple(box.sizes), dtype=self.tensors[name].dtype)
         planner = _dcp().RegionPlanner(self._keys[name], self._md[name], box, dest)
         try:
@@ -325,6 +364,10 @@ class DCPReader(Reader):
 
     def close(self) -> None:
         self._units, self._current = [], ""
+        for m in self._maps.values():
+            with contextlib.suppress(BufferError):  # a caller may still hold a view; the map goes with it
+                m.close()
+        self._maps = {}
         for fd in self._fds.values():
             os.close(fd)
         self._fds = {}

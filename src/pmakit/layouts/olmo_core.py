@@ -111,7 +111,7 @@ class OLMoCoreLayout(Layout):
         return Snapshot(path, tokens=tokens, step=step, source=self.name, meta=record, layout=self.name)
 
     def open(self, path: Path) -> Reader:
-        return DCPReader(path / MODEL_DIR)
+        return DCPReader(path / MODEL_DIR, model_key="model")  # nested or flat model.* keys both load
 
     def write(
         self,
