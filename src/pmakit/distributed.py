@@ -319,7 +319,7 @@ def plan_report(
 
     Rates not given are measured here (a short disk probe in the inputs' directory, or the current one).
     """
-    from pmakit.formats import open_reader
+    from pmakit.layouts import open_weights
     from pmakit.merge import DTYPES
 
     unit_bytes = 0
@@ -331,7 +331,7 @@ def plan_report(
         if not chosen:
             raise PmakitError("--plan needs snapshots or a --layout file")
         snapshots = len(chosen)
-        with open_reader(chosen[-1].path) as reader:
+        with open_weights(chosen[-1].path) as reader:  # a trainer's layout: its model weights only
             order = sorted(reader.tensors, key=lambda k: reader.tensors[k].order)
             tensors = [LayoutTensor(k, reader.tensors[k].shape, reader.tensors[k].dtype) for k in order]
             unit_bytes = _unit_bytes(reader)
