@@ -1,7 +1,9 @@
 """Merging OLMo-core checkpoints: pmakit vs OLMo-core's offline approach, on the same DCP checkpoints, in one run.
 
-    python benchmarks/bench_olmo_merge.py              # `make bench-olmo` (part of `make bench`): N=4, ~60M params
-    python benchmarks/bench_olmo_merge.py --layers 2 --n 3 --repeats 1   # a quick look
+    python benchmarks/bench_olmo_merge.py   # `make bench-olmo` (part of `make bench`): N=4 x 106M params, ~3 min*
+    python benchmarks/bench_olmo_merge.py --layers 2 --d-model 256 --vocab 4000 --n 3 --repeats 1   # a quick look
+
+(*) including writing the checkpoints once (4 x 1.2 GB, reused afterwards), on the 2-core machine at load ~5.
 
 Inputs: N checkpoints written by OLMo-core 3.0.0's own ``Checkpointer.save`` (``stepK/{model_and_optim/,
 train/rank0.pt, .metadata.json}``) of a Llama-like OLMo-core ``Transformer`` in fp32 with AdamW state (one
