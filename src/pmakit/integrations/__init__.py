@@ -9,6 +9,9 @@ model's config.json, so a snapshot loads with ``from_pretrained``), keep an ``On
 on the trainer's validation data. Records go to ``save_dir/metrics.jsonl``
 (``{"kind": "eval", "model": "merged:sma:10", "tokens", "step", "val_loss"}``).
 
+``pmakit.integrations.olmo_core.PMACallback`` does the same for OLMo-core's ``Trainer`` (a dataclass callback with
+the same fields, evaluating with the trainer's own evaluators).
+
 This module holds the framework-free part they share; it imports neither transformers nor lightning.
 Multi-process training: only the main process saves, averages and evaluates (on its own share of the validation
 data); the token count is the main process's count times the number of processes.
