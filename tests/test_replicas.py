@@ -9,9 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 
-from pmakit.cli import cli
 from pmakit.formats import read_state
 
 CONFIG = """
@@ -109,13 +107,39 @@ def test_diloco_with_unit_outer_sgd_is_local_sgd_and_resumes_exactly(tmp_path: P
     assert _max_diff(copies[0], copies[1]) > 1e-4
 
 
-def test_replicas_outside_torchrun_is_one_clear_error(tmp_path: Path) -> None:
-    result = CliRunner().invoke(
-        cli, ["train", str(_config(tmp_path, "c")), "-o", str(tmp_path / "r"), "--replicas", "2"]
+def _pmakit(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    return subprocess.run(
+        [sys.executable, "-m", "pmakit", *args], capture_output=True, text=True, timeout=300, env=env
     )
-    assert result.exit_code == 1
-    assert "torchrun --nproc-per-node 2" in result.output
-    assert not (tmp_path / "r").exists()
+
+
+def test_replicas_without_torchrun_launch_their_own_processes(tmp_path: Path) -> None:
+    sgd = _config(tmp_path, "sgd")
+    done = _pmakit("train", str(sgd), "-o", str(tmp_path / "own"), "--replicas", "2", "--sync", "gradients")
+    assert done.returncode == 0, done.stderr[-3000:]
+    _torchrun(sgd, tmp_path / "torchrun", "--sync", "gradients")
+    assert _max_diff(_weights(tmp_path / "own", 10), _weights(tmp_path / "torchrun", 10)) == 0.0
+
+
+def test_replica_mistakes_are_one_line_and_write_nothing(tmp_path: Path) -> None:
+    # V = 1280 tokens is not a multiple of 3 steps x 2 copies x 128 tokens: refused before any process starts.
+    out = tmp_path / "r"
+    done = _pmakit(
+        "train", str(_config(tmp_path, "c")), "-o", str(out), "--replicas", "2", "--sync-every", "3"
+    )
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [done.stderr.strip().splitlines()[0]]
+    assert done.stderr.startswith("Error: snapshot and checkpoint intervals (1,280 tokens)")
+    assert not out.exists()
+    # A failure inside one copy (a corpus that does not exist): its error, the other copy's one line, no traceback.
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(_config(tmp_path, "d").read_text().replace("corpus: null", "corpus: /nonexistent/corpus"))
+    done = _pmakit("train", str(cfg), "-o", str(out), "--replicas", "2")
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    assert "Error: corpus not found: /nonexistent/corpus" in done.stderr
+    assert "Error: model copy 0 of 2 failed" in done.stderr
 
 
 def test_bad_replica_options_are_refused() -> None:

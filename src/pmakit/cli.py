@@ -8,6 +8,7 @@ import pmakit._env  # noqa: F401  (before torch)
 
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -31,6 +32,11 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except PmakitError as e:
             raise click.ClickException(str(e)) from None
+        except Exception as e:
+            # A model copy of `pmakit train --replicas` whose peer failed: one line, the peer said why.
+            if os.environ.get("PMAKIT_COPIES") and os.environ.get("RANK", "0") != "0":
+                raise click.ClickException(f"model copy {os.environ['RANK']} stopped: another copy failed") from None
+            raise
 
 
 class _WarningHandler(logging.Handler):
@@ -607,6 +613,8 @@ def train(
         section["corpus"] = corpus
     cfg = TrainConfig.from_dict(section)
     copies = start_copies(cfg, replicas, **sync)
+    if copies is None:  # the copies ran in processes of their own; rank 0 said what it trained
+        return
     trainer = run_train(
         cfg,
         output,

@@ -144,13 +144,10 @@ def _run_arm(run_dir: Path, train: Any, arm: Arm, study: ReplicaStudy) -> float:
     config = arm_dir.parent / f"{arm.name}.yaml"
     config.write_text(yaml.safe_dump(_arm_config(train, arm, study), sort_keys=False))
     cmd = [sys.executable, "-m", "pmakit", "train", str(config), "-o", str(arm_dir), *arm.args()]
-    if arm.replicas > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        cmd = [*launcher, "--nproc-per-node", str(arm.replicas), *cmd[1:]]
-    log.info("arm %s: %s", arm.name, " ".join(cmd[2:]))
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1" if arm.replicas > 1 else ""}
+    log.info("arm %s: pmakit train %s", arm.name, " ".join(cmd[4:]))
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     t = time.perf_counter()
-    done = subprocess.run(cmd, env={k: v for k, v in env.items() if v}, capture_output=True, text=True)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
         raise PmakitError(f"arm {arm.name} failed (exit {done.returncode}): {tail[0]}")

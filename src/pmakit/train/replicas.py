@@ -258,21 +258,24 @@ def from_env(config: ReplicaConfig | None) -> SingleCopy:
     return Replicas(config)
 
 
-def start_copies(train_config: Any, replicas: int | None, **options: Any) -> SingleCopy:
+def start_copies(train_config: Any, replicas: int | None, **options: Any) -> SingleCopy | None:
     """The copies of a ``pmakit train --replicas R`` process, with the corpus prepared once (by rank 0) for all.
 
-    ``replicas`` None or 1 outside torchrun: a single copy. Otherwise R must equal torchrun's world size.
+    Without torchrun, ``--replicas R`` launches R worker processes of this same command (torch's
+    ``elastic_launch``, one node) and returns None once they finished: the caller has nothing left to do. Under
+    torchrun (or as such a worker) R must equal the world size. Options are checked before anything starts.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if replicas is None or (replicas == 1 and world == 1):
         return SingleCopy()
+    config = ReplicaConfig(**options)
+    _check_config(config, replicas, train_config)
+    if world == 1:
+        _launch(replicas)
+        return None
     if replicas != world:
-        raise PmakitError(
-            f"--replicas {replicas} runs one process per copy: "
-            f"torchrun --nproc-per-node {replicas} -m pmakit train ... --replicas {replicas}"
-            + (f" (this is {world} process(es))" if world > 1 else "")
-        )
-    copies = from_env(ReplicaConfig(**options))
+        raise PmakitError(f"--replicas {replicas} needs {replicas} processes; this is one of {world}")
+    copies = from_env(config)
     import torch.distributed as dist
 
     from pmakit.train.loop import load_corpus
@@ -281,3 +284,47 @@ def start_copies(train_config: Any, replicas: int | None, **options: Any) -> Sin
         load_corpus(train_config)  # tokenizes into the per-user cache once; the other ranks then read it
     dist.barrier()
     return copies
+
+
+def _check_config(config: ReplicaConfig, replicas: int, train_config: Any) -> None:
+    """The interval checks ``Replicas`` makes, done before any process starts."""
+    probe = Replicas.__new__(Replicas)
+    probe.config, probe.size = config, replicas
+    for interval in (
+        train_config.every_tokens,
+        train_config.checkpoint_every_tokens,
+        *train_config.keep_checkpoints_at,
+    ):
+        if interval:
+            probe.check_interval(interval, train_config.tokens_per_step)
+
+
+def _launch(replicas: int) -> None:
+    """Run this command again as ``replicas`` worker processes on this machine (a torchrun of our own)."""
+    import sys
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    launch = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=replicas,
+        run_id=uuid.uuid4().hex,
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        start_method="spawn",
+    )
+    import logging
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the copies say what failed
+    os.environ["PMAKIT_COPIES"] = str(replicas)
+    try:
+        elastic_launch(launch, entrypoint=sys.executable)("-m", "pmakit", *sys.argv[1:])
+    except ChildFailedError as e:
+        rank, failure = min(e.failures.items())
+        raise PmakitError(
+            f"model copy {rank} of {replicas} failed (exit {failure.exitcode}); its error is printed above"
+        ) from None
