@@ -179,11 +179,10 @@ def _snapshots(directory: Path) -> list[Path]:
 class _Scorer:
     """Scores states on the fixed held-out batches with one model instance."""
 
-    def __init__(self, train: Any, study: ReplicaStudy, snapshot: Path) -> None:
-        from transformers import AutoModelForCausalLM
-
+    def __init__(self, train: Any, study: ReplicaStudy) -> None:
         from pmakit.train.data import val_batches
         from pmakit.train.loop import load_corpus
+        from pmakit.train.model import build_model
 
         corpus = load_corpus(train)
         self.batches = val_batches(
@@ -193,7 +192,7 @@ class _Scorer:
             max_batches=study.eval_batches,
         )
         self.bytes_per_token = corpus.bytes_per_token
-        self.model = AutoModelForCausalLM.from_pretrained(snapshot, torch_dtype=torch.float32)
+        self.model = build_model(train.model, corpus.vocab_size)  # every state scored is swapped into it
 
     def __call__(self, state: Mapping[str, torch.Tensor]) -> EvalResult:
         from pmakit.train.loop import swapped
@@ -316,8 +315,7 @@ def run_replica_study(
         arm.name: _run_arm(run_dir, train, arm, study) or previous.get(arm.name, 0.0) for arm in study.arms
     }
     t = time.perf_counter()
-    first = _snapshots(run_dir / "arms" / "sync" / "snapshots")[-1]
-    scorer = _Scorer(train, study, first)
+    scorer = _Scorer(train, study)
     scores = {arm.name: _score_arm(scorer, run_dir, arm, study) for arm in study.arms}
     seconds["evaluation"] = time.perf_counter() - t
     _write(run_dir, "results", _rows(scores, study.arms, train), RESULT_COLUMNS)
