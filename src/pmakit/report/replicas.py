@@ -83,7 +83,8 @@ def _verdicts(rows: list[dict[str, Any]]) -> list[str]:
         fewer = sync["all_reduces"] / max(r["all_reduces"], 1)
         verdict = "within" if rel <= DILOCO_TARGET else "MISSES"
         out.append(
-            f"{arm}: latest loss {rel:+.2%} vs synchronous training with {fewer:.0f}x fewer all-reduces: "
+            f"{arm}: latest loss {rel:+.2%} vs synchronous training (paired "
+            f"{_diff(r['delta_vs_sync'], r['delta_vs_sync_se'])}) with {fewer:.0f}x fewer all-reduces: "
             f"{verdict} the 2% target."
         )
     pma = [r for r in rows if r["model"].startswith("pma") and r["arm"] not in ("single",)]
