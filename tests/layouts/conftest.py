@@ -36,43 +36,60 @@ def run_framework(
 
 
 @pytest.fixture(scope="session")
-def olmo_core_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """OLMo-core save folders: ``ws1`` (10 steps, a checkpoint every step, plus OLMo-core's own
-    ``step3-merged``), and ``ws2``: its last 4 checkpoints loaded and saved again by OLMo-core under FSDP over 2
-    ranks (the same weights, sharded)."""
+def olmo_core_all(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every OLMo-core run the tests need, in 4 processes (each start-up costs seconds of imports):
+
+    - ``ws1``: 10 steps, a checkpoint every step, plus OLMo-core's own ``step3-merged``;
+    - ``ws2``: the last 4 of them loaded and saved again by OLMo-core under FSDP over 2 ranks (same weights);
+    - ``cb-full``, ``cb-resumed``, ``cb-ws2``: pmakit's PMACallback on the Trainer, 8 steps, uninterrupted; killed
+      after step 5 (its last checkpoint is step 4) and resumed by the Trainer; under FSDP over 2 ranks. Each has
+      ``save`` (OLMo-core's checkpoints) and ``pma`` (pmakit's snapshots and metrics.jsonl).
+    """
     pytest.importorskip("olmo_core")
     root = tmp_path_factory.mktemp("olmo_core")
     script = HERE / "olmo_core_run.py"
-    run_framework(script, "train", root / "ws1" / "save", 10)
-    run_framework(script, "reshard", root / "ws1" / "save", root / "ws2" / "save", 4, ranks=2)
-    return {"ws1": root / "ws1" / "save", "ws2": root / "ws2" / "save", "root": root}
-
-
-@pytest.fixture(scope="session")
-def olmo_core_callback_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """pmakit's PMACallback on OLMo-core's Trainer, 8 steps: ``full`` uninterrupted; ``resumed`` killed after
-    step 5 (its last checkpoint is step 4) and resumed by the Trainer; ``ws2`` under FSDP over 2 ranks. Each has
-    ``save`` (OLMo-core's checkpoints) and ``pma`` (pmakit's snapshots and metrics.jsonl)."""
-    pytest.importorskip("olmo_core")
-    root = tmp_path_factory.mktemp("olmo_core_callback")
-    script = HERE / "olmo_core_run.py"
-    runs = {name: root / name for name in ("full", "resumed", "ws2")}
-    run_framework(script, "callback", runs["full"] / "save", runs["full"] / "pma", 8)
+    p = {name: root / name for name in ("ws1", "ws2", "cb-full", "cb-resumed", "cb-ws2")}
+    run_framework(
+        script,
+        "train",
+        p["ws1"] / "save",
+        10,
+        "+",
+        "callback",
+        p["cb-full"] / "save",
+        p["cb-full"] / "pma",
+        8,
+    )
+    run_framework(
+        script,
+        *("reshard", p["ws1"] / "save", p["ws2"] / "save", 4, "+"),
+        *("callback", p["cb-ws2"] / "save", p["cb-ws2"] / "pma", 8),
+        ranks=2,
+    )
+    resumed = (p["cb-resumed"] / "save", p["cb-resumed"] / "pma", "8")
     crashed = subprocess.run(
-        [
-            sys.executable,
-            str(script),
-            "callback",
-            runs["resumed"] / "save",
-            runs["resumed"] / "pma",
-            "8",
-            "5",
-        ],
+        [sys.executable, str(script), "callback", *map(str, resumed), "5"],
         capture_output=True,
+        text=True,
         env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(SRC)},
         timeout=300,
     )
     assert crashed.returncode == 17, crashed.stderr[-3000:]  # the Crash callback's os._exit
-    run_framework(script, "callback", runs["resumed"] / "save", runs["resumed"] / "pma", 8)
-    run_framework(script, "callback", runs["ws2"] / "save", runs["ws2"] / "pma", 8, ranks=2)
-    return runs
+    run_framework(script, "callback", *resumed)
+    return p
+
+
+@pytest.fixture(scope="session")
+def olmo_core_runs(olmo_core_all: dict[str, Path]) -> dict[str, Path]:
+    """OLMo-core save folders ``ws1`` and ``ws2`` (see ``olmo_core_all``)."""
+    return {"ws1": olmo_core_all["ws1"] / "save", "ws2": olmo_core_all["ws2"] / "save"}
+
+
+@pytest.fixture(scope="session")
+def olmo_core_callback_runs(olmo_core_all: dict[str, Path]) -> dict[str, Path]:
+    """PMACallback runs ``full``, ``resumed`` and ``ws2``, each with ``save`` and ``pma`` (see ``olmo_core_all``)."""
+    return {
+        "full": olmo_core_all["cb-full"],
+        "resumed": olmo_core_all["cb-resumed"],
+        "ws2": olmo_core_all["cb-ws2"],
+    }

@@ -1,7 +1,7 @@
 """Runs OLMo-core's own Trainer on CPU (gloo) for the layout tests: ``python olmo_core_run.py MODE ARGS`` or under
 ``torchrun --nproc-per-node 2`` (FSDP over 2 ranks).
 
-Modes:
+Modes (several, separated by ``+``, run in one process one after the other):
   train SAVE STEPS        a tiny transformer, a checkpoint every step (CheckpointerCallback), ModelMergeCallback on
   reshard SRC DST K       the last K SRC/stepN loaded by OLMo-core's Checkpointer into this world size, saved to DST/stepN
   pma-init CKPT SAVE DUMP Trainer.load_checkpoint(CKPT), its loaded weights saved to DUMP, then one training step
@@ -9,7 +9,9 @@ Modes:
                           merge of 3 evaluated by an LM evaluator every 2 steps, checkpoints every 2 steps);
                           with CRASH, the process dies (os._exit) right after step CRASH
 
-No CPU patch was needed: OLMo-core 3.0.0 trains, checkpoints and loads on CPU with gloo as it is.
+No CPU patch was needed: OLMo-core 3.0.0 trains, checkpoints and loads on CPU with gloo as it is. Running several
+jobs in one process resets OLMo-core's module-level FSDP world mesh between them (``build_world_mesh`` refuses a
+second one); nothing else is patched.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import olmo_core.distributed.parallel as olmo_parallel
 import torch
 from olmo_core.config import DType
 from olmo_core.data import (
@@ -49,11 +52,18 @@ from olmo_core.train.callbacks import (
 )
 from olmo_core.train.checkpoint import CheckpointerConfig
 from olmo_core.train.train_module import TransformerDataParallelConfig, TransformerTrainModuleConfig
+from olmo_core.utils import seed_all
 
 VOCAB = 64
 SEQ = 16
 BATCH = 4  # sequences per step
 TOKENS_PER_STEP = BATCH * SEQ
+
+
+def workdir(save: Path) -> Path:
+    """Shared by the runs under one root (``ROOT/RUN/save``): token files and OLMo-core's dataset indices are made
+    once (indexing the eval set costs seconds of process-pool start-up)."""
+    return save.parent.parent / "work"
 
 
 def train_module(work: Path) -> Any:
@@ -97,7 +107,7 @@ def data_loader(work: Path) -> Any:
 
 
 def trainer(save: Path, steps: int, callbacks: dict[str, Any]) -> Any:
-    work = save.parent / "work"
+    work = workdir(save)
     config = TrainerConfig(
         save_folder=str(save),
         work_dir=str(work),
@@ -123,8 +133,8 @@ def train(save: Path, steps: int) -> None:
 
 
 def reshard(src: Path, dst: Path, last: int) -> None:
-    tm = train_module(dst.parent / "work")
-    checkpointer = CheckpointerConfig(work_dir=str(dst.parent / "work"), save_overwrite=True).build()
+    tm = train_module(workdir(dst))
+    checkpointer = CheckpointerConfig(work_dir=str(workdir(dst)), save_overwrite=True).build()
     steps = sorted(int(p.name[4:]) for p in src.glob("step*") if p.name[4:].isdigit())
     for step in steps[-last:]:
         state = checkpointer.load(str(src / f"step{step}"), tm)
@@ -158,7 +168,7 @@ class Crash(Callback):
 def callback(save: Path, pma: Path, steps: int, crash: int | None) -> None:
     from pmakit.integrations.olmo_core import PMACallback
 
-    work = save.parent / "work"
+    work = workdir(save)
     evaluator = LMEvaluatorCallbackConfig(
         eval_dataset=NumpyPaddedFSLDatasetConfig(
             paths=[str(token_file(work, "eval.npy", 1))],
@@ -180,21 +190,32 @@ def callback(save: Path, pma: Path, steps: int, crash: int | None) -> None:
     trainer(save, steps, callbacks).fit()
 
 
+def run_job(mode: str, args: list[str]) -> None:
+    seed_all(0)  # each job starts from the same RNG state, as a fresh process would
+    # OLMo-core builds its FSDP world mesh once per process; a job of its own gets a new one (the only patch).
+    olmo_parallel._WORLD_MESH = None
+    if mode == "train":
+        train(Path(args[0]), int(args[1]))
+    elif mode == "reshard":
+        reshard(Path(args[0]), Path(args[1]), int(args[2]))
+    elif mode == "pma-init":
+        pma_init(Path(args[0]), Path(args[1]), Path(args[2]))
+    elif mode == "callback":
+        crash = int(args[3]) if len(args) > 3 else None
+        callback(Path(args[0]), Path(args[1]), int(args[2]), crash)
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+
+
 def main() -> None:
-    mode, *args = sys.argv[1:]
+    """Jobs separated by ``+`` run one after the other in this process (one start-up for several runs)."""
+    argv = sys.argv[1:]
     prepare_training_environment(seed=0, backend="cpu:gloo")
     try:
-        if mode == "train":
-            train(Path(args[0]), int(args[1]))
-        elif mode == "reshard":
-            reshard(Path(args[0]), Path(args[1]), int(args[2]))
-        elif mode == "pma-init":
-            pma_init(Path(args[0]), Path(args[1]), Path(args[2]))
-        elif mode == "callback":
-            crash = int(args[3]) if len(args) > 3 else None
-            callback(Path(args[0]), Path(args[1]), int(args[2]), crash)
-        else:
-            raise SystemExit(f"unknown mode {mode}")
+        while argv:
+            job = argv[: argv.index("+")] if "+" in argv else argv
+            argv = argv[len(job) + 1 :]
+            run_job(job[0], job[1:])
     finally:
         teardown_training_environment()
 
