@@ -236,3 +236,17 @@ def test_copy_handles_scalars_empty_noncontiguous_and_integer_tensors(tmp_path: 
     got = load(snap.path)
     for k, v in tensors.items():
         assert torch.equal(got[k], v), k
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the pinned, asynchronous copy path)")
+def test_snapshot_of_a_gpu_model_is_its_weights(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    model = torch.nn.Linear(64, 32).cuda()
+    saver = SnapshotSaver(tmp_path, every_tokens=10)
+    saver.maybe_save(model, tokens=10, step=1)
+    with torch.no_grad():
+        model.weight.add_(1.0)  # training goes on at once: the copy must already hold the old weights
+    saver.wait()
+    saved = load_file(tmp_path / "step-00000001" / "model.safetensors")
+    assert torch.equal(saved["weight"], (model.weight - 1.0).cpu())

@@ -23,7 +23,8 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,13 +92,50 @@ def cpu_copy(
     # One allocation for the whole copy: a block that large is mmapped by malloc and goes back to the OS when the
     # snapshot is freed, where thousands of tensor-sized blocks would stay in the heap (glibc's adaptive mmap
     # threshold) and grow the process by a snapshot or two.
-    buffer = torch.empty(total, dtype=torch.uint8)
+    # From a GPU the block is pinned and the copies are asynchronous on a side stream that first waits for the
+    # compute stream: the training thread only enqueues them, and ``ready`` (a CUDA event) tells the writer thread
+    # when the bytes are on the host.
+    on_gpu = any(t.is_cuda for t in kept.values())
+    buffer = torch.empty(total, dtype=torch.uint8, pin_memory=on_gpu)
     out = {}
-    for name, t in kept.items():
-        nbytes = t.numel() * targets[name].itemsize
-        view = buffer[offsets[name] : offsets[name] + nbytes].view(targets[name]).view(t.shape)
-        out[name] = view.copy_(t.detach())
+    with _copy_stream(on_gpu) as stream:
+        for name, t in kept.items():
+            nbytes = t.numel() * targets[name].itemsize
+            view = buffer[offsets[name] : offsets[name] + nbytes].view(targets[name]).view(t.shape)
+            out[name] = view.copy_(t.detach(), non_blocking=on_gpu)
+    if stream is not None:
+        ready = torch.cuda.Event()
+        ready.record(stream)
+        # The next optimizer step must not overwrite weights the copy has not read yet: the compute stream waits
+        # for it on the device (the training thread does not block).
+        torch.cuda.current_stream().wait_event(ready)
+        _READY[buffer.data_ptr()] = ready
     return out, tied
+
+
+# Host buffers still being filled by an asynchronous device-to-host copy, by address: the writer thread waits on
+# the event before it reads (``wait_until_on_host``).
+_READY: dict[int, Any] = {}
+
+
+@contextmanager
+def _copy_stream(on_gpu: bool) -> Iterator[Any]:
+    """A CUDA side stream ordered after the current one, made current for the copies (None on the CPU)."""
+    if not on_gpu:
+        yield None
+        return
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        yield stream
+
+
+def wait_until_on_host(state: Mapping[str, torch.Tensor]) -> None:
+    """Block until an asynchronous GPU-to-host ``cpu_copy`` of ``state`` has landed (no-op for CPU copies)."""
+    for t in state.values():
+        ready = _READY.pop(t.untyped_storage().data_ptr(), None)
+        if ready is not None:
+            ready.synchronize()
 
 
 def write_safetensors(
@@ -276,6 +314,7 @@ class SnapshotSaver:
             )
             self._thread.start()
         else:
+            wait_until_on_host(state)
             self._write(snapshot, state)
         return snapshot
 
@@ -284,6 +323,7 @@ class SnapshotSaver:
     def _write_guarded(self, snapshot: Snapshot, state: dict[str, torch.Tensor]) -> None:
         start = time.thread_time()
         try:
+            wait_until_on_host(state)
             self._write(snapshot, state)
         except BaseException as e:
             self._error, self._error_path = e, snapshot.path
