@@ -1,6 +1,6 @@
 """Training across model copies: synchronous data parallel, local SGD and DiLoCo, with PMA on top.
 
-R copies of the model train under torchrun, one process each (gloo on CPU, NCCL on a GPU), each on its own data
+R copies of the model train in one process each (gloo: pmakit's trainer runs on the CPU), each on its own data
 shard (``get_batch(..., shard=rank)``), counted together: a step of R copies is R x batch x seq_len tokens.
 
 - ``sync="gradients"``: the gradients are all-reduced every step (DDP's arithmetic); the baseline.
@@ -254,7 +254,7 @@ def from_env(config: ReplicaConfig | None) -> SingleCopy:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("gloo")  # pmakit's trainer keeps its model on the CPU
     return Replicas(config)
 
 
