@@ -129,8 +129,8 @@ def out_formats() -> list[str]:
 
 def writer(out_format: str) -> Layout:
     """The layout that writes ``out_format`` (anything but safetensors)."""
-    layout = get_layout(out_format)
-    if type(layout).write is Layout.write:
+    layout = next((x for x in _layouts() if x.name == out_format), None)
+    if layout is None or type(layout).write is Layout.write:
         raise PmakitError(f"unknown output format {out_format!r}; use {' or '.join(out_formats())}")
     return layout
 
