@@ -42,7 +42,6 @@ import torch
 
 from pmakit.errors import PmakitError
 from pmakit.formats import FileInfo, Format, Reader, TensorInfo
-from pmakit.formats.safetensors_io import _inside
 from pmakit.formats.torch_record import record_view
 
 if TYPE_CHECKING:
@@ -249,6 +248,12 @@ class DCPReader(Reader):
         self._storage = _dcp().CachedMetadataReader(path, self.metadata)
         names, self.skipped = model_entries(self.metadata, model_key)
         storage = self.metadata.storage_data if isinstance(self.metadata.storage_data, Mapping) else {}
+        for (
+            info
+        ) in storage.values():  # the data files named in .metadata never leave the checkpoint directory
+            relative = str(getattr(info, "relative_path", ""))
+            if os.path.isabs(relative) or ".." in Path(relative).parts:
+                raise PmakitError(f"{path / METADATA_FILE}: refusing data file {relative!r} outside {path}")
         files = sorted(f.name for f in path.glob("*.distcp"))
         self.files = [
             FileInfo(METADATA_FILE, (path / METADATA_FILE).stat().st_size, _sha256(path / METADATA_FILE))
@@ -295,8 +300,7 @@ class DCPReader(Reader):
             return None  # torch's newer writers may compress or re-encode a record: DCP knows how to read it
         relative = str(info.relative_path)
         if relative not in self._maps:
-            file = _inside(self.path, relative)
-            with open(file, "rb") as f:
+            with open(self.path / relative, "rb") as f:  # checked in __init__: inside the directory
                 self._maps[relative] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         view = record_view(
             self._maps[relative],
