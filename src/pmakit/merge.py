@@ -555,6 +555,7 @@ def _manifest(
                 "step": s.step,
                 "tokens": s.tokens,
                 "weight": w,
+                "layout": s.layout,
                 "format": r.format,
                 "files": [vars(f) for f in r.files],
             }
@@ -961,6 +962,7 @@ def _window_inputs(snapshots: Sequence[Snapshot], weights: Sequence[float]) -> l
                 "step": s.step,
                 "tokens": s.tokens,
                 "weight": w,
+                "layout": s.layout,
                 "format": r.format,
                 "files": [vars(f) for f in r.files],
             }

@@ -68,6 +68,10 @@ def test_merge_with_no_token_flags_is_the_hand_average_and_olmo_core_loads_it(
         for k in olmo_ckpt.get_checkpoint_metadata(out / "model_and_optim").state_dict_metadata
     )
     assert (out / ".metadata.json").is_file() and (out / "train" / "rank0.pt").is_file()
+    manifest = json.loads((out / "pmakit-merge.json").read_text())
+    assert {i["layout"] for i in manifest["inputs"]} == {"olmo-core"} and manifest["produced_by"][
+        "format"
+    ] == "olmo-core"
 
     # OLMo-core's Trainer loads the merge (Trainer.load_checkpoint -> Checkpointer.load) and trains one step.
     save = tmp_path / "continued"
