@@ -362,7 +362,8 @@ def plan_report(
 
 
 def _unit_bytes(reader: Any) -> int:
-    """What a DCP input holds in memory beyond the merge's chunks: its largest saved chunk (0 for mapped files)."""
+    """What a DCP input holds in memory beyond the merge's chunks: its largest saved chunk that cannot be mapped
+    from the file (0 for mapped files, and for DCP records ``torch_record`` maps)."""
     md = getattr(reader, "_md", None)
     if not md:
         return 0
@@ -370,6 +371,8 @@ def _unit_bytes(reader: Any) -> int:
     for name, tensor_md in md.items():
         itemsize = reader.tensors[name].dtype.itemsize
         for c in tensor_md.chunks:
+            if reader._mapped(name, c) is not None:
+                continue
             n = itemsize
             for d in c.sizes:
                 n *= d
