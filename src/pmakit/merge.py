@@ -46,6 +46,7 @@ from pmakit.distributed import World
 from pmakit.errors import PmakitError
 from pmakit.formats import Reader, TensorInfo, is_float
 from pmakit.formats.safetensors_io import OutputTensor, Shard, ShardWriter, plan_shards, write_index
+from pmakit.guard import guard_output, output_lock
 from pmakit.layouts import native_format, open_weights, writer
 from pmakit.snapshot import MERGE_MANIFEST, METADATA_FILE, Snapshot
 from pmakit.units import format_bytes
@@ -409,9 +410,10 @@ def _fold(
                 torch.mul(values, weight, out=a)
             else:
                 a.add_(values, alpha=weight)
-        total += a.sum().item()
-        if not fp32_out:
-            out[start:stop].copy_(a)
+        if fp32_out:
+            total += a.sum().item()
+        else:  # summed after the cast: a value beyond fp16's range becomes Inf there, not in the fp32 sum
+            total += out[start:stop].copy_(a).sum(dtype=torch.float32).item()
     return math.isfinite(total)
 
 
@@ -424,7 +426,7 @@ def _fold_on(device: str, views: Sequence[torch.Tensor], weights: Sequence[float
         acc = values.mul_(weight) if acc is None else acc.add_(values, alpha=weight)
     assert acc is not None
     out.copy_(acc.to(out.dtype))
-    return bool(torch.isfinite(acc).all())
+    return bool(torch.isfinite(out).all())  # after the cast: fp16 overflows to Inf
 
 
 def _stream(
@@ -469,6 +471,11 @@ def _stream(
         values, finite = result.result()
         if not finite:
             _find_nonfinite(readers, plan, chunk)
+            dtype = str(plan.tensors[chunk.name][1]).replace("torch.", "")
+            raise PmakitError(
+                f"tensor {chunk.name!r}: the average exceeds the range of {dtype} (it would be written as Inf); "
+                "merge with --dtype fp32 or bf16"
+            )
         writer.put(chunk.shard, chunk.name, values, buf)
         if progress is not None:
             readers_used = len(chunk.sources)
@@ -708,29 +715,29 @@ def _fingerprint(plan: MergePlan, readers: Sequence[Reader], **options: Any) -> 
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 
-def _prepare(out: Path, partial: Path, plan: MergePlan, fingerprint: str, force: bool, resume: bool) -> None:
-    """Rank 0: check the target, then create the partial directory or take over an interrupted one."""
+def _prepare(
+    out: Path, partial: Path, plan: MergePlan, fingerprint: str, force: bool, resume: bool, extra: int = 0
+) -> None:
+    """Rank 0: check the target, then create the partial directory or take over an interrupted one.
+
+    An interrupted merge of the very same inputs and options is continued without being asked (the same command
+    run again after a kill); ``--force`` starts over. ``extra``: bytes written beside the output (fp32 sums)."""
     if out.exists() and not force:
         raise PmakitError(f"{out} exists; pass --force to replace it")
     if partial.exists():
-        if resume:
+        if resume or not force:
             _Progress(partial).check(fingerprint)
-            log.info("resuming the interrupted merge in %s", partial)
+            log.warning("continuing the interrupted merge in %s (same inputs and options)", partial)
             return
-        if not force:
-            raise PmakitError(
-                f"{partial} is left from an interrupted merge; pass --resume to continue it, "
-                "or --force to start over"
-            )
         shutil.rmtree(partial)
     elif resume:
         log.info("no interrupted merge in %s; starting from the beginning", partial)
     out.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out.parent).free
-    if plan.output_bytes > free:
+    if plan.output_bytes + extra > free:
         raise PmakitError(
             f"not enough disk space in {out.parent}: the merge writes "
-            f"{format_bytes(plan.output_bytes)}, {format_bytes(free)} free"
+            f"{format_bytes(plan.output_bytes + extra)}, {format_bytes(free)} free"
         )
     partial.mkdir()
     _Progress(partial).start(fingerprint)
@@ -791,6 +798,8 @@ def _finish(
 
     ``written``: the files a layout's writer made from the staged safetensors shards (None: the shards are the
     output)."""
+    for reader in readers:  # every input byte is read: the inputs must still be what was opened
+        reader.verify()
     prog = _Progress(partial)
     if written is not None:
         for s in plan.shards:
@@ -856,6 +865,7 @@ def merge(
     start = time.perf_counter()
     out = Path(out)
     world = world or World()
+    guard_output(out, [s.path for s in [*snapshots, *(window[0] if window else [])]], force)
     cast = True if window is not None else None
     plan = plan_merge(
         snapshots, weights, dtype=dtype, max_shard_size=max_shard_size, ranks=world.size, cast=cast
@@ -879,7 +889,13 @@ def merge(
             readers = [stack.enter_context(open_weights(s.path)) for s in plan.snapshots]
             options = {"format": out_format, "keep_fp32": sums is not None, "ranks": world.size}
             fingerprint = _fingerprint(plan, readers, **options)
-            _stage(world, out, lambda: _prepare(out, partial, plan, fingerprint, force, resume), rank0=True)
+            extra = sums.output_bytes if sums is not None else 0
+
+            def prepare() -> None:
+                stack.enter_context(output_lock(out))  # held until the merge ends; rank 0 only
+                _prepare(out, partial, plan, fingerprint, force, resume, extra)
+
+            _stage(world, out, prepare, rank0=True)
             owned = True
             final, final_readers = plan, readers
             if sums is not None:
@@ -990,13 +1006,22 @@ def average_states(
 def replace_dir(partial: Path, out: Path) -> None:
     """Move the finished ``partial`` to ``out``; an old ``out`` is removed only after the new one is in place."""
     old = None
-    if out.exists():
+    if os.path.lexists(out):
         old = out.parent / f".{out.name}.pmakit-old"
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
         os.replace(out, old)
     os.replace(partial, out)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
+
+
+def _remove(path: Path) -> None:
+    """Remove a directory tree, or a file or symlink (rmtree refuses those, and would leave them behind)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
 
 
 # ---------------------------------------------------------------------------------------------------------------

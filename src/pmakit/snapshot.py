@@ -136,6 +136,17 @@ def sort_snapshots(snapshots: Iterable[Snapshot]) -> list[Snapshot]:
     for a, b in zip(ordered, ordered[1:]):
         if a.tokens == b.tokens and a.path.resolve() != b.path.resolve():
             raise PmakitError(f"two snapshots at {a.tokens} tokens: {a.path} and {b.path}")
+        if a.step is not None and b.step is not None and a.step > b.step:
+            log.warning(
+                "step and token order disagree: %s (step %d, %d tokens) comes before %s (step %d, %d tokens); "
+                "merging in token order",
+                a.path,
+                a.step,
+                a.tokens,
+                b.path,
+                b.step,
+                b.tokens,
+            )
     return [s for i, s in enumerate(ordered) if i == 0 or s.path.resolve() != ordered[i - 1].path.resolve()]
 
 
@@ -166,4 +177,7 @@ def gather(
             )
         snapshots += found
         from_run = True
+    unmatched = skip - {s.path.resolve() for s in snapshots}
+    if unmatched:
+        raise PmakitError(f"--exclude {sorted(map(str, unmatched))[0]} names none of the snapshots found")
     return sort_snapshots(s for s in snapshots if s.path.resolve() not in skip), from_run

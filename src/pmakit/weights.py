@@ -111,7 +111,16 @@ def normalize_custom(weights: Sequence[float], n: int) -> list[float]:
         )
     if any(not math.isfinite(w) for w in weights):
         raise PmakitError(f"--weights must be finite numbers, got {list(weights)}")
-    total = math.fsum(weights)
+    try:
+        total = math.fsum(weights)
+    except OverflowError:
+        total = math.inf
+    if not math.isfinite(total):
+        raise PmakitError(f"--weights sum overflows ({list(weights)}); give weights of a sensible size")
+    if any(w < 0 for w in weights):
+        log.warning(
+            "--weights has negative weights %s: the merge extrapolates rather than averages", list(weights)
+        )
     if total <= 0:
         raise PmakitError(f"--weights must have a positive sum, got {total:g}")
     if abs(total - 1) > 1e-6:

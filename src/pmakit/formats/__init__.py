@@ -68,6 +68,23 @@ class Reader(ABC):
         at least the chunk's bytes that a reader which must copy may fill and return a view of.
         """
 
+    def watch(self, files: list[Path]) -> None:
+        """Remember ``files``' identity (inode, size, mtime) as opened, for ``verify``."""
+        self._watched = [(f, _identity(os.stat(f))) for f in files]
+
+    def verify(self) -> None:
+        """Fail with one line if a watched file was truncated, replaced or rewritten since it was opened: the bytes
+        merged would then be neither version (call it once every byte has been read, before publishing)."""
+        for file, seen in getattr(self, "_watched", []):
+            try:
+                now = _identity(os.stat(file))
+            except OSError:
+                now = None
+            if now != seen:
+                raise PmakitError(
+                    f"{file}: changed while being merged (truncated, replaced or rewritten); merge again"
+                )
+
     def prefetch(self, name: str, start: int, stop: int) -> None:  # noqa: B027 - optional hook
         """Hint that ``read(name, start, stop)`` comes soon (start the disk read early)."""
 
@@ -79,6 +96,10 @@ class Reader(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 @dataclass(frozen=True)

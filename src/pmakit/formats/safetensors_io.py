@@ -68,12 +68,15 @@ def read_header(path: Path) -> tuple[dict[str, Any], int, bytes]:
     except OSError as e:
         raise PmakitError(f"{path}: cannot read ({e.strerror or e})") from e
     try:
-        header = json.loads(raw)
+        header = json.loads(raw, object_pairs_hook=_no_duplicates)
     except ValueError as e:
         raise PmakitError(f"{path}: corrupt safetensors header ({e})") from e
+    except RecursionError:
+        raise PmakitError(f"{path}: corrupt safetensors header (nested too deep)") from None
     if not isinstance(header, dict):
         raise PmakitError(f"{path}: corrupt safetensors header (not a JSON object)")
     data_start = 8 + n
+    ranges: list[tuple[int, int, str]] = []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
@@ -90,7 +93,32 @@ def read_header(path: Path) -> tuple[dict[str, Any], int, bytes]:
                 f"{path}: tensor {name!r} lies outside the file or has the wrong byte length "
                 "(truncated or corrupt file)"
             )
+        ranges.append((begin, end, name))
+    _check_contiguous(path, ranges)
     return header, data_start, raw
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are unique: a second entry of one tensor would silently replace the first."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"tensor {key!r} appears twice")
+        out[key] = value
+    return out
+
+
+def _check_contiguous(path: Path, ranges: list[tuple[int, int, str]]) -> None:
+    """Tensors tile the data section back to back from 0, as the safetensors library requires ("invalid offset"):
+    overlapping ranges would make two tensors share bytes, a gap hides data no tensor owns."""
+    expected = 0
+    for begin, end, name in sorted(ranges):
+        if begin != expected:
+            raise PmakitError(
+                f"{path}: tensor {name!r} has invalid data_offsets [{begin}, {end}] "
+                f"(overlaps another tensor or leaves a gap; expected to start at {expected})"
+            )
+        expected = end
 
 
 def _inside(directory: Path, name: str) -> Path:
@@ -132,6 +160,7 @@ class SafetensorsReader(Reader):
                         DTYPES[entry["dtype"]], tuple(int(d) for d in entry["shape"]), (i, begin)
                     )
                     self._where[name] = (i, data_start + begin)
+            self.watch(self._files)
         except BaseException:
             self.close()
             raise
@@ -170,6 +199,12 @@ class SafetensorsReader(Reader):
         index, offset, nbytes = self._range(name, start, stop)
         if nbytes == 0:
             return torch.empty(0, dtype=self.tensors[name].dtype)
+        # Touching a mapped page past the end of a file truncated since it was opened kills the process with
+        # SIGBUS (no Python handler can catch it): check the file still holds the range before handing out a view.
+        if os.fstat(self._fds[index]).st_size < offset + nbytes:
+            raise PmakitError(
+                f"{self._files[index]}: truncated while being merged (tensor {name!r}); merge again"
+            )
         with warnings.catch_warnings():
             # torch warns that the buffer is read-only; the view is read-only by the Reader contract. (A writable
             # private mapping would instead be charged in full against the overcommit limit.)

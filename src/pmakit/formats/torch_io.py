@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pickle
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +68,20 @@ def _load(file: Path) -> dict[str, Any]:
     return obj
 
 
+def _check_crc(file: Path) -> None:
+    """Refuse a zip whose members fail their CRC-32 (bit rot, a torn copy): torch itself never checks it, so a
+    damaged storage would merge silently. One sequential read of the file, usually from the page cache."""
+    try:
+        with zipfile.ZipFile(file) as z:
+            bad = z.testzip()
+    except zipfile.BadZipFile:
+        return  # the legacy (non-zip) format, or a damaged zip that torch.load already refused
+    except (OSError, EOFError, ValueError, zlib.error) as e:
+        raise PmakitError(f"{file}: corrupt torch file ({e})") from e
+    if bad is not None:
+        raise PmakitError(f"{file}: corrupt torch file (member {bad} fails its CRC check)")
+
+
 def _header_sha256(file: Path) -> str:
     """sha256 of the pickled structure (names, shapes, storage keys): cheap, and changes when the tensors do."""
     try:
@@ -87,8 +103,10 @@ class TorchReader(Reader):
         files = weight_files(path)
         if not files:
             raise PmakitError(f"{path}: no torch weight files")
+        self._files = files
         for i, file in enumerate(files):
             state = _load(file)
+            _check_crc(file)
             for key in WRAPPER_KEYS:
                 if isinstance(state.get(key), dict) and any(
                     isinstance(v, torch.Tensor) for v in state[key].values()
@@ -105,9 +123,14 @@ class TorchReader(Reader):
                 self._tensors[name] = value
                 self.tensors[name] = TensorInfo(value.dtype, tuple(value.shape), (i, offset))
             self.files.append(FileInfo(file.name, file.stat().st_size, _header_sha256(file)))
+        self.watch(files)
 
     def read(self, name: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """A view of the memory-mapped tensor (read-only by contract)."""
+        # A mapped page past the end of a truncated file is a SIGBUS: check the size has not changed first.
+        index = self.tensors[name].order[0]
+        if os.stat(self._files[index]).st_size != self.files[index].size:
+            raise PmakitError(f"{self._files[index]}: truncated or rewritten while being merged; merge again")
         return self._tensors[name].reshape(-1)[start:stop]
 
     def close(self) -> None:

@@ -143,6 +143,29 @@ def load_json(file: Path) -> dict[str, Any]:
     return data
 
 
+def _count(meta: dict[str, Any], key: str) -> int | None:
+    """``meta[key]`` as a non-negative integer count, None when absent; anything else (``true``, ``-5``, ``1.5``,
+    ``"10"``) is refused: JSON ``true`` is an int to Python, and a wrong count silently reorders a merge."""
+    value = meta.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{key!r} must be a non-negative integer, got {json.dumps(value)}")
+    return value
+
+
+def validate_metadata(meta: dict[str, Any], file: Path) -> tuple[int, int | None]:
+    """(tokens, step) of a snapshot's metadata record, validated: the one check every layout's metadata goes
+    through. A missing or malformed count is an ``IncompleteSnapshot`` naming ``file``."""
+    try:
+        tokens, step = _count(meta, "tokens"), _count(meta, "step")
+    except ValueError as e:
+        raise IncompleteSnapshot(file, str(e)) from None
+    if tokens is None:
+        raise IncompleteSnapshot(file, "'tokens' is missing")
+    return tokens, step
+
+
 def float_or_none(x: Any) -> float | None:
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 

@@ -6,7 +6,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from pmakit.formats import detect_format
-from pmakit.layouts.base import METADATA_FILE, IncompleteSnapshot, Layout, Snapshot, float_or_none, load_json
+from pmakit.layouts.base import (
+    METADATA_FILE,
+    IncompleteSnapshot,
+    Layout,
+    Snapshot,
+    float_or_none,
+    load_json,
+    validate_metadata,
+)
 
 
 class PmakitLayout(Layout):
@@ -19,14 +27,11 @@ class PmakitLayout(Layout):
         require_weights(path)
         meta_file = path / METADATA_FILE
         meta = load_json(meta_file)
-        tokens = meta.get("tokens")
-        if not isinstance(tokens, int) or tokens < 0:
-            raise IncompleteSnapshot(meta_file, f"'tokens' must be a non-negative integer, got {tokens!r}")
-        step = meta.get("step")
+        tokens, step = validate_metadata(meta, meta_file)
         return Snapshot(
             path,
             tokens=tokens,
-            step=step if isinstance(step, int) else None,
+            step=step,
             lr=float_or_none(meta.get("lr")),
             loss=float_or_none(meta.get("loss")),
             source=self.name,
