@@ -105,7 +105,7 @@ def selection_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         ),
         click.option(
             "--tokens-per-step",
-            type=int,
+            type=click.IntRange(min=1),
             default=None,
             help="Tokens per step, for snapshots without token metadata (HF checkpoint-N, step-N dirs).",
         ),
