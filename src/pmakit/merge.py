@@ -299,6 +299,7 @@ class _Writer:
 
     def _run(self) -> None:
         writer: ShardWriter | None = None
+        item: tuple[int, str, torch.Tensor, torch.Tensor | None] | None = None
         try:
             while (item := self._todo.get()) is not None:
                 if self._aborted:
@@ -323,7 +324,9 @@ class _Writer:
             self._error = e
             if writer is not None:
                 writer.abort()
-            while True:  # keep releasing buffers so that the producer never blocks on a dead writer
+            # The last shard's close (its staged tail, the fsync) fails after the end marker was taken: then
+            # nothing more comes, and waiting for another marker would hang finish() for good (disk full).
+            while item is not None:  # keep releasing buffers so that the producer never blocks on a dead writer
                 item = self._todo.get()
                 if item is None:
                     return
@@ -947,6 +950,10 @@ def merge(
                     "format": out_format,
                     "fp32_sums": FP32_DIR if sums is not None else (None if narrow else "."),
                 }
+                if sums is not None:  # what --from-previous checks before trusting the sums
+                    record["output"]["fp32_files"] = [
+                        _Progress(partial).recorded(f"{FP32_DIR}/{s.file}") for s in sums.shards
+                    ]
                 if window is not None:
                     record["terms"] = record["inputs"]
                     record["inputs"] = _window_inputs(*window)
@@ -1055,6 +1062,24 @@ def _same_files(snapshot: Path, recorded: Any) -> bool:
         return [f.header_sha256 for f in reader.files] == [r.get("header_sha256") for r in recorded]
 
 
+def _verify_previous(previous: Path, state: Path, manifest: dict[str, Any]) -> None:
+    """The sums an update builds on still have the sha256 their merge recorded: an edited or damaged previous merge
+    would otherwise pass its error on to every later merge (one read of the sums, which the update reads anyway)."""
+    output = manifest.get("output") if isinstance(manifest.get("output"), dict) else {}
+    recorded = output.get("fp32_files" if state != previous else "files")
+    if not isinstance(recorded, list) or not recorded:
+        raise PmakitError(f"{previous}: its manifest records no checksums of its sums; run a full merge")
+    for entry in recorded:
+        try:
+            file, sha = state / str(entry["name"]), str(entry["sha256"])
+        except (KeyError, TypeError):
+            raise PmakitError(f"{previous}: unreadable file record {entry!r} in its manifest") from None
+        if "/" in str(entry["name"]) or not file.is_file() or _sha256_file(file) != sha:
+            raise PmakitError(
+                f"{file}: does not match the sha256 its merge recorded (edited or damaged); run a full merge"
+            )
+
+
 def _scale(old: dict[str, float], new: dict[str, float]) -> float:
     """The factor on the previous merge that makes the most shared snapshots' weights right as they are."""
     ratios = [new[p] / old[p] for p in new.keys() & old.keys() if old[p] != 0]
@@ -1117,6 +1142,7 @@ def plan_increment(
                 "updating it would keep that rounding in every later merge; run the full merge once with "
                 "--keep-fp32 (or --dtype fp32)"
             )
+    _verify_previous(previous, state, manifest)
     new = {str(s.path.resolve()): w for s, w in zip(window, weights)}
     old = {p: w for p, (w, _) in prior.items()}
     if not new.keys() & old.keys():
