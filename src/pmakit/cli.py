@@ -32,7 +32,7 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except PmakitError as e:
             raise click.ClickException(str(e)) from None
-        except Exception as e:
+        except Exception:
             # A model copy of `pmakit train --replicas` whose peer failed: one line, the peer said why.
             if os.environ.get("PMAKIT_COPIES") and os.environ.get("RANK", "0") != "0":
                 raise click.ClickException(f"model copy {os.environ['RANK']} stopped: another copy failed") from None
@@ -603,7 +603,7 @@ def train(
     Runs resume from RUN/checkpoint after a crash or Ctrl-C: run the same command again.
     """
     from pmakit.config import load
-    from pmakit.train.loop import TrainConfig
+    from pmakit.train.loop import TrainConfig, load_corpus
     from pmakit.train.loop import train as run_train
     from pmakit.train.replicas import start_copies
 
@@ -612,7 +612,7 @@ def train(
     if corpus is not None:
         section["corpus"] = corpus
     cfg = TrainConfig.from_dict(section)
-    copies = start_copies(cfg, replicas, **sync)
+    copies = start_copies(cfg, replicas, lambda: load_corpus(cfg), **sync)
     if copies is None:  # the copies ran in processes of their own; rank 0 said what it trained
         return
     trainer = run_train(

@@ -21,6 +21,7 @@ crashed run resumes exactly.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -258,8 +259,11 @@ def from_env(config: ReplicaConfig | None) -> SingleCopy:
     return Replicas(config)
 
 
-def start_copies(train_config: Any, replicas: int | None, **options: Any) -> SingleCopy | None:
-    """The copies of a ``pmakit train --replicas R`` process, with the corpus prepared once (by rank 0) for all.
+def start_copies(
+    train_config: Any, replicas: int | None, prepare: Callable[[], object], **options: Any
+) -> SingleCopy | None:
+    """The copies of a ``pmakit train --replicas R`` process, with ``prepare`` (tokenizing the corpus into the
+    cache) run once, by rank 0, before the others read it.
 
     Without torchrun, ``--replicas R`` launches R worker processes of this same command (torch's
     ``elastic_launch``, one node) and returns None once they finished: the caller has nothing left to do. Under
@@ -278,10 +282,8 @@ def start_copies(train_config: Any, replicas: int | None, **options: Any) -> Sin
     copies = from_env(config)
     import torch.distributed as dist
 
-    from pmakit.train.loop import load_corpus
-
     if copies.rank == 0:
-        load_corpus(train_config)  # tokenizes into the per-user cache once; the other ranks then read it
+        prepare()
     dist.barrier()
     return copies
 
