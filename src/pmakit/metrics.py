@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,24 @@ class MetricsLog:
             except ImportError:  # tensorboard is an optional extra
                 self._tb = None
 
+    def resume_at(self, step: int) -> None:
+        """The run resumes from its state at ``step``: records of later steps (written before a kill, about to be
+        written again) are dropped, a torn last line too, and ``time`` continues from the last record kept."""
+        records = read_metrics(self.path.parent)
+        keep = [r for r in records if not isinstance(r.get("step"), int) or r["step"] <= step]
+        times = [r["time"] for r in keep if isinstance(r.get("time"), (int, float))]
+        self._start = time.time() - max(times, default=0.0)
+        if len(keep) == len(records) and _whole(self.path):
+            return
+        self._file.close()
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(r, default=_json_default) + "\n" for r in keep)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
+
     def write(self, record: dict[str, Any]) -> None:
         record = {"time": round(time.time() - self._start, 3), **record}
         self._file.write(json.dumps(record, default=_json_default) + "\n")
@@ -47,6 +66,19 @@ class MetricsLog:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _whole(path: Path) -> bool:
+    """Every line of ``path`` is a JSON record (no torn line left by a kill)."""
+    text = path.read_text()
+    if text and not text.endswith("\n"):
+        return False
+    try:
+        for line in text.splitlines():
+            json.loads(line)
+    except ValueError:
+        return False
+    return True
 
 
 def _json_default(x: Any) -> Any:

@@ -94,7 +94,7 @@ def read_header(path: Path) -> tuple[dict[str, Any], int, bytes]:
                 "(truncated or corrupt file)"
             )
         ranges.append((begin, end, name))
-    _check_contiguous(path, ranges)
+    _check_contiguous(path, ranges, size - data_start)
     return header, data_start, raw
 
 
@@ -108,9 +108,10 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _check_contiguous(path: Path, ranges: list[tuple[int, int, str]]) -> None:
-    """Tensors tile the data section back to back from 0, as the safetensors library requires ("invalid offset"):
-    overlapping ranges would make two tensors share bytes, a gap hides data no tensor owns."""
+def _check_contiguous(path: Path, ranges: list[tuple[int, int, str]], data_bytes: int) -> None:
+    """Tensors tile the data section back to back from 0 to the end of the file, as the safetensors library
+    requires ("invalid offset", "incomplete metadata"): overlapping ranges would make two tensors share bytes, a gap
+    or trailing bytes mean data no tensor owns (bytes inserted into a file shift every later tensor)."""
     expected = 0
     for begin, end, name in sorted(ranges):
         if begin != expected:
@@ -119,6 +120,11 @@ def _check_contiguous(path: Path, ranges: list[tuple[int, int, str]]) -> None:
                 f"(overlaps another tensor or leaves a gap; expected to start at {expected})"
             )
         expected = end
+    if expected != data_bytes:
+        raise PmakitError(
+            f"{path}: the tensors cover {expected} bytes of a {data_bytes}-byte data section "
+            "(bytes inserted or appended: corrupt file)"
+        )
 
 
 def _inside(directory: Path, name: str) -> Path:

@@ -297,6 +297,9 @@ class Trainer:
         elif init_from is not None:
             self._load_weights(Path(init_from))
             log.info("initialised from %s", init_from)
+        # Records of steps after this one were written by an attempt killed before its next checkpoint (or before
+        # its first): they are about to be written again. Time continues from the last record kept.
+        self.metrics.resume_at(self.step)
         self.copies.attach(self.model)
         if self._copies_state is not None:
             self.copies.load_state_dict(self._copies_state, self.optimizer)

@@ -1,0 +1,235 @@
+"""Faults: kill -9 of `pmakit merge` and of `pmakit train` at many moments, concurrent `--force` merges into one
+output, and a disk that fills up (a real tmpfs when this process may mount one).
+
+A merge killed at any moment and run again with the very same command ends with the uninterrupted merge's bytes;
+a training run killed at any moment and resumed has one record per step in its metrics, a clock that only moves
+forward, and the uninterrupted run's weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from conftest import SRC, run_cli, state, write_snapshot
+from pmakit.cli import cli
+from pmakit.metrics import read_metrics
+
+STEPS = (100, 200, 300, 400)
+SHAPES = {f"layers.{i}.weight": (256, 256) for i in range(8)}
+ENV = {**os.environ, "PYTHONPATH": str(SRC), "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def build_run(root: Path) -> Path:
+    run = root / "run"
+    for i, step in enumerate(STEPS, 1):
+        write_snapshot(run / f"step-{step:06d}", state(i, torch.float32, SHAPES), step=step, tokens=step * 10)
+    return run
+
+
+def pmakit(*args: Any) -> list[str]:
+    return [sys.executable, "-m", "pmakit", *map(str, args)]
+
+
+def weights_of(out: Path) -> dict[str, bytes]:
+    return {f.name: f.read_bytes() for f in sorted(out.glob("*.safetensors"))}
+
+
+def manifest_matches_bytes(out: Path) -> dict[str, Any]:
+    manifest = json.loads((out / "pmakit-merge.json").read_text())
+    for f in manifest["output"]["files"]:
+        data = (out / f["name"]).read_bytes()
+        assert len(data) == f["size"] and hashlib.sha256(data).hexdigest() == f["sha256"], f["name"]
+    return dict(manifest)
+
+
+def test_merge_killed_at_random_moments_then_run_again(tmp_path: Path) -> None:
+    run = build_run(tmp_path)
+    cmd = ["merge", run, "--last", "3", "--max-shard-size", "300KB", "--dtype", "bf16", "--keep-fp32", "-q"]
+    ref = CliRunner().invoke(cli, list(map(str, [*cmd, "-o", tmp_path / "ref"])))
+    assert ref.exit_code == 0, ref.output
+    reference = weights_of(tmp_path / "ref")
+    assert len(reference) >= 3
+    rng = random.Random(13)
+    # Moments: the kill hook's points (inside a shard, between shards, before the final rename) and wall-clock
+    # kills at random delays after start.
+    moments: list[str | float] = [
+        "in-shard:0",
+        "after-shard:1",
+        "after-shard:4",
+        "in-shard:5",
+        "before-rename",
+    ]
+    moments += [rng.uniform(0.2, 2.5) for _ in range(9)]
+    outcomes = {"killed": 0, "finished before the kill": 0, "killed after the output was in place": 0}
+    for k, moment in enumerate(moments):
+        out = tmp_path / f"out{k}"
+        env = {**ENV, "PMAKIT_TEST_KILL": moment} if isinstance(moment, str) else ENV
+        proc = subprocess.Popen(pmakit(*cmd, "-o", out), env=env, stderr=subprocess.PIPE)
+        if isinstance(moment, float):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(moment)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+        rc = proc.wait(120)
+        outcomes["killed" if rc == -9 else "finished before the kill"] += 1
+        if rc == 0:
+            assert weights_of(out) == reference
+            continue
+        again = CliRunner().invoke(cli, list(map(str, [*cmd, "-o", out])))  # the very same command
+        if again.exit_code == 1 and "exists; pass --force" in again.stderr:
+            outcomes["killed after the output was in place"] += 1  # a clean refusal, of a finished output
+        else:
+            assert again.exit_code == 0, (moment, again.output)
+        assert weights_of(out) == reference, moment
+        manifest_matches_bytes(out)
+        assert not list(
+            tmp_path.glob(f".out{k}.pmakit-*[!k]")
+        )  # no partial or old dir left (the lock may stay)
+    assert outcomes["killed"] >= 10, outcomes
+
+
+def test_concurrent_force_merges_into_one_output(tmp_path: Path) -> None:
+    run = build_run(tmp_path)
+    out = tmp_path / "out"
+    assert run_cli("merge", run, "--last", "2", "-o", out, "-q").returncode == 0
+    for trial in range(4):
+        lasts = ("2", "4") if trial % 2 else ("4", "2")
+        procs = [
+            subprocess.Popen(
+                pmakit("merge", run, "--last", n, "-o", out, "--force", "-q"),
+                env=ENV,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for n in lasts
+        ]
+        results = [(p.wait(120), p.stderr.read() if p.stderr else "") for p in procs]
+        assert any(rc == 0 for rc, _ in results), results
+        for rc, err in results:
+            assert rc == 0 or (rc == 1 and err.strip().startswith("Error: ") and "Traceback" not in err), err
+        manifest = manifest_matches_bytes(out)
+        # The weights are the merge of the window the manifest names.
+        n = len(manifest["inputs"])
+        alone = tmp_path / f"alone{trial}"
+        assert run_cli("merge", run, "--last", n, "-o", alone, "-q").returncode == 0
+        assert weights_of(out) == weights_of(alone)
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    path.mkdir()
+    try:
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+            check=True,
+            capture_output=True,
+        )
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {e}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.mark.parametrize("keep_fp32", [False, True])
+def test_disk_fills_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keep_fp32: bool) -> None:
+    run = build_run(tmp_path)
+    extra = ["--dtype", "bf16", "--keep-fp32"] if keep_fp32 else []
+    args = ["merge", run, "--last", "3", "-o", None, "--max-shard-size", "600KB", "-q", *extra]
+    with small_tmpfs(tmp_path / "disk", "1m") as disk:  # the output needs 2 MiB (bf16: 1 MiB + 2 MiB of sums)
+        args[5] = disk / "out"
+        # The free-space check refuses before writing anything ...
+        r = CliRunner().invoke(cli, list(map(str, args)))
+        assert r.exit_code == 1 and "not enough disk space" in r.stderr, r.output
+        assert not any(disk.iterdir()) or [p.name for p in disk.iterdir()] == [".out.pmakit-lock"]
+        # ... and when the disk fills up anyway (another writer), the merge stops with one line, no deadlock.
+        import shutil
+
+        import pmakit.merge
+
+        real = shutil.disk_usage
+        monkeypatch.setattr(pmakit.merge.shutil, "disk_usage", lambda p: real(p)._replace(free=2**40))
+        start = time.monotonic()
+        r = CliRunner().invoke(cli, list(map(str, args)))
+        assert time.monotonic() - start < 60
+        assert r.exit_code == 1 and "disk full" in r.stderr and "Traceback" not in r.output, r.output
+        assert [p.name for p in disk.iterdir()] == [".out.pmakit-lock"]  # the partial output is gone
+
+
+# --- training -----------------------------------------------------------------------------------------------------
+
+TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}  # line {i}\n" for i in range(3000))
+
+
+def train_config(tmp: Path) -> Path:
+    corpus = tmp / "corpus"
+    corpus.mkdir()
+    for i in range(8):
+        (corpus / f"m{i}.py").write_text(TEXT[i * 15000 : (i + 1) * 15000 + 40000])
+    config = tmp / "c.yaml"
+    config.write_text(
+        "preset: smoke\ntrain:\n  corpus: " + str(corpus) + "\n  vocab_size: 300\n  val_fraction: 0.25\n"
+        "  max_corpus_bytes: null\n  model: {layers: 1, hidden: 32, heads: 2, seq_len: 32}\n  batch_size: 4\n"
+        "  total_tokens: 7680\n  warmup_tokens: 128\n  every_tokens: 384\n  eval_every: 2\n  eval_batches: 2\n"
+        "  log_every: 1\n  threads: 1\n"
+    )
+    return config
+
+
+def test_train_killed_at_random_moments_then_resumed(tmp_path: Path) -> None:
+    config = train_config(tmp_path)
+    env = {**ENV, "PMAKIT_CACHE": str(tmp_path / "cache")}
+    reference = run_cli("train", config, "-o", tmp_path / "ref", env=env)
+    assert reference.returncode == 0, reference.stderr
+    run = tmp_path / "run"
+    metrics = run / "metrics.jsonl"
+    rng = random.Random(11)
+    kills = 0
+    for _ in range(10):
+        lines = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+        wait_for = lines + rng.randint(1, 6)  # kill once this many more records are written
+        proc = subprocess.Popen(
+            pmakit("train", config, "-o", run), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= wait_for:
+                proc.send_signal(signal.SIGKILL)
+                break
+            time.sleep(0.005)
+        kills += proc.wait(60) == -9
+    final = run_cli("train", config, "-o", run, env=env)
+    assert final.returncode == 0, final.stderr
+    assert kills >= 10
+    records = read_metrics(run)
+    train = [r["step"] for r in records if r["kind"] == "train"]
+    assert train == sorted(set(train)) and train[0] == 1 and train[-1] == 60, (
+        train
+    )  # each step once, in order
+    times = [r["time"] for r in records]
+    assert times == sorted(times)  # the clock continues across resumes
+    evals = [(r.get("model"), r["step"]) for r in records if r["kind"] == "eval"]
+    assert len(evals) == len(set(evals))
+    # The results: the uninterrupted run's final weights and snapshots.
+    ref_snaps = sorted(p.name for p in (tmp_path / "ref" / "snapshots").iterdir())
+    assert sorted(p.name for p in (run / "snapshots").iterdir()) == ref_snaps
+    a = load_file(tmp_path / "ref" / "snapshots" / ref_snaps[-1] / "model.safetensors")
+    b = load_file(run / "snapshots" / ref_snaps[-1] / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
