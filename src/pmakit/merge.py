@@ -1065,8 +1065,8 @@ def _same_files(snapshot: Path, recorded: Any) -> bool:
 def _verify_previous(previous: Path, state: Path, manifest: dict[str, Any]) -> None:
     """The sums an update builds on still have the sha256 their merge recorded: an edited or damaged previous merge
     would otherwise pass its error on to every later merge (one read of the sums, which the update reads anyway)."""
-    output = manifest.get("output") if isinstance(manifest.get("output"), dict) else {}
-    recorded = output.get("fp32_files" if state != previous else "files")
+    output = manifest.get("output")
+    recorded = (output if isinstance(output, dict) else {}).get("fp32_files" if state != previous else "files")
     if not isinstance(recorded, list) or not recorded:
         raise PmakitError(f"{previous}: its manifest records no checksums of its sums; run a full merge")
     for entry in recorded:
