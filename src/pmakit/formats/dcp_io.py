@@ -259,6 +259,7 @@ class DCPReader(Reader):
             FileInfo(METADATA_FILE, (path / METADATA_FILE).stat().st_size, _sha256(path / METADATA_FILE))
         ]
         self.files += [FileInfo(f, (path / f).stat().st_size, "") for f in files]
+        self.watch([path / METADATA_FILE, *(path / f for f in files)])
         self._keys: dict[str, str] = {}
         self._md: dict[str, TensorStorageMetadata] = {}
         self.tensors = {}
@@ -299,6 +300,12 @@ class DCPReader(Reader):
         if info is None or getattr(info, "transform_descriptors", None):
             return None  # torch's newer writers may compress or re-encode a record: DCP knows how to read it
         relative = str(info.relative_path)
+        # A mapped page past the end of a file truncated since (or before) it was opened is a SIGBUS: check first.
+        if os.stat(self.path / relative).st_size < int(info.offset) + int(info.length):
+            raise PmakitError(
+                f"{self.path / relative}: truncated (tensor {name!r} lies past its end; the file changed while "
+                "being merged, or the checkpoint is incomplete)"
+            )
         if relative not in self._maps:
             with open(self.path / relative, "rb") as f:  # checked in __init__: inside the directory
                 self._maps[relative] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)

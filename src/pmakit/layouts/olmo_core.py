@@ -34,7 +34,14 @@ import torch
 
 from pmakit.formats import Reader
 from pmakit.formats.dcp_io import DCPReader
-from pmakit.layouts.base import IncompleteSnapshot, Layout, Snapshot, from_name, load_json
+from pmakit.layouts.base import (
+    IncompleteSnapshot,
+    Layout,
+    Snapshot,
+    from_name,
+    load_json,
+    validate_metadata,
+)
 
 MODEL_DIR = "model_and_optim"
 TRAIN_DIR = "train"
@@ -104,8 +111,9 @@ class OLMoCoreLayout(Layout):
             return dataclasses.replace(from_name(path, tokens_per_step, self.name), meta=meta)
         state = read_train_state(state_file)
         step, tokens = state.get("global_step"), state.get("global_train_tokens_seen")
-        if not isinstance(step, int) or not isinstance(tokens, int) or tokens < 0:
+        if step is None or tokens is None:
             raise IncompleteSnapshot(state_file, "no integer global_step and global_train_tokens_seen")
+        tokens, step = validate_metadata({"tokens": tokens, "step": step}, state_file)  # `True` is not 1
         record = {"global_step": step, "global_train_tokens_seen": tokens, **meta}
         record["world_size"] = state.get("world_size")
         return Snapshot(path, tokens=tokens, step=step, source=self.name, meta=record, layout=self.name)
