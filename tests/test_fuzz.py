@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from conftest import state, write_snapshot
@@ -28,7 +28,7 @@ from pmakit.merge import average_states
 
 STEPS = (100, 200, 300)
 SETTINGS = settings(
-    max_examples=100,
+    max_examples=250,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture],
@@ -113,6 +113,7 @@ def check_output(run: Path, out: Path) -> None:
 
 def check(run: Path, out: Path) -> Any:
     result = run_merge(run, out)
+    event("merged" if result.exit_code == 0 else "refused")
     if result.exit_code == 0:
         check_output(run, out)
     else:
@@ -161,6 +162,7 @@ def test_pmakit_json(runs: dict[str, Path], tmp_path: Path, how: tuple[str, int,
     how = (how[0], how[1] % meta.stat().st_size, how[2])
     corrupt(meta, how)
     result = run_merge(work / "run", work / "out")
+    event("merged" if result.exit_code == 0 else "refused")
     if result.exit_code != 0:
         check_refusal(result, work / "out")
         return
@@ -183,6 +185,7 @@ def test_shard_index(runs: dict[str, Path], tmp_path: Path, how: tuple[str, int,
     how = (how[0], how[1] % index.stat().st_size, how[2])
     corrupt(index, how)
     result = run_merge(work / "run", work / "out")
+    event("merged" if result.exit_code == 0 else "refused")
     if result.exit_code != 0:
         check_refusal(result, work / "out")
         return
