@@ -107,7 +107,7 @@ def test_merge_killed_at_random_moments_then_run_again(tmp_path: Path) -> None:
 def test_concurrent_force_merges_into_one_output(tmp_path: Path) -> None:
     run = build_run(tmp_path)
     out = tmp_path / "out"
-    assert run_cli("merge", run, "--last", "2", "-o", out, "-q").returncode == 0
+    assert CliRunner().invoke(cli, ["merge", str(run), "--last", "2", "-o", str(out), "-q"]).exit_code == 0
     for trial in range(4):
         lasts = ("2", "4") if trial % 2 else ("4", "2")
         procs = [
@@ -127,7 +127,10 @@ def test_concurrent_force_merges_into_one_output(tmp_path: Path) -> None:
         # The weights are the merge of the window the manifest names.
         n = len(manifest["inputs"])
         alone = tmp_path / f"alone{trial}"
-        assert run_cli("merge", run, "--last", n, "-o", alone, "-q").returncode == 0
+        assert (
+            CliRunner().invoke(cli, ["merge", str(run), "--last", str(n), "-o", str(alone), "-q"]).exit_code
+            == 0
+        )
         assert weights_of(out) == weights_of(alone)
 
 
@@ -193,6 +196,7 @@ def train_config(tmp: Path) -> Path:
     return config
 
 
+@pytest.mark.slow
 def test_train_killed_at_random_moments_then_resumed(tmp_path: Path) -> None:
     config = train_config(tmp_path)
     env = {**ENV, "PMAKIT_CACHE": str(tmp_path / "cache")}
