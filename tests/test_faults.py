@@ -98,9 +98,7 @@ def test_merge_killed_at_random_moments_then_run_again(tmp_path: Path) -> None:
             assert again.exit_code == 0, (moment, again.output)
         assert weights_of(out) == reference, moment
         manifest_matches_bytes(out)
-        assert not list(
-            tmp_path.glob(f".out{k}.pmakit-*[!k]")
-        )  # no partial or old dir left (the lock may stay)
+        assert not list(tmp_path.glob(f".out{k}*"))  # no partial output, old copy or lock file left
     assert outcomes["killed"] >= 10, outcomes
 
 
@@ -161,7 +159,7 @@ def test_disk_fills_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keep_fp3
         # The free-space check refuses before writing anything ...
         r = CliRunner().invoke(cli, list(map(str, args)))
         assert r.exit_code == 1 and "not enough disk space" in r.stderr, r.output
-        assert not any(disk.iterdir()) or [p.name for p in disk.iterdir()] == [".out.pmakit-lock"]
+        assert not any(disk.iterdir())
         # ... and when the disk fills up anyway (another writer), the merge stops with one line, no deadlock.
         import shutil
 
@@ -173,7 +171,7 @@ def test_disk_fills_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keep_fp3
         r = CliRunner().invoke(cli, list(map(str, args)))
         assert time.monotonic() - start < 60
         assert r.exit_code == 1 and "disk full" in r.stderr and "Traceback" not in r.output, r.output
-        assert [p.name for p in disk.iterdir()] == [".out.pmakit-lock"]  # the partial output is gone
+        assert not any(disk.iterdir())  # the partial output and the lock file are gone
 
 
 # --- training -----------------------------------------------------------------------------------------------------

@@ -42,6 +42,8 @@ def guard_output(out: Path, inputs: Iterable[Path], force: bool) -> None:
             "pmakit replaces only a model it merged"
         )
     if not force:
+        with contextlib.suppress(PmakitError), output_lock(out):
+            pass  # the lock file of a merge killed after publishing its output goes too
         raise PmakitError(f"{out} exists; pass --force to replace it")
     if not (out / MERGE_MANIFEST).is_file() and any(out.iterdir()):
         raise PmakitError(
@@ -52,21 +54,34 @@ def guard_output(out: Path, inputs: Iterable[Path], force: bool) -> None:
 
 @contextlib.contextmanager
 def output_lock(out: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``out`` for a whole merge (a hidden lock file beside it; the lock goes with the
-    process, even on kill -9). A second merge into the same output stops at once with one line."""
+    """Hold an exclusive lock on ``out`` for a whole merge (a hidden lock file beside it, removed at the end; the
+    lock goes with the process, even on kill -9). A second merge into the same output stops at once with one line."""
     import fcntl  # Unix only
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(out.parent / f".{out.name}{LOCK_SUFFIX}", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
+    path = out.parent / f".{out.name}{LOCK_SUFFIX}"
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
+            os.close(fd)
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise PmakitError(
                     f"another pmakit merge is writing {out}; wait for it or choose another -o"
                 ) from None
             raise
+        # The holder before us may have removed the file between our open and our lock: then this lock guards
+        # nothing, and we lock the file that is there now.
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
         yield
     finally:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # while still holding the lock (see above)
         os.close(fd)
