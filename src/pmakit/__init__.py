@@ -20,7 +20,7 @@ _EXPORTS = {
     "discover": "pmakit.snapshot",
     "read_snapshot": "pmakit.snapshot",
     "write_metadata": "pmakit.snapshot",
-    "select_snapshots": "pmakit.select",
+    "select_snapshots": "pmakit.selection",
     "WEIGHTINGS": "pmakit.weights",
     "get_weights": "pmakit.weights",
     "merge": "pmakit.merge",

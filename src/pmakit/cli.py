@@ -129,7 +129,7 @@ def _select(
     tokens_per_step: int | None,
     exclude: Sequence[Path],
 ) -> list[Any]:
-    from pmakit.select import select_snapshots
+    from pmakit.selection import select_snapshots
     from pmakit.snapshot import gather
 
     snapshots, from_run = gather(inputs, tokens_per_step, exclude)
@@ -413,7 +413,7 @@ def inspect(
 ) -> None:
     """Table of snapshots (with the run layout that recognised each), their compatibility, and what a merge of
     them would need. Exits non-zero when nothing is mergeable."""
-    from pmakit.inspect import inspect_inputs, render
+    from pmakit.survey import inspect_inputs, render
 
     if plan or layout is not None:
         from pmakit.distributed import plan_report, render_plan

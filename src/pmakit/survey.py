@@ -1,4 +1,4 @@
-"""``pmakit inspect``: what snapshots there are, whether they can be merged, and what a merge would need."""
+"""``pmakit inspect`` (the survey of a run): what snapshots there are, whether they can be merged, and what a merge would need."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def inspect_inputs(
 ) -> dict[str, Any]:
     """A JSON-able report: snapshots (complete or not), compatibility, and the default merge's needs."""
     from pmakit.merge import plan_merge
-    from pmakit.select import select_snapshots
+    from pmakit.selection import select_snapshots
 
     skip = {Path(p).resolve() for p in exclude}
     rows, from_run = _rows([Path(p) for p in inputs], tokens_per_step)

@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 from pmakit.errors import PmakitError
-from pmakit.select import select_snapshots
+from pmakit.selection import select_snapshots
 from pmakit.snapshot import Snapshot
 
 
