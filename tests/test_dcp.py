@@ -192,7 +192,7 @@ def test_inspect_lists_skipped_entries_and_bad_metadata(runs: dict[str, Path], t
 
 
 def test_plan_counts_the_saved_chunks_dcp_inputs_hold(runs: dict[str, Path]) -> None:
-    from pmakit.distributed import plan_report
+    from pmakit.capacity import plan_report
 
     snaps = discover(runs["dcp1"])
     report = plan_report(snaps, None, disk_bandwidth=1e9, accumulate_bandwidth=1e9)

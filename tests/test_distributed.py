@@ -17,11 +17,11 @@ import torch
 import torch.multiprocessing as mp
 
 from conftest import SRC, state, write_snapshot
-from pmakit.distributed import init_from_env, shutdown, split_by_bytes
 from pmakit.errors import PmakitError
 from pmakit.merge import KILL_ENV, merge, partial_dir, plan_merge
 from pmakit.snapshot import discover
 from pmakit.weights import get_weights
+from pmakit.world import init_from_env, shutdown, split_by_bytes
 from test_merge import load_dir
 
 SHARD = 2048  # a shard per 64x16 bf16 tensor

@@ -252,7 +252,7 @@ def merge(device: str, quiet: bool, **options: Any) -> None:
     A RUN_DIR is a folder of snapshot directories (default: its last 10); SNAPSHOTs named one by one are all used.
     Under `torchrun --nproc-per-node K -m pmakit merge ...` the K ranks share the work.
     """
-    from pmakit.distributed import init_from_env, shutdown
+    from pmakit.world import init_from_env, shutdown
 
     world = init_from_env(device)
     try:
@@ -416,7 +416,7 @@ def inspect(
     from pmakit.survey import inspect_inputs, render
 
     if plan or layout is not None:
-        from pmakit.distributed import plan_report, render_plan
+        from pmakit.capacity import plan_report, render_plan
 
         chosen = (
             _select(inputs, last, every, until, tokens_per_step, exclude)

@@ -12,7 +12,7 @@ the copied config/tokenizer files and the manifest are on disk. Any failure remo
 At scale (issue #6): each finished shard is recorded with its sha256 in ``.pmakit-progress/`` inside the partial
 directory, so that a merge killed where it cannot clean up (SIGKILL, OOM, a lost node) resumes with ``resume=True``,
 writing only the shards it had not finished. Under torch.distributed every rank writes the shards it owns (tensors
-split by bytes, see ``pmakit.distributed``) and the ranks agree after each stage, so that one rank's failure fails all.
+split by bytes, see ``pmakit.world``) and the ranks agree after each stage, so that one rank's failure fails all.
 ``plan_increment`` turns a previous SMA/EMA merge plus the snapshots that entered and left the window into the merge
 of the new window (``keep_fp32`` keeps the fp32 sums it needs).
 """
@@ -42,7 +42,6 @@ from typing import Any
 import torch
 
 import pmakit
-from pmakit.distributed import World
 from pmakit.errors import PmakitError
 from pmakit.formats import Reader, TensorInfo, is_float
 from pmakit.formats.safetensors_io import OutputTensor, Shard, ShardWriter, plan_shards, write_index
@@ -50,6 +49,7 @@ from pmakit.guard import guard_output, output_lock
 from pmakit.layouts import native_format, open_weights, writer
 from pmakit.snapshot import MERGE_MANIFEST, METADATA_FILE, Snapshot
 from pmakit.units import format_bytes
+from pmakit.world import World
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ def _plan_rank_shards(
     """Shards for ``ranks`` writers: the tensors split into contiguous groups by bytes, each group sharded."""
     if ranks <= 1:
         return plan_shards(out, max_shard_size), ()
-    from pmakit.distributed import split_by_bytes
+    from pmakit.world import split_by_bytes
 
     groups = split_by_bytes([t.nbytes for t in out], ranks)
     parts = [

@@ -1,20 +1,12 @@
-"""Splitting a merge across torch.distributed ranks, and planning merges too big for this machine.
+"""Planning merges too big for this machine (``pmakit inspect --plan``).
 
-Under ``torchrun`` (``WORLD_SIZE`` > 1) every rank computes the same plan from the headers, streams the output
-shards it owns (tensors split into contiguous groups balanced by bytes) into the shared partial directory, and
-reports whether it succeeded; rank 0 writes the index and the manifest once every rank has, and renames the whole
-output into place. The process group only carries these few agreements (gloo on CPU, NCCL with ``--device cuda``),
-never tensor data: each rank reads its own inputs from the (shared) file system.
-
-The planner turns a plan (or a layout file of names, shapes and dtypes) into bytes read and written per rank,
-work memory per rank, and an expected time from measured disk and accumulation bandwidths.
+Turns a merge plan (or a layout file of names, shapes and dtypes) into bytes read and written per rank, work memory
+per rank, and an expected time from measured disk and accumulation bandwidths.
 """
 
 from __future__ import annotations
 
-import datetime
 import json
-import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -25,93 +17,7 @@ from typing import Any
 import torch
 
 from pmakit.errors import PmakitError
-
-log = logging.getLogger(__name__)
-
-TIMEOUT = datetime.timedelta(hours=12)
-"""How long a rank waits for the others at an agreement point (a rank's share of a 70B merge takes hours)."""
-
-
-@dataclass(frozen=True)
-class World:
-    """This process's place among the ranks of a merge."""
-
-    rank: int = 0
-    """This process's rank."""
-    size: int = 1
-    """Number of ranks."""
-    device: str = "cpu"
-    """Where the accumulation runs: ``cpu`` or ``cuda`` (then the process group is NCCL)."""
-
-    @property
-    def distributed(self) -> bool:
-        return self.size > 1
-
-    def agree(self, ok: bool) -> bool:
-        """True when every rank says ``ok`` (a collective: every rank must call it at the same point)."""
-        if not self.distributed:
-            return ok
-        import torch.distributed as dist
-
-        flag = torch.tensor([1 if ok else 0], device=self._collective_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
-
-    def _collective_device(self) -> torch.device:
-        if self.device == "cuda":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
-
-def init_from_env(device: str = "cpu") -> World:
-    """The world torchrun describes (``RANK``, ``WORLD_SIZE``), with its process group up; one rank otherwise."""
-    if device not in ("cpu", "cuda"):
-        raise PmakitError(f"unknown --device {device!r}; use cpu or cuda")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise PmakitError("--device cuda: no CUDA device is available")
-    size = int(os.environ.get("WORLD_SIZE", "1"))
-    if size <= 1:
-        return World(0, 1, device)
-    import torch.distributed as dist
-
-    rank = int(os.environ.get("RANK", "0"))
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=TIMEOUT)
-    return World(rank, size, device)
-
-
-def shutdown(world: World) -> None:
-    """Tear the process group down (quietly; torch warns when a process exits with it up)."""
-    if world.distributed:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            # Everyone past its last collective first: a rank that tears down while a peer still finishes an
-            # all-reduce makes gloo abort that peer.
-            dist.barrier()
-            dist.destroy_process_group()
-
-
-def split_by_bytes(sizes: Sequence[int], parts: int) -> list[int]:
-    """Group index for each item, in order: ``parts`` contiguous groups with as equal byte totals as possible.
-
-    Item i goes to the group its midpoint falls in, on a line where every group owns total/parts bytes: contiguous,
-    deterministic, and no group is off by more than one item's bytes.
-    """
-    total = sum(sizes)
-    if parts <= 1 or total == 0:
-        return [0] * len(sizes)
-    groups, seen = [], 0
-    for s in sizes:
-        groups.append(min(parts - 1, int((seen + s / 2) * parts // total)))
-        seen += s
-    return groups
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Planning merges of any size
+from pmakit.world import split_by_bytes
 
 
 @dataclass(frozen=True)
