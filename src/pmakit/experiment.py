@@ -20,9 +20,8 @@ import datetime
 import json
 import logging
 import math
-import shutil
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ import pmakit
 from pmakit.errors import PmakitError
 from pmakit.evaluate import EvalResult, evaluate, paired_difference
 from pmakit.formats import read_state
+from pmakit.lab.results import read_rows, remove_run
 from pmakit.merge import average_states
 from pmakit.schedule import WSD
 from pmakit.snapshot import Snapshot, discover
@@ -174,7 +174,7 @@ def run_experiment(
     study = resolve(data)
     run_dir = Path(run_dir)
     if fresh and run_dir.exists():
-        _remove_run(run_dir)
+        remove_run(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     _check_same_config(run_dir, study)
     seconds: dict[str, float] = {}
@@ -284,7 +284,7 @@ class _Grid:
         self.bytes_per_token = bytes_per_token
         self.snapshots = {s.tokens: s for s in discover(run_dir / "main" / "snapshots")}
         self._states: dict[int, dict[str, torch.Tensor]] = {}
-        self.rows = _read_rows(run_dir / "results.jsonl")
+        self.rows = read_rows(run_dir / "results.jsonl")
         self._done = {_key(r) for r in self.rows}
         self._latest: dict[int, EvalResult] = {}
 
@@ -463,18 +463,6 @@ def _label(item: Mapping[str, Any], cfg: TrainConfig) -> str:
     return f"{method}{alpha} N={item['n']} V={vm}x ({format_tokens(item['v_tokens'])})"
 
 
-def _read_rows(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:  # a torn last line from an interrupted run: that model is evaluated again
-            continue
-    return rows
-
-
 def _write_results_csv(run_dir: Path, rows: Sequence[Mapping[str, Any]]) -> None:
     tmp = run_dir / ".results.csv.tmp"
     with open(tmp, "w", newline="") as f:
@@ -572,13 +560,6 @@ def _check_same_config(run_dir: Path, study: Study) -> None:
         stamp.write_text(json.dumps(current, indent=2) + "\n")
 
 
-def _remove_run(run_dir: Path) -> None:
-    """--fresh: remove what an earlier study wrote (only that), so nothing unrelated is deleted."""
-    if not (run_dir / "config.json").exists() and any(run_dir.iterdir()):
-        raise PmakitError(f"{run_dir} is not empty and not a pmakit experiment; refusing to clear it")
-    shutil.rmtree(run_dir)
-
-
 class _bar:
     """A progress bar over the models evaluated (rich, on a terminal only)."""
 
@@ -609,11 +590,6 @@ class _bar:
     def __exit__(self, *exc: object) -> None:
         if self._p is not None:
             self._p.stop()
-
-
-def iter_rows(run_dir: Path) -> Iterator[dict[str, Any]]:
-    """The results of a finished or partial study."""
-    yield from _read_rows(Path(run_dir) / "results.jsonl")
 
 
 def nan_to_none(x: float | None) -> float | None:

@@ -402,13 +402,13 @@ def run_study(
     data: Mapping[str, Any], run_dir: str | Path, *, fresh: bool = False, progress: bool = True
 ) -> Path:
     """Run (or resume) a spike or init study into ``run_dir``; returns the report's path."""
-    from pmakit.experiment import _read_rows, _remove_run
+    from pmakit.lab.results import read_rows, remove_run
     from pmakit.train.loop import load_corpus
 
     study = resolve_study(data)
     run_dir = Path(run_dir)
     if fresh and run_dir.exists():
-        _remove_run(run_dir)
+        remove_run(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     _check_same_config(run_dir, study)
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -417,7 +417,7 @@ def run_study(
     cfg = study.train
     # One corpus (and so one held-out set) for every seed: the seed changes only the init and the data order.
     corpus = load_corpus(cfg)
-    ctx = _Ctx(study, run_dir, corpus, progress, _read_rows(run_dir / "results.jsonl"), _Scorer(cfg, corpus))
+    ctx = _Ctx(study, run_dir, corpus, progress, read_rows(run_dir / "results.jsonl"), _Scorer(cfg, corpus))
     per_seed: dict[str, Any] = {}
     for seed in study.spec.seeds:
         if study.kind == "spike":

@@ -8,7 +8,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from pmakit.report.document import Block, Bullets, FigureBlock, Heading, Paragraph, Table
+from pmakit.report.blocks import Block, Bullets, FigureBlock, Heading, Paragraph, Table
 
 CSS = """
 body { font: 15px/1.5 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: #1a1a1a;

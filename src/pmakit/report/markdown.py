@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pmakit.report.document import Block, Bullets, FigureBlock, Heading, Paragraph, Table
+from pmakit.report.blocks import Block, Bullets, FigureBlock, Heading, Paragraph, Table
 
 
 def _cell(text: str) -> str:

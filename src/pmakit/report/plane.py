@@ -8,12 +8,13 @@ computed from the numbers in the file.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from pmakit.report.document import Block, Bullets, FigureBlock, Heading, Paragraph, Table
+from pmakit.report.blocks import Block, Bullets, FigureBlock, Heading, Paragraph, Table
 
 PLANE_FILE = "plane.json"
 PLOT_FILE = "loss_plane.png"
@@ -77,10 +78,86 @@ def _fmt_se(d: dict[str, Any], digits: int = 4) -> str:
     return f"{d['mean']:+.{digits}f}" + (f" ± {se:.{digits}f}" if se is not None else "")
 
 
+def summary_lines(result: Mapping[str, Any]) -> list[str]:
+    """A short plain-text reading of a ``loss_plane`` result; every judgement is computed from its numbers."""
+    snaps, merge = result["snapshots"], result["merge"]
+    best = min(snaps, key=lambda s: s["loss"])
+    grid_min = min(min(row) for row in result["loss"])
+    lines = [
+        f"Loss plane through snapshots {snaps[result['anchors']['origin']]['label']}, "
+        f"{snaps[result['anchors']['x']]['label']}, {snaps[result['anchors']['y']]['label']} "
+        f"({result['parameters']:,} parameters, {result['batches']} held-out batches, "
+        f"{result['grid']}x{result['grid']} grid).",
+        f"Window span (newest - oldest): {result['window_span']:.4g}; snapshots off the plane by at most "
+        f"{max(s['distance'] for s in snaps):.4g}; the merge by {merge['distance']:.4g}.",
+        f"Merge (SMA of {len(snaps)}): loss {merge['loss']:.4f}; best snapshot {best['label']}: {best['loss']:.4f}; "
+        f"newest snapshot: {snaps[-1]['loss']:.4f}; lowest loss on the grid: {grid_min:.4f}.",
+    ]
+    lower = merge["loss"] < best["loss"]
+    lines.append(
+        "The merge is lower than every snapshot of the window."
+        if lower
+        else f"The merge is not lower than every snapshot (best snapshot {best['label']} is lower by "
+        f"{merge['loss'] - best['loss']:.4f})."
+    )
+    e11 = result.get("e11")
+    if e11:
+        body = e11_lines(e11)
+        lines += body[:1] + ["  " + line for line in body[1:]]
+    return lines
+
+
+def e11_lines(e11: Mapping[str, Any]) -> list[str]:
+    """Finding 9 in words, from ``cross_terms``' numbers (first line the verdict, then the details)."""
+    k, gap = e11["k"], e11["gap"]
+    z = gap["mean"] / gap["se"] if gap.get("se") else None
+    if z is None:
+        ztext = " (no standard error: one batch)"
+    elif abs(z) < 2:
+        ztext = f" (within noise: {abs(z):.1f} s.e.)"
+    else:
+        ztext = f" ({abs(z):.1f} s.e. {'below' if z < 0 else 'above'} zero)"
+    m, e = e11["merge_reference"], e11["end_reference"]
+    holds = "holds" if e11["condition_holds"] else "does not hold"
+    lines = [
+        f"Finding 9 (k={k}): L(merge) - mean L(members) = {gap['mean']:+.4f}"
+        + (f" ± {gap['se']:.4f}" if gap.get("se") else "")
+        + f"{ztext}, so C - (k-1)D = {e11['invariant']['mean']:+.4g} and the condition C < (k-1)D {holds}.",
+        f"Around the merge: D = {m['D']['mean']:.4g} (C = -D by construction, the deviations sum to zero); the "
+        f"quadratic model predicts L(merge) - mean L(members) = {m['predicted_gap']['mean']:+.4f}, measured "
+        f"{gap['mean']:+.4f}.",
+    ]
+    if e["ratio"] is not None:
+        r = e["ratio"]
+        if r < 0:
+            kind = "negative: the deviations are complementary (negatively correlated in the H metric)"
+        elif r < 1:
+            kind = (
+                "between 0 and 1: the deviations are positively correlated in the H metric, not complementary, "
+                "but not fully aligned, so the condition holds"
+            )
+        else:
+            kind = "at least 1: the deviations are aligned and the condition fails"
+        lines.append(
+            f"Around the newest snapshot: C = {e['C']['mean']:.4g}, (k-1)D = {(k - 1) * e['D']['mean']:.4g}, "
+            f"C/((k-1)D) = {r:.2f}, {kind}."
+        )
+    step = e11.get("mean_step_cosine")
+    if step is not None:
+        trend = "steps persist (drift)" if step > 0 else "steps reverse (jitter)"
+        lines.append(
+            f"Euclidean cosines: successive steps {step:+.3f} on average, {trend}; deviations from the newest "
+            f"snapshot {e['mean_cosine']:+.3f}."
+        )
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading a run: model, batches, window
+
+
 def blocks(run_dir: Path, figure: Path | None) -> list[Block]:
     """The section: what the plane shows, the E11 table, the figure. Empty when RUN/plane.json is absent."""
-    from pmakit.analysis import e11_lines, summary_lines
-
     result = read_plane(run_dir)
     if result is None:
         return []

@@ -22,7 +22,7 @@ from typing import Any
 
 from pmakit.report import fmt
 from pmakit.report.analysis import NOISE_Z
-from pmakit.report.document import Block, Bullets, FigureBlock, Heading, Paragraph, Table
+from pmakit.report.blocks import Block, Bullets, FigureBlock, Heading, Paragraph, Table
 
 log = logging.getLogger(__name__)
 

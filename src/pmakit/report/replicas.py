@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pmakit.report import fmt
-from pmakit.report.document import Block, FigureBlock, Heading, Paragraph, Table
+from pmakit.report.blocks import Block, FigureBlock, Heading, Paragraph, Table
 
 STUDY = "replicas"
 DILOCO_TARGET = 0.02  # the bar: DiLoCo with H=100 within 2% of synchronous training's loss

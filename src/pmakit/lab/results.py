@@ -1,0 +1,40 @@
+"""A study's result rows (RUN/results.jsonl): read them back, torn last line tolerated, and clear a study's run.
+
+One copy shared by the main study (``pmakit.experiment``), the spike and init studies (``pmakit.studies``) and the
+loss-plane analysis (``pmakit.analysis``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pmakit.errors import PmakitError
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The JSON records of a JSONL file, oldest first; [] when it does not exist."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:  # a torn last line from an interrupted run: that model is evaluated again
+            continue
+    return rows
+
+
+def iter_rows(run_dir: Path) -> Iterator[dict[str, Any]]:
+    """The results of a finished or partial study."""
+    yield from read_rows(Path(run_dir) / "results.jsonl")
+
+
+def remove_run(run_dir: Path) -> None:
+    """--fresh: remove what an earlier study wrote (only that), so nothing unrelated is deleted."""
+    if not (run_dir / "config.json").exists() and any(run_dir.iterdir()):
+        raise PmakitError(f"{run_dir} is not empty and not a pmakit experiment; refusing to clear it")
+    shutil.rmtree(run_dir)
