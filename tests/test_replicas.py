@@ -105,6 +105,16 @@ def test_diloco_with_unit_outer_sgd_is_local_sgd_and_resumes_exactly(tmp_path: P
         for r in (0, 1)
     ]
     assert _max_diff(copies[0], copies[1]) > 1e-4
+    # `pmakit merge` across copies and time: --last 4 of two copies = both copies at the last two snapshots.
+    ranks = [tmp_path / "straight" / "replicas" / f"rank-{r}" / "snapshots" for r in (0, 1)]
+    done = _pmakit(
+        "merge", *map(str, ranks), "-o", str(tmp_path / "across"), "--last", "4", "--dtype", "fp32"
+    )
+    assert done.returncode == 0, done.stderr
+    members = [read_state(d) for r in ranks for d in sorted(r.glob("step-*"))]
+    assert len(members) == 4
+    expected = {k: torch.stack([m[k].double() for m in members]).mean(0) for k in members[0]}
+    assert _max_diff(read_state(tmp_path / "across"), expected) < 1e-6
 
 
 def _pmakit(*args: str) -> subprocess.CompletedProcess[str]:

@@ -130,11 +130,20 @@ def discover(run_dir: str | os.PathLike[str], tokens_per_step: int | None = None
     return sort_snapshots(complete)
 
 
+def _replica(snapshot: Snapshot) -> int:
+    """The model copy a snapshot belongs to (-1: not a copy's own snapshot)."""
+    replica = snapshot.meta.get("replica")
+    return replica if isinstance(replica, int) and not isinstance(replica, bool) else -1
+
+
 def sort_snapshots(snapshots: Iterable[Snapshot]) -> list[Snapshot]:
-    """Order by tokens; two snapshots at the same token count are ambiguous and refused."""
-    ordered = sorted(snapshots, key=lambda s: s.tokens)
+    """Order by tokens; two snapshots at the same token count are ambiguous and refused, unless they are two model
+    copies' own snapshots (``replica`` in their metadata, ``pmakit train --replicas --save-replicas``), which are
+    ordered by copy so that ``--last 2K`` takes K points in time of 2 copies."""
+    ordered = sorted(snapshots, key=lambda s: (s.tokens, _replica(s)))
     for a, b in zip(ordered, ordered[1:]):
-        if a.tokens == b.tokens and a.path.resolve() != b.path.resolve():
+        copies = _replica(a) != _replica(b)
+        if a.tokens == b.tokens and a.path.resolve() != b.path.resolve() and not copies:
             raise PmakitError(f"two snapshots at {a.tokens} tokens: {a.path} and {b.path}")
         if a.step is not None and b.step is not None and a.step > b.step:
             log.warning(
