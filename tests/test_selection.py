@@ -1,3 +1,4 @@
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,33 @@ def test_bad_arguments() -> None:
         select_snapshots(EVERY_100, last=0)
     with pytest.raises(PmakitError, match="no snapshot at or before"):
         select_snapshots(EVERY_100, last=1, until=50)
+
+
+def test_default_window_is_the_runs_own_n_or_10_and_a_short_run_merges_what_it_has() -> None:
+    from pmakit.selection import default_last
+
+    assert default_last(EVERY_100 + snaps(1100)) == 10  # nothing recorded: the paper's 10
+    assert default_last(EVERY_100[:7]) == 7  # a short run: all 7, with a note
+    recorded = [Snapshot(Path(f"s{t}"), tokens=t, meta={"window": 4}) for t in range(100, 1001, 100)]
+    assert default_last(recorded) == 4  # the callback's last=4
+
+
+def test_merge_of_a_short_run_and_its_errors_through_the_cli(make_run: Callable[..., Path], tmp_path: Path) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from pmakit.cli import cli
+
+    run = make_run(7)
+    r = CliRunner().invoke(cli, ["merge", str(run), "-o", str(tmp_path / "m"), "-q"])
+    assert r.exit_code == 0, r.output
+    manifest = json.loads((tmp_path / "m" / "pmakit-merge.json").read_text())
+    assert len(manifest["inputs"]) == 7
+    assert "merging all 7 snapshots" in r.stderr
+    # An explicit --last asks for exactly that many.
+    r = CliRunner().invoke(cli, ["merge", str(run), "-o", str(tmp_path / "m2"), "--last", "9"])
+    assert r.exit_code == 1 and "--last 9 asks for 9 snapshots but only 7 exist" in r.stderr
+    # --every past the start of the run says how far it reaches, in tokens that make sense (no negative counts).
+    r = CliRunner().invoke(cli, ["merge", str(run), "-o", str(tmp_path / "m3"), "--last", "4", "--every", "2B"])
+    assert r.exit_code == 1 and "spans 6B tokens back from 7K" in r.stderr and "-" not in r.stderr.split("spans")[1]

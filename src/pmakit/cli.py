@@ -129,12 +129,12 @@ def _select(
     tokens_per_step: int | None,
     exclude: Sequence[Path],
 ) -> list[Any]:
-    from pmakit.selection import select_snapshots
+    from pmakit.selection import default_last, select_snapshots
     from pmakit.snapshot import gather
 
     snapshots, from_run = gather(inputs, tokens_per_step, exclude)
-    if last is None and from_run:
-        last = 10
+    if last is None and from_run and every is None:
+        last = default_last([s for s in snapshots if until is None or s.tokens <= until])
     return select_snapshots(snapshots, last=last, every=every, until=until)
 
 

@@ -2,12 +2,37 @@
 
 from __future__ import annotations
 
+import logging
 import statistics
 from collections.abc import Sequence
 
 from pmakit.errors import PmakitError
 from pmakit.snapshot import Snapshot
 from pmakit.units import format_tokens
+
+log = logging.getLogger(__name__)
+
+
+DEFAULT_LAST = 10
+"""The paper's default N, for runs that recorded none."""
+
+
+def default_last(snapshots: Sequence[Snapshot]) -> int:
+    """N of ``pmakit merge RUN`` without ``--last``: the window the run's own online merge used (``window`` in the
+    newest snapshot's metadata, written by ``pmakit train`` and the callbacks), else 10; a run with fewer snapshots
+    merges all it has, with a note."""
+    recorded = snapshots[-1].meta.get("window") if snapshots else None
+    n = (
+        recorded
+        if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded > 0
+        else DEFAULT_LAST
+    )
+    if len(snapshots) < n:
+        log.info(
+            "merging all %d snapshots (the default window is %d; pass --last to choose)", len(snapshots), n
+        )
+        return max(len(snapshots), 1)
+    return n
 
 
 def select_snapshots(
@@ -65,9 +90,9 @@ def _every(pool: list[Snapshot], end: Snapshot, last: int | None, every: int) ->
             if last is None:
                 break
             raise PmakitError(
-                f"--last {last} --every {format_tokens(every)} reaches back to "
-                f"{format_tokens(target)} tokens, before the oldest snapshot "
-                f"({format_tokens(pool[0].tokens)}); {len(chosen)} fit"
+                f"--last {last} --every {format_tokens(every)} spans {format_tokens((last - 1) * every)} tokens back "
+                f"from {format_tokens(end.tokens)}, past the oldest snapshot ({format_tokens(pool[0].tokens)}); "
+                f"{len(chosen)} fit"
             )
         nearest = min(pool, key=lambda s: abs(s.tokens - target))
         if abs(nearest.tokens - target) >= tolerance or nearest in chosen:

@@ -138,7 +138,10 @@ class PMACore:
         adapter) when a multiple of ``every_tokens`` was crossed."""
         if self.saver is None:
             raise PmakitError("PMACallback was not started (no train-begin event)")
-        snapshot = self.saver.maybe_save(model, tokens=tokens, step=step, lr=lr, loss=loss)
+        # ``window``: the N of this run's online merge, what `pmakit merge` takes by default from its snapshots.
+        snapshot = self.saver.maybe_save(
+            model, tokens=tokens, step=step, lr=lr, loss=loss, window=self.averager.n
+        )
         if snapshot is not None:
             self.write({"kind": "snapshot", "tokens": tokens, "step": step, "path": str(snapshot.path)})
         return snapshot

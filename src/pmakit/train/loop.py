@@ -466,7 +466,12 @@ class Trainer:
             self._checkpoint_if_due()
             return
         snapshot = self.saver.maybe_save(
-            self.model, tokens=self.tokens, step=self.step, lr=record["lr"], loss=record["loss"]
+            self.model,
+            tokens=self.tokens,
+            step=self.step,
+            lr=record["lr"],
+            loss=record["loss"],
+            window=cfg.average_last,  # the default N of `pmakit merge RUN`
         )
         if snapshot is not None:
             self._last_snapshot = snapshot
