@@ -616,3 +616,29 @@ def test_recover_finds_a_real_runs_spike_without_intervention(tmp_path: Path) ->
     assert result.before_tokens == (result.spike.start_step - 1) * TRAIN_TPS
     assert [s.step for s in result.snapshots] == [80, 88, 96]
     assert read_snapshot(tmp_path / "out").tokens == 96 * TRAIN_TPS
+
+
+def test_the_printed_resume_command_runs_and_keeps_the_abandoned_timeline(tmp_path: Path) -> None:
+    import shlex
+
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(
+        "train: {corpus: null, max_corpus_bytes: 300000, vocab_size: 300, val_fraction: 0.2, batch_size: 4,\n"
+        "  model: {layers: 1, hidden: 32, heads: 2, seq_len: 32}, total_tokens: 5120, warmup_tokens: 0,\n"
+        "  every_tokens: 1280, average_last: 2, eval_every: 1, eval_batches: 2, log_every: 1}\n"
+    )
+    run = tmp_path / "run"
+    assert run_cli("train", cfg, "-o", run).returncode == 0
+    proc = run_cli("recover", run / "snapshots", "--before", "3840", "--last", "2", "-o", tmp_path / "rec")
+    assert proc.returncode == 0, proc.stderr
+    hint = proc.stdout.rsplit("resume with: ", 1)[1].strip()
+    assert hint.startswith("pmakit train --resume-from") and f"-o {run}" in hint
+    done = run_cli(*shlex.split(hint)[1:])  # exactly the printed command, on the run's own saved config
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if r.get("kind") == "train"]
+    assert steps == sorted(steps) and len(steps) == len(set(steps))  # one timeline, no duplicated steps
+    rollback = [r for r in records if r.get("event") == "rollback"]
+    assert len(rollback) == 1 and rollback[0]["step"] == 20
+    abandoned = (run / rollback[0]["abandoned"]).read_text().splitlines()
+    assert abandoned and all(json.loads(line)["step"] > 20 for line in abandoned)  # nothing lost

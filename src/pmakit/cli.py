@@ -534,7 +534,9 @@ def recover(
         step = "" if snap.step is None else f"step {snap.step:>8}  "
         click.echo(f"  {w:8.5f}  {step}{format_tokens(snap.tokens):>8} tokens  {snap.path}")
     opt = "none (reset)" if result.optimizer_from is None else str(result.optimizer_from.path)
-    click.echo(f"wrote {output} (optimizer state: {opt}); resume with: pmakit train --resume-from {output}")
+    # The training run: the folder with the checkpoint (RUN_DIR may be its snapshots/ folder).
+    run = next((d for d in (run_dir, run_dir.parent) if (d / "checkpoint").is_dir()), run_dir)
+    click.echo(f"wrote {output} (optimizer state: {opt}); resume with: pmakit train --resume-from {output} -o {run}")
 
 
 @cli.command()
@@ -600,15 +602,16 @@ def train(
 ) -> None:
     """Pre-train a small Llama model with a WSD schedule, snapshots every V tokens and an online merge.
 
-    Runs resume from RUN/checkpoint after a crash or Ctrl-C: run the same command again.
+    Runs resume from RUN/checkpoint after a crash or Ctrl-C: run the same command again. Without CONFIG or
+    --preset, a run directory that has a checkpoint continues with the config saved in it.
     """
     from pmakit.config import load
-    from pmakit.train.loop import TrainConfig, load_corpus
+    from pmakit.train.loop import TrainConfig, load_corpus, saved_config
     from pmakit.train.loop import train as run_train
     from pmakit.train.replicas import start_copies
 
-    data = load(config, preset, default_preset="demo")
-    section = dict(data.get("train", {}))
+    saved = saved_config(output) if config is None and preset is None and not fresh else None
+    section = saved if saved is not None else dict(load(config, preset, default_preset="demo").get("train", {}))
     if corpus is not None:
         section["corpus"] = corpus
     cfg = TrainConfig.from_dict(section)

@@ -33,13 +33,24 @@ class MetricsLog:
             except ImportError:  # tensorboard is an optional extra
                 self._tb = None
 
-    def resume_at(self, step: int) -> None:
+    def resume_at(self, step: int, *, rollback_from: str | None = None) -> None:
         """The run resumes from its state at ``step``: records of later steps (written before a kill, about to be
-        written again) are dropped, a torn last line too, and ``time`` continues from the last record kept."""
+        written again) are dropped, a torn last line too, and ``time`` continues from the last record kept.
+
+        ``rollback_from``: the run goes back on purpose (``pmakit train --resume-from`` a recovered merge into the
+        same run): the later records are the abandoned timeline, kept in ``metrics-rollback-step-S.jsonl`` beside
+        this file, and an ``event: rollback`` record marks the jump.
+        """
         records = read_metrics(self.path.parent)
         keep = [r for r in records if not isinstance(r.get("step"), int) or r["step"] <= step]
         times = [r["time"] for r in keep if isinstance(r.get("time"), (int, float))]
         self._start = time.time() - max(times, default=0.0)
+        dropped = [r for r in records if r not in keep]
+        if rollback_from is not None and dropped:
+            aside = self.path.with_name(f"metrics-rollback-step-{step}.jsonl")
+            aside.write_text("".join(json.dumps(r, default=_json_default) + "\n" for r in dropped))
+            keep.append({"time": max(times, default=0.0), "kind": "event", "event": "rollback", "step": step,
+                         "from": rollback_from, "abandoned": aside.name})  # fmt: skip
         if len(keep) == len(records) and _whole(self.path):
             return
         self._file.close()

@@ -299,7 +299,7 @@ class Trainer:
             log.info("initialised from %s", init_from)
         # Records of steps after this one were written by an attempt killed before its next checkpoint (or before
         # its first): they are about to be written again. Time continues from the last record kept.
-        self.metrics.resume_at(self.step)
+        self.metrics.resume_at(self.step, rollback_from=str(resume_from) if resume_from is not None else None)
         self.copies.attach(self.model)
         if self._copies_state is not None:
             self.copies.load_state_dict(self._copies_state, self.optimizer)
@@ -698,6 +698,19 @@ def _plain(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [_plain(v) for v in x]
     return str(x) if isinstance(x, Path) else x
+
+
+def saved_config(run_dir: str | Path) -> dict[str, Any] | None:
+    """The train config stored in ``run_dir``'s checkpoint (None when it has none): what ``pmakit train -o RUN``
+    continues with when no config is given."""
+    state_file = Path(run_dir) / CHECKPOINT / TRAINER_STATE
+    if not state_file.is_file():
+        return None
+    try:
+        config = torch.load(state_file, weights_only=True).get("config")
+    except Exception as e:  # an unreadable state is the resume's business; say it here in one line
+        raise PmakitError(f"{state_file}: unreadable ({type(e).__name__}: {e})") from None
+    return dict(config) if isinstance(config, Mapping) else None
 
 
 def load_corpus(config: TrainConfig) -> Any:
