@@ -123,7 +123,7 @@ def test_inspect_table_and_json(make_run: Callable[..., Path]) -> None:
     report = json.loads(proc.stdout)
     assert [r["complete"] for r in report["snapshots"]] == [True, True, True, False]
     assert report["compatible"] and report["model"]["tensors"] == len(state(1))
-    assert "only 3 exist" in report["merge"]["error"]  # default --last 10
+    assert len(report["merge"]["tokens"]) == 3  # a short run: the default window takes the 3 it has
     proc = run_cli("inspect", run, "--last", "2")
     assert proc.returncode == 0, proc.stderr
     assert (
@@ -199,3 +199,14 @@ def test_error_explicit_incomplete_snapshot(make_run: Callable[..., Path], tmp_p
     (run / "step-000200" / "pmakit.json").unlink()
     proc = run_cli("merge", run / "step-000100", run / "step-000200", "-o", tmp_path / "out")
     assert_one_line_error(proc, "step-000200", "token count is unknown")
+
+
+def test_inspect_of_a_long_run_fits_80_columns_and_shows_the_window(make_run: Callable[..., Path]) -> None:
+    run = make_run(40)
+    proc = run_cli("inspect", run, env={"COLUMNS": "80"})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("40 complete snapshots (pmakit, safetensors")
+    assert len(lines) < 30 and max(map(len, lines)) <= 80
+    assert "step-004000" in proc.stdout and "step-003000" not in proc.stdout  # the last 10 only
+    assert "step-003000" in run_cli("inspect", run, "--all", env={"COLUMNS": "80"}).stdout

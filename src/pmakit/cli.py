@@ -368,6 +368,7 @@ def _print_plan(plan: Any) -> None:
     help="Output dtype assumed for the merge estimate.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
+@click.option("--all", "show_all", is_flag=True, help="List every snapshot, not only the default merge's window.")
 @click.option("--plan", is_flag=True, help="Plan a merge at scale: memory per rank, bytes, expected time.")
 @click.option(
     "--layout",
@@ -403,6 +404,7 @@ def inspect(
     exclude: tuple[Path, ...],
     dtype: str,
     as_json: bool,
+    show_all: bool,
     plan: bool,
     layout: Path | None,
     snapshots: int,
@@ -451,7 +453,7 @@ def inspect(
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
-        render(report)
+        render(report, show_all=show_all)
     if not report["compatible"]:  # scripts can test the exit code: nothing here can be merged
         raise PmakitError(f"nothing to merge: {'; '.join(report['problems'])}")
 

@@ -53,7 +53,7 @@ def inspect_inputs(
 ) -> dict[str, Any]:
     """A JSON-able report: snapshots (complete or not), compatibility, and the default merge's needs."""
     from pmakit.merge import plan_merge
-    from pmakit.selection import select_snapshots
+    from pmakit.selection import default_last, select_snapshots
 
     skip = {Path(p).resolve() for p in exclude}
     rows, from_run = _rows([Path(p) for p in inputs], tokens_per_step)
@@ -98,8 +98,8 @@ def inspect_inputs(
         "dtypes": dict(dtypes),
         "largest_tensor_bytes": max(info.nbytes for info, _ in every_plan.tensors.values()),
     }
-    if last is None and from_run:
-        last = 10
+    if last is None and from_run and every is None:
+        last = default_last([s for s in complete if until is None or s.tokens <= until])
     try:
         chosen = select_snapshots(complete, last=last, every=every, until=until)
     except PmakitError as e:
@@ -117,35 +117,52 @@ def inspect_inputs(
     return report
 
 
-def render(report: dict[str, Any]) -> None:
-    """Print the report as tables."""
+def _summary(rows: list[dict[str, Any]]) -> str:
+    """One line for the whole series: count, layouts, token range and spacing, format, size each."""
+    done = [r for r in rows if r["complete"]]
+    if not done:
+        return f"{len(rows)} snapshot directories, none complete"
+    tokens = [r["tokens"] for r in done]
+    gaps = sorted(b - a for a, b in zip(tokens, tokens[1:]))
+    spacing = f", every ~{format_tokens(gaps[len(gaps) // 2])}" if gaps else ""
+    layouts = ", ".join(sorted({r["layout"] for r in done}))
+    return (
+        f"{len(done)} complete snapshots ({layouts}, {done[0]['format']}, {format_bytes(done[-1]['bytes'])} "
+        f"each): {format_tokens(tokens[0])} .. {format_tokens(tokens[-1])} tokens{spacing}"
+        + (f"; {len(rows) - len(done)} incomplete" if len(rows) > len(done) else "")
+    )
+
+
+def render(report: dict[str, Any], *, show_all: bool = False) -> None:
+    """Print the report: a summary line, then the snapshots the default merge takes (``show_all``: every one),
+    named relative to their run directory so the table fits 80 columns."""
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
-    table = Table(title="snapshots")
-    for col in ("path", "layout", "step", "tokens", "lr", "loss", "format", "size", "complete"):
-        table.add_column(
-            col,
-            justify="left" if col in ("path", "layout", "format") else "right",
-            overflow="fold" if col == "path" else "ellipsis",
-            no_wrap=col != "path",
-        )
-    for row in report["snapshots"]:
-        if row["complete"]:
+    rows = report["snapshots"]
+    console.print(_summary(rows), highlight=False)
+    window = set(report.get("merge", {}).get("snapshots", []))
+    shown = rows if show_all or not window else [r for r in rows if r["path"] in window or not r["complete"]]
+    paths = [r["path"] for r in rows] or ["."]
+    base = os.path.commonpath(paths) if len(paths) > 1 else str(Path(paths[0]).parent)
+    title = (
+        "snapshots" if shown is rows else f"the default merge's {len(window)} snapshots (--all: every one)"
+    )
+    table = Table(title=f"{title}, in {base}", title_justify="left")
+    for col in ("snapshot", "layout", "step", "tokens", "lr", "loss", "size"):
+        table.add_column(col, justify="left" if col in ("snapshot", "layout") else "right", no_wrap=True)
+    for row in shown:
+        if row["complete"]:  # incomplete ones are listed with their reason below
             table.add_row(
-                row["path"],
+                os.path.relpath(row["path"], base),
                 row["layout"],
                 _s(row["step"]),
                 format_tokens(row["tokens"]),
                 _g(row["lr"]),
                 _g(row["loss"]),
-                row["format"],
                 format_bytes(row["bytes"]),
-                "yes",
             )
-        else:
-            table.add_row(row["path"], "", "", "", "", "", "", "", "[red]no[/red]")
     console.print(table)
     for row in report["snapshots"]:
         if not row["complete"]:
