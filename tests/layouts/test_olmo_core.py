@@ -181,7 +181,7 @@ def test_damaged_checkpoint_is_one_error_line(olmo_core_runs: dict[str, Path], t
         f.write_bytes(f.read_bytes()[:100])  # truncated: DCP's reader fails inside a CheckpointException
     r = CliRunner().invoke(cli, ["merge", str(save), "-o", str(tmp_path / "out"), "--last", "2"])
     assert r.exit_code == 1, r.output
-    assert "step10" in r.stderr and "truncated or damaged" in r.stderr and len(r.stderr.splitlines()) == 1
+    assert "step10" in r.stderr and "truncated" in r.stderr and len(r.stderr.splitlines()) == 1
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
 
 
