@@ -238,7 +238,9 @@ def test_copy_handles_scalars_empty_noncontiguous_and_integer_tensors(tmp_path: 
         assert torch.equal(got[k], v), k
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the pinned, asynchronous copy path)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (the pinned, asynchronous copy path)"
+)
 def test_snapshot_of_a_gpu_model_is_its_weights(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 

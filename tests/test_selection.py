@@ -85,7 +85,9 @@ def test_default_window_is_the_runs_own_n_or_10_and_a_short_run_merges_what_it_h
     assert default_last(recorded) == 4  # the callback's last=4
 
 
-def test_merge_of_a_short_run_and_its_errors_through_the_cli(make_run: Callable[..., Path], tmp_path: Path) -> None:
+def test_merge_of_a_short_run_and_its_errors_through_the_cli(
+    make_run: Callable[..., Path], tmp_path: Path
+) -> None:
     import json
 
     from click.testing import CliRunner
@@ -102,5 +104,11 @@ def test_merge_of_a_short_run_and_its_errors_through_the_cli(make_run: Callable[
     r = CliRunner().invoke(cli, ["merge", str(run), "-o", str(tmp_path / "m2"), "--last", "9"])
     assert r.exit_code == 1 and "--last 9 asks for 9 snapshots but only 7 exist" in r.stderr
     # --every past the start of the run says how far it reaches, in tokens that make sense (no negative counts).
-    r = CliRunner().invoke(cli, ["merge", str(run), "-o", str(tmp_path / "m3"), "--last", "4", "--every", "2B"])
-    assert r.exit_code == 1 and "spans 6B tokens back from 7K" in r.stderr and "-" not in r.stderr.split("spans")[1]
+    r = CliRunner().invoke(
+        cli, ["merge", str(run), "-o", str(tmp_path / "m3"), "--last", "4", "--every", "2B"]
+    )
+    assert (
+        r.exit_code == 1
+        and "spans 6B tokens back from 7K" in r.stderr
+        and "-" not in r.stderr.split("spans")[1]
+    )

@@ -35,7 +35,9 @@ class _Group(click.Group):
         except Exception:
             # A model copy of `pmakit train --replicas` whose peer failed: one line, the peer said why.
             if os.environ.get("PMAKIT_COPIES") and os.environ.get("RANK", "0") != "0":
-                raise click.ClickException(f"model copy {os.environ['RANK']} stopped: another copy failed") from None
+                raise click.ClickException(
+                    f"model copy {os.environ['RANK']} stopped: another copy failed"
+                ) from None
             raise
 
 
@@ -368,7 +370,9 @@ def _print_plan(plan: Any) -> None:
     help="Output dtype assumed for the merge estimate.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
-@click.option("--all", "show_all", is_flag=True, help="List every snapshot, not only the default merge's window.")
+@click.option(
+    "--all", "show_all", is_flag=True, help="List every snapshot, not only the default merge's window."
+)
 @click.option("--plan", is_flag=True, help="Plan a merge at scale: memory per rank, bytes, expected time.")
 @click.option(
     "--layout",
@@ -538,7 +542,9 @@ def recover(
     opt = "none (reset)" if result.optimizer_from is None else str(result.optimizer_from.path)
     # The training run: the folder with the checkpoint (RUN_DIR may be its snapshots/ folder).
     run = next((d for d in (run_dir, run_dir.parent) if (d / "checkpoint").is_dir()), run_dir)
-    click.echo(f"wrote {output} (optimizer state: {opt}); resume with: pmakit train --resume-from {output} -o {run}")
+    click.echo(
+        f"wrote {output} (optimizer state: {opt}); resume with: pmakit train --resume-from {output} -o {run}"
+    )
 
 
 @cli.command()
@@ -576,7 +582,11 @@ def recover(
     "gradients every step (synchronous data parallel, the baseline).",
 )
 @click.option(
-    "--sync-every", type=click.IntRange(min=1), default=1, show_default=True, help="H: inner steps between syncs."
+    "--sync-every",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="H: inner steps between syncs.",
 )
 @click.option(
     "--outer",
@@ -589,7 +599,9 @@ def recover(
 @click.option("--outer-lr", type=float, default=0.7, show_default=True, help="Outer learning rate (DiLoCo).")
 @click.option("--outer-momentum", type=float, default=0.9, show_default=True, help="Outer momentum (DiLoCo).")
 @click.option(
-    "--save-replicas", is_flag=True, help="Also snapshot each copy's own weights before a sync (RUN/replicas/)."
+    "--save-replicas",
+    is_flag=True,
+    help="Also snapshot each copy's own weights before a sync (RUN/replicas/).",
 )
 def train(
     config: Path | None,
@@ -613,7 +625,9 @@ def train(
     from pmakit.train.replicas import start_copies
 
     saved = saved_config(output) if config is None and preset is None and not fresh else None
-    section = saved if saved is not None else dict(load(config, preset, default_preset="demo").get("train", {}))
+    section = (
+        saved if saved is not None else dict(load(config, preset, default_preset="demo").get("train", {}))
+    )
     if corpus is not None:
         section["corpus"] = corpus
     cfg = TrainConfig.from_dict(section)

@@ -326,7 +326,9 @@ class _Writer:
                 writer.abort()
             # The last shard's close (its staged tail, the fsync) fails after the end marker was taken: then
             # nothing more comes, and waiting for another marker would hang finish() for good (disk full).
-            while item is not None:  # keep releasing buffers so that the producer never blocks on a dead writer
+            while (
+                item is not None
+            ):  # keep releasing buffers so that the producer never blocks on a dead writer
                 item = self._todo.get()
                 if item is None:
                     return
@@ -1066,7 +1068,9 @@ def _verify_previous(previous: Path, state: Path, manifest: dict[str, Any]) -> N
     """The sums an update builds on still have the sha256 their merge recorded: an edited or damaged previous merge
     would otherwise pass its error on to every later merge (one read of the sums, which the update reads anyway)."""
     output = manifest.get("output")
-    recorded = (output if isinstance(output, dict) else {}).get("fp32_files" if state != previous else "files")
+    recorded = (output if isinstance(output, dict) else {}).get(
+        "fp32_files" if state != previous else "files"
+    )
     if not isinstance(recorded, list) or not recorded:
         raise PmakitError(f"{previous}: its manifest records no checksums of its sums; run a full merge")
     for entry in recorded:
