@@ -871,9 +871,13 @@ def merge(
     out = Path(out)
     world = world or World()
     guard_output(out, [s.path for s in [*snapshots, *(window[0] if window else [])]], force)
-    cast = True if window is not None else None
     plan = plan_merge(
-        snapshots, weights, dtype=dtype, max_shard_size=max_shard_size, ranks=world.size, cast=cast
+        snapshots,
+        weights,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        ranks=world.size,
+        cast=window is not None or None,
     )
     out_format = out_format or native_format(plan.snapshots[-1])
     if out_format != "safetensors":
@@ -884,98 +888,134 @@ def merge(
         sums = plan_merge(
             snapshots, weights, dtype="fp32", max_shard_size=max_shard_size, ranks=world.size, cast=True
         )
-    partial = partial_dir(out)
-    killer = _Killer()
+    job = _Job(
+        plan, sums, out, partial_dir(out), world, out_format, fsync, progress, _Killer(), max_shard_size
+    )
     previous_threads = torch.get_num_threads()
     owned = False
     try:
         torch.set_num_threads(threads)
         with contextlib.ExitStack() as stack:
             readers = [stack.enter_context(open_weights(s.path)) for s in plan.snapshots]
-            options = {"format": out_format, "keep_fp32": sums is not None, "ranks": world.size}
-            fingerprint = _fingerprint(plan, readers, **options)
-            extra = sums.output_bytes if sums is not None else 0
-
-            def prepare() -> None:
-                stack.enter_context(output_lock(out))  # held until the merge ends; rank 0 only
-                _prepare(out, partial, plan, fingerprint, force, resume, extra)
-
-            _stage(world, out, prepare, rank0=True)
+            _stage(world, out, lambda: _take_output(job, readers, stack, force, resume), rank0=True)
             owned = True
-            final, final_readers = plan, readers
-            if sums is not None:
-                fp32 = sums
-                _stage(
-                    world,
-                    out,
-                    lambda: _write_pass(fp32, readers, partial, FP32_DIR, world, progress, fsync, killer),
-                )
-                _stage(world, out, lambda: write_index(partial / FP32_DIR, fp32.shards), rank0=True)
-                # The output is the fp32 sums cast once: the same bytes as casting the accumulator directly.
-                state = Snapshot(partial / FP32_DIR, tokens=plan.snapshots[-1].tokens, source="merge")
-                dtypes = {k: d for k, (_, d) in plan.tensors.items()}
-
-                def cast_plan() -> MergePlan:  # a stage of its own: it reads what rank 0 just wrote
-                    casting = plan_merge(
-                        [state],
-                        [1.0],
-                        dtype=dtypes,
-                        max_shard_size=max_shard_size,
-                        ranks=world.size,
-                        cast=True,
-                    )
-                    if casting.shards != plan.shards:
-                        raise RuntimeError("the cast pass planned other shards than the merge")
-                    return casting
-
-                final = _stage(world, out, cast_plan)
-                final_readers = [stack.enter_context(open_weights(state.path))]
-            last_pass = (final, final_readers, None if sums is not None else progress)
+            final, final_readers = _fp32_pass(job, readers, stack) if sums is not None else (plan, readers)
+            last_progress = None if sums is not None else progress
             _stage(
                 world,
                 out,
-                lambda: _write_pass(*last_pass[:2], partial, "", world, last_pass[2], fsync, killer),
+                lambda: _write_pass(
+                    final, final_readers, job.partial, "", world, last_progress, fsync, job.killer
+                ),
             )
-            written = None
-            if out_format != "safetensors":
-                layout_format = out_format
-                _stage(world, out, lambda: write_index(partial, plan.shards), rank0=True)
-                written = _stage(
-                    world, out, lambda: _write_layout(plan, partial, world, fsync, layout_format)
-                )
-
-            def manifest(files: list[dict[str, Any]], copied: list[str]) -> dict[str, Any]:
-                record = _manifest(plan, readers, files, copied, dtype, manifest_extra or {})
-                record["produced_by"] = {
-                    "mode": "incremental" if window is not None else "full",
-                    "ranks": world.size,
-                    "format": out_format,
-                    "fp32_sums": FP32_DIR if sums is not None else (None if narrow else "."),
-                }
-                if sums is not None:  # what --from-previous checks before trusting the sums
-                    record["output"]["fp32_files"] = [
-                        _Progress(partial).recorded(f"{FP32_DIR}/{s.file}") for s in sums.shards
-                    ]
-                if window is not None:
-                    record["terms"] = record["inputs"]
-                    record["inputs"] = _window_inputs(*window)
-                    record["weights"] = list(window[1])
-                    record["tokens"] = window[0][-1].tokens
-                return record
-
-            result = _stage(
-                world,
-                out,
-                lambda: _finish(plan, readers, partial, out, written, fsync, manifest, killer),
-                rank0=True,
-            )
+            written = _layout_pass(job) if out_format != "safetensors" else None
+            record = _manifest_of(job, readers, dtype, manifest_extra or {}, narrow, window)
+            finish = lambda: _finish(plan, readers, job.partial, out, written, fsync, record, job.killer)  # noqa: E731
+            result = _stage(world, out, finish, rank0=True)
     except BaseException:
         if owned and world.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
+            shutil.rmtree(job.partial, ignore_errors=True)
         raise
     finally:
         torch.set_num_threads(previous_threads)
     return MergeResult(out, plan, time.perf_counter() - start, result or {})
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What every step of one ``merge`` call shares."""
+
+    plan: MergePlan
+    sums: MergePlan | None
+    """The fp32 sums' plan (``keep_fp32`` with a narrower output), written first and cast once."""
+    out: Path
+    partial: Path
+    world: World
+    out_format: str
+    fsync: bool
+    progress: Callable[[int], None] | None
+    killer: _Killer
+    max_shard_size: int
+
+
+def _take_output(
+    job: _Job, readers: Sequence[Reader], stack: contextlib.ExitStack, force: bool, resume: bool
+) -> None:
+    """Rank 0: lock the output (held until the merge ends) and make or check its partial directory."""
+    options = {"format": job.out_format, "keep_fp32": job.sums is not None, "ranks": job.world.size}
+    fingerprint = _fingerprint(job.plan, readers, **options)
+    stack.enter_context(output_lock(job.out))
+    extra = job.sums.output_bytes if job.sums is not None else 0
+    _prepare(job.out, job.partial, job.plan, fingerprint, force, resume, extra)
+
+
+def _fp32_pass(
+    job: _Job, readers: Sequence[Reader], stack: contextlib.ExitStack
+) -> tuple[MergePlan, list[Reader]]:
+    """Write the fp32 sums into ``pmakit-fp32/``; the output is then those sums cast once (the same bytes as
+    casting the accumulator directly). Returns the cast pass's plan and reader."""
+    fp32, world, out = job.sums, job.world, job.out
+    assert fp32 is not None
+    _stage(
+        world,
+        out,
+        lambda: _write_pass(fp32, readers, job.partial, FP32_DIR, world, job.progress, job.fsync, job.killer),
+    )
+    _stage(world, out, lambda: write_index(job.partial / FP32_DIR, fp32.shards), rank0=True)
+    state = Snapshot(job.partial / FP32_DIR, tokens=job.plan.snapshots[-1].tokens, source="merge")
+    dtypes = {k: d for k, (_, d) in job.plan.tensors.items()}
+    shard_size = job.max_shard_size
+
+    def cast_plan() -> MergePlan:  # a stage of its own: it reads what rank 0 just wrote
+        casting = plan_merge(
+            [state], [1.0], dtype=dtypes, max_shard_size=shard_size, ranks=world.size, cast=True
+        )
+        if casting.shards != job.plan.shards:
+            raise RuntimeError("the cast pass planned other shards than the merge")
+        return casting
+
+    return _stage(world, out, cast_plan), [stack.enter_context(open_weights(state.path))]
+
+
+def _layout_pass(job: _Job) -> Any:
+    """Write the merged weights in the chosen run layout (DCP, OLMo-core, ...) from the staged safetensors."""
+    _stage(job.world, job.out, lambda: write_index(job.partial, job.plan.shards), rank0=True)
+    return _stage(
+        job.world, job.out, lambda: _write_layout(job.plan, job.partial, job.world, job.fsync, job.out_format)
+    )
+
+
+def _manifest_of(
+    job: _Job,
+    readers: Sequence[Reader],
+    dtype: str | torch.dtype | None,
+    extra: dict[str, Any],
+    narrow: bool,
+    window: tuple[Sequence[Snapshot], Sequence[float]] | None,
+) -> Callable[[list[dict[str, Any]], list[str]], dict[str, Any]]:
+    """The manifest, built once the output files exist: inputs, weights, how it was produced."""
+
+    def manifest(files: list[dict[str, Any]], copied: list[str]) -> dict[str, Any]:
+        record = _manifest(job.plan, readers, files, copied, dtype, extra)
+        record["produced_by"] = {
+            "mode": "incremental" if window is not None else "full",
+            "ranks": job.world.size,
+            "format": job.out_format,
+            "fp32_sums": FP32_DIR if job.sums is not None else (None if narrow else "."),
+        }
+        if job.sums is not None:  # what --from-previous checks before trusting the sums
+            ledger = _Progress(job.partial)
+            record["output"]["fp32_files"] = [
+                ledger.recorded(f"{FP32_DIR}/{s.file}") for s in job.sums.shards
+            ]
+        if window is not None:
+            record["terms"] = record["inputs"]
+            record["inputs"] = _window_inputs(*window)
+            record["weights"] = list(window[1])
+            record["tokens"] = window[0][-1].tokens
+        return record
+
+    return manifest
 
 
 def _window_inputs(snapshots: Sequence[Snapshot], weights: Sequence[float]) -> list[dict[str, Any]]:
