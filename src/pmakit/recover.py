@@ -502,28 +502,11 @@ def recover(
         allow_fewer: merge what there is when fewer than ``last`` snapshots precede the spike.
         force: replace ``out`` if it exists.
     """
-    from pmakit.merge import merge, replace_dir
     from pmakit.snapshot import discover
     from pmakit.weights import get_weights
 
-    run_dir = Path(run_dir)
-    out = Path(out)
-    if not run_dir.is_dir():
-        raise PmakitError(f"{run_dir}: no such run directory")
-    if optimizer not in OPTIMIZER_POLICIES:
-        raise PmakitError(f"unknown optimizer policy {optimizer!r}; use {' or '.join(OPTIMIZER_POLICIES)}")
-    snap_dir = snapshot_dir(run_dir)
-    if _inside(out, snap_dir):
-        raise PmakitError(
-            f"{out} is inside the run's snapshot folder {snap_dir}: it would be taken for a training snapshot "
-            "by later merges; write it elsewhere"
-        )
-    if _inside(out, run_dir):
-        log.warning(
-            "%s is inside the run directory: `pmakit merge %s` will count it as a snapshot", out, run_dir
-        )
-    if out.exists() and not force:
-        raise PmakitError(f"{out} exists; pass --force to replace it")
+    run_dir, out = Path(run_dir), Path(out)
+    snap_dir = _check_request(run_dir, out, optimizer, force)
     spike, spikes, lag = (None, [], 0) if before is not None else spike_from_metrics(run_dir, detector)
     if spike is not None:
         before = spike_boundary(spike, lag)
@@ -543,8 +526,58 @@ def recover(
             "(snapshots hold weights only); "
             "use --optimizer reset"
         )
-    newest = chosen[-1]
-    record = {
+    why = Why(before, spike, spikes, lag, detector)
+    record = _record(run_dir, why, method, alpha, last, chosen, weights, optimizer, source)
+    _write_recovered(run_dir, out, chosen, weights, method, alpha, source, record)
+    return RecoveryResult(out, chosen, weights, before, spike, source, record)
+
+
+def _check_request(run_dir: Path, out: Path, optimizer: str, force: bool) -> Path:
+    """Refuse what cannot work before any reading; returns the run's snapshot folder."""
+    if not run_dir.is_dir():
+        raise PmakitError(f"{run_dir}: no such run directory")
+    if optimizer not in OPTIMIZER_POLICIES:
+        raise PmakitError(f"unknown optimizer policy {optimizer!r}; use {' or '.join(OPTIMIZER_POLICIES)}")
+    snap_dir = snapshot_dir(run_dir)
+    if _inside(out, snap_dir):
+        raise PmakitError(
+            f"{out} is inside the run's snapshot folder {snap_dir}: it would be taken for a training snapshot "
+            "by later merges; write it elsewhere"
+        )
+    if _inside(out, run_dir):
+        log.warning(
+            "%s is inside the run directory: `pmakit merge %s` will count it as a snapshot", out, run_dir
+        )
+    if out.exists() and not force:
+        raise PmakitError(f"{out} exists; pass --force to replace it")
+    return snap_dir
+
+
+@dataclass(frozen=True)
+class Why:
+    """Where the rollback boundary came from: ``--before``, or a spike found in the metrics log."""
+
+    before: int
+    spike: Spike | None
+    spikes: list[Spike]
+    lag: int
+    detector: SpikeConfig | None
+
+
+def _record(
+    run_dir: Path,
+    why: Why,
+    method: str,
+    alpha: float,
+    last: int,
+    chosen: list[Snapshot],
+    weights: list[float],
+    optimizer: str,
+    source: Snapshot | None,
+) -> dict[str, Any]:
+    """The ``recovery`` record of the output's pmakit.json: what was merged, with which weights, and why."""
+    before, spike, spikes, lag, detector = why.before, why.spike, why.spikes, why.lag, why.detector
+    return {
         "run_dir": str(run_dir.resolve()),
         "before_tokens": before,
         "why": "--before given"
@@ -570,6 +603,22 @@ def recover(
         "pmakit_version": pmakit.__version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def _write_recovered(
+    run_dir: Path,
+    out: Path,
+    chosen: list[Snapshot],
+    weights: list[float],
+    method: str,
+    alpha: float,
+    source: Snapshot | None,
+    record: dict[str, Any],
+) -> None:
+    """The merge, the tokenizer and (keep-latest) the optimizer state, pmakit.json last, renamed into place."""
+    from pmakit.merge import merge, replace_dir
+
+    newest = chosen[-1]
     staging = out.parent / f".{out.name}.pmakit-recover"
     shutil.rmtree(staging, ignore_errors=True)  # left by an interrupted recover into the same OUT
     try:
@@ -592,7 +641,6 @@ def recover(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return RecoveryResult(out, chosen, weights, before, spike, source, record)
 
 
 CHECKPOINT_DIR = "checkpoint"
