@@ -33,7 +33,7 @@ from typing import Any
 import pmakit
 from pmakit.errors import PmakitError
 from pmakit.snapshot import METADATA_FILE, IncompleteSnapshot, Snapshot, read_snapshot, sort_snapshots
-from pmakit.train.loop import Callback, StopTraining
+from pmakit.train.callbacks import Callback, StopTraining
 from pmakit.units import format_tokens
 
 log = logging.getLogger(__name__)

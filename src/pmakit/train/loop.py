@@ -34,6 +34,7 @@ from pmakit.errors import PmakitError
 from pmakit.evaluate import EvalResult, batch_loss, evaluate
 from pmakit.metrics import MetricsLog
 from pmakit.schedule import WSD
+from pmakit.train.callbacks import Callback, StopTraining
 from pmakit.train.model import ModelConfig, build_model, count_parameters
 from pmakit.train.replicas import SingleCopy
 
@@ -178,29 +179,6 @@ class TrainConfig:
             return cls(model=model, **data)
         except TypeError as e:
             raise PmakitError(f"bad train config: {e}") from e
-
-
-class Callback:
-    """Hooks into the loop; every method is optional (empty by default)."""
-
-    def on_train_start(self, trainer: Trainer) -> None:
-        """After set-up (and after resuming), before the first step."""
-
-    def on_step_end(self, trainer: Trainer, record: dict[str, Any]) -> None:
-        """After every optimizer step; ``record`` has tokens, step, loss, grad_norm, lr."""
-
-    def on_snapshot(self, trainer: Trainer, snapshot: Any) -> None:
-        """After a snapshot was taken (its CPU copy exists; the write may still be in flight)."""
-
-    def on_eval(self, trainer: Trainer, records: list[dict[str, Any]]) -> None:
-        """After latest and merged weights were evaluated."""
-
-    def on_train_end(self, trainer: Trainer) -> None:
-        """After the last step, snapshots flushed."""
-
-
-class StopTraining(Exception):
-    """Raised by a callback to end the run cleanly (the final state is saved)."""
 
 
 @dataclass
