@@ -19,6 +19,7 @@ from typing import Any
 import click
 
 from pmakit.errors import PmakitError
+from pmakit.layouts import out_formats
 from pmakit.units import format_bytes, format_tokens, parse_size, parse_tokens
 
 METHODS = ["sma", "wma", "ema", "ema-normalized", "wsm-linear", "wsm-cosine", "wsm-1sqrt"]
@@ -234,11 +235,11 @@ def _progress(total: int, quiet: bool, label: str) -> Iterator[Callable[[int], N
 @click.option(
     "--format",
     "out_format",
-    type=click.Choice(["native", "safetensors", "dcp", "olmo-core", "torchtitan", "megatron"]),
+    type=click.Choice(["native", *out_formats()]),
     default="native",
     show_default=True,
-    help="Output layout. native: the newest input's own (an OLMo-core, torchtitan or Megatron checkpoint that "
-    "trainer loads; HF safetensors for pmakit, HF and plain DCP inputs); safetensors: HF layout under the "
+    help="Output layout. native: the newest input's own (e.g. an OLMo-core checkpoint that trainer "
+    "loads; HF safetensors for pmakit, HF and plain DCP inputs); safetensors: HF layout under the "
     "names the inputs use; dcp: torch.distributed.checkpoint, names at the top level; or a trainer's layout.",
 )
 @click.option(
