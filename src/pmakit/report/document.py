@@ -488,7 +488,15 @@ def run_blocks(experiment: dict[str, Any], run_dir: Path) -> list[Block]:
     blocks: list[Block] = [Heading("The run")]
     known = {*_FACTS, *_TOKEN_FACTS, *(k for k, _ in _SECTIONS), "forks", "config", "headline_merge"}
     scalars = [k for k, v in experiment.items() if k not in known and not isinstance(v, dict | list)]
-    facts = [[k, _value(experiment[k])] for k in (*_FACTS, *scalars) if k in experiment]
+    labels = {"started": "first started", "finished": "last finished"}  # a resumed study spans several runs
+    facts = [[labels.get(k, k), _value(experiment[k])] for k in (*_FACTS, *scalars) if k in experiment]
+    spent = (
+        (experiment.get("seconds") or {}).get("total")
+        if isinstance(experiment.get("seconds"), dict)
+        else None
+    )
+    if isinstance(spent, int | float):
+        facts.insert(1, ["time spent (all invocations)", fmt.seconds(float(spent))])
     for k in _TOKEN_FACTS:
         if isinstance(experiment.get(k), int | float):
             facts.append([k, f"{_value(experiment[k])} ({fmt.tokens(experiment[k])})"])

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from pmakit.report import fmt
 from pmakit.report.blocks import Block, Bullets, FigureBlock, Heading, Paragraph, Table
 
 PLANE_FILE = "plane.json"
@@ -180,7 +181,7 @@ def blocks(run_dir: Path, figure: Path | None) -> list[Block]:
         return "0" if abs(v) < 1e-9 * span else f"{v:.4g}"  # float64 round-off of the defining points
 
     rows = [
-        [str(s["index"]), str(s.get("tokens") or ""), coord(s["x"]), coord(s["y"]), coord(s["distance"]),
+        [str(s["index"]), fmt.tokens(s.get("tokens")), coord(s["x"]), coord(s["y"]), coord(s["distance"]),
          f"{s['loss']:.4f}"]
         for s in result["snapshots"]
     ]  # fmt: skip
