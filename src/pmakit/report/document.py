@@ -397,7 +397,27 @@ def _weightings_caption(forks: Sequence[ForkSummary], v: int | None, base: int |
                 f"{gap_text(d)}: " + judge(d, f"{best_name} is ahead", f"{best_name} is behind")
             )
         lines.append(text + ".")
-    return lines
+    verdict_line = _finding_4_verdict(forks, v)
+    return lines + ([verdict_line] if verdict_line else [])
+
+
+def _finding_4_verdict(forks: Sequence[ForkSummary], v: int | None) -> str | None:
+    """Whether the earliest fork agrees with finding 4 (a recency-weighted merge best early), from its numbers."""
+    scored = (
+        [(r, f_g) for r in weighting_rows(forks[0], v) if (f_g := forks[0].gain(r)) is not None]
+        if forks
+        else []
+    )
+    if len({weighting_key(r) for r, _ in scored}) < 2:
+        return None
+    best = max(scored, key=lambda c: c[1].value)[0]
+    key = weighting_key(best)
+    recent = key == "wma" or key.startswith("ema")  # EMA (either form) and WMA weight recent snapshots more
+    word = "agrees with" if recent else "does not agree with"
+    return (
+        f"This run {word} the paper's finding 4 at its earliest fork: the best weighting there is "
+        f"{weighting_label(key)}" + ("." if recent else ", which does not weight recent snapshots more.")
+    )
 
 
 def _sweeps_caption(forks: Sequence[ForkSummary], figs: Figures, base: int | None) -> list[str]:
