@@ -44,11 +44,11 @@ def plot_plane(result: dict[str, Any], path: Path) -> Path:
     fig = Figure(figsize=(6.6, 5.2), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    # Quantile levels: a few very high losses at the grid's corners must not flatten the basin into one colour.
-    levels = np.unique(np.quantile(z, np.linspace(0, 1, 16)))
-    if levels.size < 2:
-        levels = np.array([z.min(), z.min() + 1e-6])
-    filled = ax.contourf(xs, ys, z, levels=levels, cmap="viridis")
+    # Equal loss steps (equal colour steps mean equal loss steps) up to the grid's 85th percentile; the few very
+    # high losses at the corners share the top colour instead of flattening the basin into one.
+    top = float(np.quantile(z, 0.85))
+    levels = np.linspace(float(z.min()), top, 15) if top > z.min() else np.array([z.min(), z.min() + 1e-6])
+    filled = ax.contourf(xs, ys, z, levels=levels, cmap="viridis", extend="max")
     ax.contour(xs, ys, z, levels=levels, colors="white", linewidths=0.4, alpha=0.6)
     fig.colorbar(filled, ax=ax, label="held-out loss (nats/token)", format="%.3f")
     snaps = result["snapshots"]
@@ -237,8 +237,8 @@ def blocks(run_dir: Path, figure: Path | None) -> list[Block]:
                 figure,
                 "Loss on a plane through the window's snapshots",
                 [
-                    "Filled contours: held-out loss on the plane (colour levels at quantiles of the grid's "
-                    "losses). Numbered dots: the window's snapshots, oldest (1) to newest, projected onto the plane; "
+                    "Filled contours: held-out loss on the plane, in equal loss steps up to the grid's 85th "
+                    "percentile (higher losses share the top colour). Numbered dots: the window's snapshots, oldest (1) to newest, projected onto the plane; "
                     "star: the SMA merge, projected. Axes in weight-space Euclidean distance.",
                     "Paper (finding 10): snapshots sit around a basin and their average lands near its centre.",
                     summary_lines(result)[3],
