@@ -36,6 +36,7 @@ import torch
 import pmakit
 from pmakit.errors import PmakitError
 from pmakit.evaluate import EvalResult, evaluate, paired_difference
+from pmakit.train.replicas import ReplicaConfig
 
 log = logging.getLogger(__name__)
 STUDY = "replicas"
@@ -49,34 +50,25 @@ class Arm:
     """Directory name and label."""
     replicas: int = 2
     """Model copies (1: a single copy with ``replicas`` x the batch; see ``ReplicaStudy.replicas``)."""
-    sync: str = "weights"
-    """``gradients`` (synchronous data parallel) or ``weights`` (local SGD / DiLoCo)."""
-    sync_every: int = 1
-    """H, inner steps between weight syncs."""
-    outer: str = "average"
-    """``average`` (local SGD), ``sgd`` or ``nesterov`` (DiLoCo)."""
-    outer_lr: float = 0.7
-    """DiLoCo's outer learning rate."""
-    outer_momentum: float = 0.9
-    """DiLoCo's outer momentum."""
-    save_replicas: bool = False
-    """Keep each copy's own snapshots, for PMA across copies and time."""
+    sync: ReplicaConfig = field(default_factory=ReplicaConfig)
+    """How the copies are kept together: the options of ``pmakit train --replicas``."""
 
     def args(self) -> list[str]:
         """The ``pmakit train`` options of this arm."""
         if self.replicas == 1:
             return []
-        out = ["--replicas", str(self.replicas), "--sync", self.sync]
-        if self.sync == "weights":
-            out += ["--sync-every", str(self.sync_every), "--outer", self.outer]
-            out += ["--outer-lr", str(self.outer_lr), "--outer-momentum", str(self.outer_momentum)]
-        return out + (["--save-replicas"] if self.save_replicas else [])
+        c = self.sync
+        out = ["--replicas", str(self.replicas), "--sync", c.sync]
+        if c.sync == "weights":
+            out += ["--sync-every", str(c.sync_every), "--outer", c.outer]
+            out += ["--outer-lr", str(c.outer_lr), "--outer-momentum", str(c.outer_momentum)]
+        return out + (["--save-replicas"] if c.save_replicas else [])
 
     def all_reduces(self, step: int) -> int:
         """All-reduces (syncs) after ``step`` optimizer steps."""
         if self.replicas == 1:
             return 0
-        return step if self.sync == "gradients" else step // self.sync_every
+        return step if self.sync.sync == "gradients" else step // self.sync.sync_every
 
 
 @dataclass(frozen=True)
@@ -113,10 +105,12 @@ def resolve(data: Mapping[str, Any]) -> tuple[Any, ReplicaStudy]:
     replicas = int(section.get("replicas", 2))
     arms = []
     for item in section.get("arms") or ():
-        arm = Arm(**{"replicas": replicas, **dict(item)})
-        if arm.name == "single":
-            arm = Arm(name="single", replicas=1)
-        arms.append(arm)
+        options = dict(item)
+        name = str(options.pop("name", ""))
+        try:
+            arms.append(Arm(name, 1) if name == "single" else Arm(name, replicas, ReplicaConfig(**options)))
+        except TypeError as e:
+            raise PmakitError(f"arm {name!r}: {e}") from None
     study = ReplicaStudy(
         replicas, tuple(arms), int(section.get("last", 4)), int(section.get("eval_batches", 16))
     )
@@ -220,7 +214,7 @@ def _score_arm(scorer: _Scorer, run_dir: Path, arm: Arm, study: ReplicaStudy) ->
         _snapshots(run_dir / "arms" / arm.name / "replicas" / f"rank-{r}" / "snapshots")
         for r in range(arm.replicas)
     ]
-    if arm.save_replicas and all(len(c) >= study.last for c in copies):
+    if arm.sync.save_replicas and all(len(c) >= study.last for c in copies):
         states = [read_state(p) for c in copies for p in c[-study.last :]]
         out[f"pma{study.last}-copies"] = scorer(average_states(states, [1 / len(states)] * len(states)))
     return out
