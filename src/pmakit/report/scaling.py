@@ -169,31 +169,19 @@ def plot(points: Sequence[Point], study: StudyFit, path: Path) -> Path:
         ax.plot([6 * p.n * p.d], [p.loss], marker, mfc="none", color=colors[p.n], ms=6)
         if p.n == study.holdout_n and p.kind == "anneal":
             ax.plot([6 * p.n * p.d], [p.loss], "o", mfc="none", mec="red", ms=12, lw=1)
-    budgets = np.array(sorted({p.d for p in points}))
-    d_line = np.geomspace(budgets.min(), budgets.max(), 60)
-    styles = {"merge": "-", "anneal": "--"}
+    compute = np.array([6 * p.n * p.d for p in points])
+    c = np.geomspace(compute.min() / 1.5, compute.max() * 1.5, 200)
+    n_grid = np.geomspace(min(sizes) / 10, max(sizes) * 10, 400)
     for kind, f in study.fits.items():
-        for n in sizes:  # each size's fitted curve over the measured budgets (the held-out one: a prediction)
-            ax.plot(6 * n * d_line, f.law(n, d_line), styles[kind], color=colors[n], lw=0.8, alpha=0.8)
-        # the envelope over the measured size range only: no extrapolation to sizes nobody trained
-        c = np.geomspace(6 * sizes[0] * budgets.min(), 6 * sizes[-1] * budgets.max(), 200)
-        n_grid = np.geomspace(sizes[0], sizes[-1], 200)
-        ax.plot(c, f.law.frontier(c, n_grid), styles[kind], color="k", lw=1.6,
-                label=f"{kind} fit: compute-optimal frontier (thin: per size)")  # fmt: skip
+        ax.plot(c, f.law.frontier(c, n_grid), "-" if kind == "merge" else "--", color="k", lw=1.2,
+                label=f"{kind} fit: compute-optimal frontier")  # fmt: skip
     for n in sizes:
         ax.plot([], [], "s", color=colors[n], label=f"N = {fmt.tokens(n)}")
     ax.plot([], [], "o", mfc="none", color="gray", label="merge (measured)")
     ax.plot([], [], "x", color="gray", label="anneal (measured)")
     if study.holdout_n is not None:
-        ax.plot(
-            [], [], "o", mfc="none", mec="red", ms=10, label="held-out size's anneals (predicted by the fits)"
-        )
-    # log compute, linear loss: the losses span a narrow range, where a log axis only hides the tick labels
-    ax.set(
-        xscale="log",
-        xlabel="training compute C = 6ND (FLOPs, N non-embedding)",
-        ylabel="held-out loss (test split)",
-    )
+        ax.plot([], [], "o", mfc="none", mec="red", ms=10, label="held out (predicted)")
+    ax.set(xscale="log", yscale="log", xlabel="training compute C = 6ND (FLOPs)", ylabel="held-out loss")
     ax.legend(fontsize=7, ncol=2)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
