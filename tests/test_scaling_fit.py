@@ -128,26 +128,3 @@ def test_cli_bad_results_file_is_one_error_line(tmp_path: Path, text: str, messa
     assert result.exit_code == 1
     assert message in result.output and "Traceback" not in result.output
     assert not (tmp_path / "o" / "scaling_fit.json").exists()
-
-
-def test_cli_missing_file_and_holdout_none(tmp_path: Path) -> None:
-    result = CliRunner().invoke(cli, ["scaling-fit", str(tmp_path / "nope.csv"), "-o", str(tmp_path / "o")])
-    assert result.exit_code == 1 and "no such results file" in result.output
-    _write_csv(tmp_path / "runs.csv", synthetic(TRUTH, 0.0, 0))
-    result = CliRunner().invoke(
-        cli,
-        [
-            "scaling-fit",
-            str(tmp_path / "runs.csv"),
-            "-o",
-            str(tmp_path / "o"),
-            "--holdout",
-            "none",
-            "--bootstrap",
-            "0",
-        ],
-    )
-    assert result.exit_code == 0, result.output
-    record = json.loads((tmp_path / "o" / "scaling_fit.json").read_text())
-    assert record["holdout_n"] is None and record["predictions"] == [] and set(record["fits"]) == {"anneal"}
-    assert record["fits"]["anneal"]["sizes"] == list(SIZES)  # nothing held out: every size fitted
