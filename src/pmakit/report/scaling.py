@@ -297,37 +297,6 @@ def _intro(exp: Mapping[str, Any]) -> str:
     )
 
 
-def _run_text(exp: Mapping[str, Any]) -> str:
-    """When, how long, on how loaded a machine (the time target is stated for 2 idle cores)."""
-    import datetime
-
-    try:
-        start, end = (datetime.datetime.fromisoformat(exp[k]) for k in ("started", "finished"))
-        minutes = (end - start).total_seconds() / 60
-        wall = f"{minutes:.1f} min from first start to last finish (a resumed study includes its pauses)"
-    except (KeyError, TypeError, ValueError):
-        wall = "an unknown time"
-    load = exp.get("load_average")
-    loaded = f"; load average at the end {', '.join(f'{x:.1f}' for x in load)} (1, 5, 15 min)" if load else ""
-    train = sum(s["seconds"]["trunk"] + s["seconds"]["anneals"] for s in exp.get("sizes", []))
-    return (
-        f"The study took {wall}, of which training {train / 60:.1f} min, on {exp.get('threads', '?')} threads"
-        f"{loaded}. The target is at most 40 minutes on 2 idle cores."
-    )
-
-
-def _selection_rows(exp: Mapping[str, Any]) -> list[list[str]]:
-    chosen = exp.get("recipe", {}).get("label")
-    return [
-        [
-            r["recipe"] + (" (chosen)" if r["recipe"] == chosen else ""),
-            str(r["points"]),
-            fmt.loss(r["mean_loss"]),
-        ]
-        for r in exp.get("selection", [])
-    ]
-
-
 def build(run_dir: Path) -> tuple[list[Block], list[Path]]:
     """The study's report blocks and the figures drawn; writes RUN/scaling_fit.json."""
     exp, rows = _load(run_dir)
@@ -340,7 +309,6 @@ def build(run_dir: Path) -> tuple[list[Block], list[Path]]:
         Heading("Scaling laws from merges instead of annealed runs", 1),
         Paragraph(_intro(exp)),
     ]
-    blocks.append(Paragraph(_run_text(exp)))
     blocks += [
         Heading("Targets", 2),
         Bullets(verdicts(study.targets(TOLERANCE), study.holdout_n) + bill(exp)[1]),
@@ -356,8 +324,6 @@ def build(run_dir: Path) -> tuple[list[Block], list[Path]]:
             Table(PREDICTION_HEADER, prediction_rows(study)),
         ]
     blocks += [Heading("Merge − anneal at every point (test split)", 2), Table(GAP_HEADER, gap_rows(rows))]
-    blocks += [Heading("Merge recipe, chosen on the selection split", 2),
-               Table(["candidate", "points", "mean selection loss"], _selection_rows(exp))]  # fmt: skip
     bill_rows, _ = bill(exp)
     blocks += [Heading("Compute bill", 2), Paragraph(
         "FLOPs = 6 N D with N non-embedding parameters; wall time measured on this machine (merges: the averaging "
