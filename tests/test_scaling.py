@@ -148,7 +148,7 @@ def test_report_fit_and_cli_agree(smoke: tuple[Path, str], tmp_path: Path) -> No
     assert len(record["predictions"]) == 4 and "heldout_within" in record["targets"]
     assert "Scaling study" in stdout and "save" in stdout
     # a user feeding the study's own results file to `pmakit scaling-fit` gets the report's fit
-    proc = run_cli("scaling-fit", run / "results.jsonl", "-o", tmp_path, "--bootstrap", "20")
+    proc = run_cli("scaling-fit", run / "results.jsonl", "-o", tmp_path, "--bootstrap", "50")
     assert proc.returncode == 0, proc.stderr
     again = json.loads((tmp_path / "scaling_fit.json").read_text())
     assert again["fits"] == record["fits"] and again["predictions"] == record["predictions"]
