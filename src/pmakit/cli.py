@@ -657,9 +657,8 @@ def train(
     "--preset",
     type=str,
     default=None,
-    help="A shipped study: demo (default), smoke (about a minute), spike (loss-spike recovery, paper E10), "
-    "init (continued training from a merge, E9), scaling (scaling laws from merges; scaling-smoke: toy sizes), "
-    "replicas.",
+    help="A shipped study: demo (default), smoke (about a minute), spike (loss-spike recovery, paper E10) or "
+    "init (continued training from a merge, E9).",
 )
 @click.option(
     "--corpus",

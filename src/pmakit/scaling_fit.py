@@ -111,8 +111,6 @@ class Fit:
     """Resamples where every start failed (degenerate resamples); left out of the intervals."""
     samples: list[list[float]] = field(default_factory=list, repr=False)
     """The bootstrap refits as (E, A, B, alpha, beta) rows, for prediction intervals."""
-    at_bound: list[str] = field(default_factory=list)
-    """Parameters the optimum puts on a bound of the search box: the data do not pin them down."""
 
     def predict_interval(self, n: float, d: float) -> tuple[float, float]:
         """2.5 and 97.5 percentiles of the bootstrap laws' predictions at (n, d)."""
@@ -267,13 +265,7 @@ def fit(points: Sequence[Point], *, bootstrap: int = 400, seed: int = 0, delta: 
         bootstrap=len(samples),
         bootstrap_failed=failed,
         samples=samples,
-        at_bound=_at_bound(_theta(law)),
     )
-
-
-def _at_bound(theta: np.ndarray) -> list[str]:
-    near = np.isclose(theta, _LOWER, atol=1e-6) | np.isclose(theta, _UPPER, atol=1e-6)
-    return [name for name, hit in zip(PARAMS, near) if hit]
 
 
 # --------------------------------------------------------------------------------------------------- a study
@@ -331,9 +323,6 @@ class StudyFit:
                     "met": a.ci95[k][0] <= getattr(m.law, k) <= a.ci95[k][1]}
                 for k in ("alpha", "beta")
             }  # fmt: skip
-        bound = {kind: f.at_bound for kind, f in self.fits.items() if f.at_bound}
-        if bound:
-            out["at_bound"] = bound
         return out
 
 

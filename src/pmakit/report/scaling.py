@@ -120,11 +120,6 @@ def verdicts(t: Mapping[str, Any], holdout_n: float | None) -> list[str]:
         )
     elif holdout_n is not None:
         out.append("No annealed loss at the held-out size: the prediction target cannot be checked.")
-    for kind, names in t.get("at_bound", {}).items():
-        out.append(
-            f"The {kind} fit puts {', '.join(names)} on the bound of the search box: the points do not determine "
-            f"{'it' if len(names) == 1 else 'them'}; read those values and intervals as unidentified, not measured."
-        )
     for name, v in t.get("exponents_inside_anneal_ci", {}).items():
         lo, hi = v["anneal_ci95"]
         word = "inside" if v["met"] else "OUTSIDE"
