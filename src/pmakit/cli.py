@@ -657,8 +657,9 @@ def train(
     "--preset",
     type=str,
     default=None,
-    help="A shipped study: demo (default), smoke (about a minute), spike (loss-spike recovery, paper E10) or "
-    "init (continued training from a merge, E9).",
+    help="A shipped study: demo (default), smoke (about a minute), spike (loss-spike recovery, paper E10), "
+    "init (continued training from a merge, E9), scaling (scaling laws from merges; scaling-smoke: toy sizes), "
+    "replicas.",
 )
 @click.option(
     "--corpus",
@@ -714,6 +715,45 @@ def report(run_dir: Path) -> None:
     paths = write_report(run_dir)
     click.echo(summary_text(run_dir))
     click.echo(f"wrote {paths.html}")
+
+
+@cli.command("scaling-fit")
+@click.argument("results", nargs=-1, required=True, type=click.Path(path_type=Path), metavar="RESULTS...")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path),
+    default=Path("scaling-fit"),
+    show_default=True,
+    help="Directory for scaling_fit.json and scaling_fit.png.",
+)
+@click.option(
+    "--holdout",
+    type=click.Choice(["largest", "none"]),
+    default="largest",
+    show_default=True,
+    help="Leave the largest model size out of both fits and predict its annealed loss, or fit everything.",
+)
+@click.option(
+    "--bootstrap",
+    type=click.IntRange(min=0),
+    default=400,
+    show_default=True,
+    help="Bootstrap refits (points resampled) for the 95% intervals.",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the bootstrap resampling.")
+def scaling_fit(results: tuple[Path, ...], output: Path, holdout: str, bootstrap: int, seed: int) -> None:
+    """Fit L(N, D) = E + A/N^alpha + B/D^beta separately to merged and annealed losses.
+
+    RESULTS are CSV or JSONL files with columns params (N), tokens (D), loss (or val_loss) and kind (merge or
+    anneal; other rows are skipped), e.g. RUN/results.jsonl of `pmakit experiment --preset scaling` or your own
+    runs. Prints the parameters with 95% bootstrap intervals and the held-out size's prediction errors.
+    """
+    from pmakit.report.scaling import fit_files, fit_text
+
+    out = fit_files(list(results), output, holdout=holdout, bootstrap=bootstrap, seed=seed)
+    click.echo(fit_text(out.study))
+    click.echo(f"wrote {out.json_path}" + (f", {out.plot_path}" if out.plot_path else ""))
 
 
 @cli.command()

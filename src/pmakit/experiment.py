@@ -167,6 +167,10 @@ def run_experiment(
         from pmakit.lab.replicas import run_replica_study
 
         return run_replica_study(data, run_dir, fresh=fresh, progress=progress)
+    if data.get("study") == "scaling":  # scaling laws from merges (pmakit.lab.scaling)
+        from pmakit.lab.scaling import run_scaling_study
+
+        return run_scaling_study(data, run_dir, fresh=fresh, progress=progress)
     if data.get("study"):  # the spike / init presets (pmakit.studies)
         from pmakit.studies import run_study
 

@@ -112,13 +112,15 @@ def write_report(run_dir: str | Path) -> ReportPaths:
     """
     run_dir = Path(run_dir)
     _check_dir(run_dir)
-    from pmakit.report import recovery, replicas
+    from pmakit.report import recovery, replicas, scaling
 
     if recovery.study_of(run_dir):  # the spike / init studies have their own sections
         blocks, drawn = recovery.build(run_dir)
         return _render(run_dir, blocks, drawn)
     if replicas.is_replicas(run_dir):
         return _render(run_dir, *replicas.build(run_dir))
+    if scaling.is_scaling(run_dir):
+        return _render(run_dir, *scaling.build(run_dir))
     data = load_run(run_dir)
     forks = summarize_forks(data)
     base = base_interval(data)
@@ -150,12 +152,14 @@ def summary_text(run_dir: str | Path) -> str:
     """The headline numbers and the report's paths, in one terminal screen (about 25 lines at most)."""
     run_dir = Path(run_dir)
     _check_dir(run_dir)
-    from pmakit.report import recovery, replicas
+    from pmakit.report import recovery, replicas, scaling
 
     if recovery.study_of(run_dir):
         return recovery.summary(run_dir)
     if replicas.is_replicas(run_dir):
         return replicas.summary(run_dir)
+    if scaling.is_scaling(run_dir):
+        return scaling.summary(run_dir)
     data = load_run(run_dir)
     base = base_interval(data)
     forks = summarize_forks(data)

@@ -1,0 +1,539 @@
+"""The ``scaling`` study (``pmakit experiment --preset scaling``): a scaling law from merges instead of anneals.
+
+Per model size, ONE constant-LR trunk with a snapshot every V (V grows with the size, as the paper's intervals do),
+and at each token budget D:
+- the merge of the trunk's snapshots ending at D (free: no training), with a recipe (weighting, window as a fraction
+  of D) chosen among candidates on the selection split of the fitted sizes only;
+- the ground truth it stands in for: an anneal branched off the trunk at (1 - f) D, LR to 0 over the last f D
+  (Hägele et al. 2024's cooldown, f = 0.2);
+- the latest snapshot at D, for reference.
+Every reported number is on the test split (held-out batches disjoint from the selection batches). The report
+(``pmakit.report.scaling``) fits ``L(N, D) = E + A/N^alpha + B/D^beta`` to the merges and to the anneals separately,
+the largest size held out and predicted by both, and bills the compute of each way.
+
+Run directory:
+    RUN/SIZE/trunk/              the size's constant-LR run (``pmakit train`` layout: snapshots/, checkpoints/)
+    RUN/SIZE/anneal-D/           the anneal branch ending at D
+    RUN/selection.jsonl          every candidate recipe at every point, on the selection split
+    RUN/results.jsonl|.csv       test-split rows: size, params, tokens, kind (merge|anneal|latest), loss, s.e.
+    RUN/timings.json             wall seconds of each trunk, anneal and merge (summed over invocations)
+    RUN/experiment.json          ``"study": "scaling"``, the config, the sizes (N, V, budgets, seconds), the recipe
+Re-running resumes: finished trunks, anneals and evaluations are not redone; an interrupted run continues from its
+last checkpoint.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import pmakit
+from pmakit.errors import PmakitError
+from pmakit.evaluate import EvalResult, evaluate
+from pmakit.lab.results import read_rows, remove_run
+from pmakit.schedule import WSD
+from pmakit.train.loop import TrainConfig, Trainer
+from pmakit.train.model import ModelConfig
+from pmakit.units import format_tokens, parse_tokens
+from pmakit.weights import get_weights
+
+log = logging.getLogger(__name__)
+STUDY = "scaling"
+RESULT_COLUMNS = ("size", "params", "params_total", "tokens", "kind", "recipe", "val_loss", "val_loss_se", "bpb",
+                  "window_start_tokens", "merged", "label")  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A merge candidate: a weighting over the snapshots of the last ``fraction`` x D tokens."""
+
+    method: str = "sma"
+    """Weighting (sma, wma, ema, wsm-1sqrt, ...)."""
+    fraction: float = 0.2
+    """Window length as a fraction of the budget D (WSM: the merge's duration matters most)."""
+
+    @property
+    def label(self) -> str:
+        return f"{self.method} over the last {self.fraction:g} D"
+
+
+@dataclass(frozen=True)
+class Size:
+    """One model size (the shared ``train:`` section gives the rest)."""
+
+    name: str
+    """Directory name and label."""
+    layers: int
+    """Transformer blocks."""
+    hidden: int
+    """Width."""
+    heads: int
+    """Attention heads."""
+    lr: float | None = None
+    """Stable-phase LR of this size (default: ``train.lr``)."""
+
+
+@dataclass(frozen=True)
+class ScalingConfig:
+    """The ``scaling:`` section."""
+
+    sizes: tuple[Size, ...] = ()
+    """Model sizes, smallest first; the last one is held out of the fits and predicted."""
+    budgets: tuple[int, ...] = ()
+    """Token budgets D (the same for every size), aligned to the largest size's V."""
+    every_tokens_largest: int = 16_384
+    """V of the largest size; a size with k times fewer non-embedding parameters snapshots every V / k (rounded to
+    a power-of-two fraction, at least one step), so that V grows with the size as the paper's intervals do."""
+    anneal_fraction: float = 0.2
+    """The anneal branches off at (1 - f) D and decays the LR to 0 over the last f D."""
+    anneal_shape: str = "1sqrt"
+    """Decay shape of the anneals: 1sqrt, linear or cosine."""
+    recipes: tuple[Recipe, ...] = (Recipe("sma", 0.1), Recipe("sma", 0.2), Recipe("sma", 0.4))
+    """Merge candidates; the one with the least mean selection-split loss over the fitted sizes is reported."""
+    max_merged: int = 16
+    """At most this many snapshots in a merge (a long window takes every k-th snapshot)."""
+    selection_batches: int = 12
+    """Held-out batches the recipe is chosen on."""
+    test_batches: int = 24
+    """Held-out batches every reported loss is measured on (disjoint from the selection batches)."""
+    holdout: str = "largest"
+    """largest: fit without the largest size and predict it; none: fit every size."""
+    bootstrap: int = 400
+    """Bootstrap refits of the report's 95% intervals."""
+
+    def __post_init__(self) -> None:
+        if len(self.sizes) < 2 or len(self.budgets) < 2:
+            raise PmakitError("scaling needs at least 2 sizes and 2 budgets (4 of each for a meaningful law)")
+        if len({s.name for s in self.sizes}) != len(self.sizes):
+            raise PmakitError("scaling.sizes need distinct names")
+        if not 0 < self.anneal_fraction < 1 or not self.recipes:
+            raise PmakitError("scaling.anneal_fraction must be in (0, 1) and recipes non-empty")
+        for r in self.recipes:
+            get_weights(r.method, 2)  # an unknown weighting fails here, naming the known ones
+            if not 0 < r.fraction < 1:
+                raise PmakitError(f"recipe fraction must be in (0, 1), got {r.fraction}")
+        if self.holdout not in ("largest", "none") or min(self.selection_batches, self.test_batches) < 2:
+            raise PmakitError("scaling.holdout must be largest or none; selection/test batches at least 2")
+        WSD(1.0, decay_start=0, decay_end=1, shape=self.anneal_shape)  # a bad shape fails here
+
+
+def _section(data: Mapping[str, Any]) -> ScalingConfig:
+    raw = dict(data.get(STUDY) or {})
+    known = set(ScalingConfig.__dataclass_fields__)
+    if set(raw) - known:
+        raise PmakitError(f"unknown {STUDY} keys: {sorted(set(raw) - known)}; known: {sorted(known)}")
+    try:
+        raw["sizes"] = tuple(Size(**s) for s in raw.get("sizes") or ())
+        raw["recipes"] = tuple(Recipe(**r) for r in raw.get("recipes") or ()) or ScalingConfig.recipes
+        raw["budgets"] = tuple(parse_tokens(b) for b in raw.get("budgets") or ())
+        if "every_tokens_largest" in raw:
+            raw["every_tokens_largest"] = parse_tokens(raw["every_tokens_largest"])
+        return ScalingConfig(**raw)
+    except TypeError as e:
+        raise PmakitError(f"bad {STUDY} config: {e}") from None
+
+
+# --------------------------------------------------------------------------------------------------- plan
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One size, resolved: its train config, parameter counts, V and the aligned budgets and forks."""
+
+    size: Size
+    """The size."""
+    train: TrainConfig
+    """The trunk's config (constant LR to the last budget, full states kept at the forks)."""
+    params: int
+    """Non-embedding parameters (the N of the fits)."""
+    params_total: int
+    """All parameters (a tied embedding counted once)."""
+    budgets: tuple[int, ...]
+    """Budgets D."""
+    forks: tuple[int, ...]
+    """Where each budget's anneal branches off the trunk."""
+
+
+def _count(cfg: ModelConfig, vocab: int) -> tuple[int, int]:
+    """(non-embedding, total) parameters of a size, counted on the meta device (nothing allocated)."""
+    from pmakit.train.model import build_model, count_parameters
+
+    with torch.device("meta"):
+        model: Any = build_model(cfg, vocab)
+    embed = model.get_input_embeddings().weight.numel()
+    total = count_parameters(model)
+    head = 0 if cfg.tie_embeddings else model.get_output_embeddings().weight.numel()
+    return total - embed - head, total
+
+
+def plans(base: TrainConfig, study: ScalingConfig, vocab: int) -> list[Plan]:
+    """Every size's trunk config; V_k = V_largest / 2^round(log2(N_largest / N_k)), at least one step."""
+    step = base.tokens_per_step
+    if study.every_tokens_largest % step:
+        raise PmakitError(f"scaling.every_tokens_largest must be a multiple of the tokens per step ({step})")
+    models = [replace(base.model, layers=s.layers, hidden=s.hidden, heads=s.heads) for s in study.sizes]
+    counts = [_count(m, vocab) for m in models]
+    largest = max(c[0] for c in counts)
+    budgets = tuple(sorted({max(1, round(b / study.every_tokens_largest)) * study.every_tokens_largest
+                            for b in study.budgets}))  # fmt: skip
+    out = []
+    for size, model, (params, total) in zip(study.sizes, models, counts):
+        v = study.every_tokens_largest // 2 ** round(math.log2(largest / params))
+        v = max(step, v // step * step)
+        forks = tuple(d - round(study.anneal_fraction * d / step) * step for d in budgets)
+        if min(forks) <= base.warmup_tokens:
+            raise PmakitError(f"the first anneal starts at {format_tokens(min(forks))}, inside the warmup")
+        cfg = replace(
+            base, model=model, lr=size.lr or base.lr, every_tokens=v, total_tokens=max(budgets), decay_tokens=0,
+            keep_checkpoints_at=forks, eval_every=0, average_last=1,
+            checkpoint_every_tokens=max(step, max(budgets) // 10 // step * step),
+        )  # fmt: skip
+        out.append(Plan(size, cfg, params, total, budgets, forks))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- training
+
+
+def _trained(run: Path) -> int:
+    """Tokens of a run's final checkpoint (0 when it has none yet)."""
+    try:
+        return int(json.loads((run / "checkpoint" / "pmakit.json").read_text())["tokens"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
+class _Clock:
+    """Wall seconds of each piece of work, summed over invocations (RUN/timings.json)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.seconds: dict[str, float] = json.loads(path.read_text()) if path.exists() else {}
+
+    def add(self, key: str, seconds: float) -> None:
+        self.seconds[key] = self.seconds.get(key, 0.0) + seconds
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text(json.dumps(self.seconds, indent=1) + "\n")
+        tmp.replace(self.path)
+
+
+def _train_trunk(plan: Plan, run_dir: Path, corpus: Any, clock: _Clock, progress: bool) -> None:
+    trunk = run_dir / plan.size.name / "trunk"
+    if _trained(trunk) >= plan.train.total_tokens:
+        return
+    log.info("%s: constant-LR trunk to %s tokens", plan.size.name, format_tokens(plan.train.total_tokens))
+    t = time.perf_counter()
+    trainer = Trainer(plan.train, trunk, corpus=corpus, progress=progress)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+        clock.add(f"{plan.size.name}/trunk", time.perf_counter() - t)
+
+
+def _anneal(plan: Plan, study: ScalingConfig, budget: int, fork: int, run_dir: Path, corpus: Any,
+            clock: _Clock, progress: bool) -> None:  # fmt: skip
+    """The budget's ground truth: the trunk's state at the fork, LR decayed to 0 by the budget."""
+    branch = run_dir / plan.size.name / f"anneal-{budget}"
+    if _trained(branch) >= budget:
+        return
+    cfg = plan.train
+    schedule = WSD(
+        cfg.lr, warmup=cfg.warmup_tokens, decay_start=fork, decay_end=budget, shape=study.anneal_shape
+    )
+    start = (
+        None
+        if (branch / "checkpoint").exists()
+        else run_dir / plan.size.name / "trunk/checkpoints" / f"tokens-{fork}"
+    )
+    branch_cfg = replace(cfg, keep_checkpoints_at=(), total_tokens=budget)
+    log.info("%s: anneal from %s to %s", plan.size.name, format_tokens(fork), format_tokens(budget))
+    t = time.perf_counter()
+    trainer = Trainer(
+        branch_cfg, branch, corpus=corpus, schedule=schedule, resume_from=start, progress=progress
+    )
+    try:
+        trainer.fit(until_tokens=budget)
+    finally:
+        trainer.close()
+        clock.add(f"{plan.size.name}/anneal-{budget}", time.perf_counter() - t)
+
+
+# --------------------------------------------------------------------------------------------------- scoring
+
+
+def split_batches(batches: Sequence[Any], selection: int, test: int) -> tuple[list[Any], list[Any]]:
+    """Disjoint (selection, test) batches, both spread over the whole held-out set (every held-out file has a say
+    in both)."""
+    total = selection + test
+    if len(batches) < total:
+        raise PmakitError(
+            f"the held-out split has {len(batches)} batches, fewer than selection_batches + test_batches = {total}; "
+            "lower them or raise train.val_fraction"
+        )
+    test_idx = {k * total // test for k in range(test)}
+    return [b for i, b in enumerate(batches[:total]) if i not in test_idx], [
+        batches[i] for i in sorted(test_idx)
+    ]
+
+
+@dataclass
+class _Scorer:
+    """Scores states of one size on the fixed selection and test batches."""
+
+    plan: Plan
+    corpus: Any
+    selection: list[Any]
+    test: list[Any]
+    model: Any = field(init=False)
+
+    def __post_init__(self) -> None:
+        from pmakit.train.model import build_model
+
+        self.model = build_model(self.plan.train.model, self.corpus.vocab_size, seed=self.plan.train.seed)
+
+    def __call__(self, state: Mapping[str, torch.Tensor], split: str) -> EvalResult:
+        from pmakit.train.loop import swapped
+
+        batches = self.selection if split == "selection" else self.test
+        with swapped(self.model, state):
+            return evaluate(self.model, batches, bytes_per_token=self.corpus.bytes_per_token)
+
+
+def window(plan: Plan, recipe: Recipe, budget: int, max_merged: int) -> list[int]:
+    """Token counts of the snapshots a recipe merges at ``budget``, oldest first.
+
+    About ``fraction`` x D of training ending at D, in at most ``max_merged`` snapshots: every k-th snapshot of the
+    trunk (k >= 1), e.g. V = 4K, D = 400K, fraction 0.2, max 16: k = 1 (80K / 4K = 20 > 16, so k = 2: 10 snapshots
+    8K apart, [328K, 400K]).
+    """
+    v = plan.train.every_tokens
+    span = recipe.fraction * budget
+    spacing = v * max(1, math.ceil(span / (max_merged * v)))
+    count = max(2, round(span / spacing))
+    return [budget - k * spacing for k in range(count)][::-1]
+
+
+def _snapshot_states(trunk: Path, tokens: Sequence[int]) -> list[dict[str, torch.Tensor]]:
+    from pmakit.formats import read_state
+    from pmakit.snapshot import discover
+
+    found = {s.tokens: s.path for s in discover(trunk / "snapshots")}
+    missing = [t for t in tokens if t not in found]
+    if missing:
+        raise PmakitError(f"{trunk}: no snapshot at {format_tokens(missing[0])} tokens")
+    return [read_state(found[t]) for t in tokens]
+
+
+def _merged(
+    plan: Plan, run_dir: Path, recipe: Recipe, budget: int, max_merged: int
+) -> tuple[dict[str, Any], list[int]]:
+    from pmakit.merge import average_states
+
+    tokens = window(plan, recipe, budget, max_merged)
+    states = _snapshot_states(run_dir / plan.size.name / "trunk", tokens)
+    return average_states(states, get_weights(recipe.method, len(states))), tokens
+
+
+class _Rows:
+    """Result rows of one split (a JSONL file), appended as they are measured; a resumed study skips done ones."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.rows = read_rows(path)
+        self.done = {self.key(r) for r in self.rows}
+
+    @staticmethod
+    def key(row: Mapping[str, Any]) -> tuple[Any, ...]:
+        return row["size"], row["tokens"], row["kind"], row.get("recipe") or ""
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        self.done.add(self.key(row))
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def _row(plan: Plan, budget: int, kind: str, result: EvalResult, **extra: Any) -> dict[str, Any]:
+    return {
+        "size": plan.size.name, "params": plan.params, "params_total": plan.params_total, "tokens": budget,
+        "kind": kind, "recipe": "", **extra, "val_loss": result.loss, "val_loss_se": result.loss_se,
+        "bpb": result.bpb, "batch_losses": result.batch_losses,
+    }  # fmt: skip
+
+
+def _score_references(plan: Plan, study: ScalingConfig, run_dir: Path, score: _Scorer, test: _Rows,
+                      selection: _Rows) -> None:  # fmt: skip
+    """Test rows of the anneal and the latest snapshot, selection rows of every candidate recipe."""
+    from pmakit.formats import read_state
+
+    name = plan.size.name
+    for budget in plan.budgets:
+        if (name, budget, "anneal", "") not in test.done:
+            result = score(read_state(run_dir / name / f"anneal-{budget}" / "checkpoint"), "test")
+            test.add(_row(plan, budget, "anneal", result, label=f"anneal from {format_tokens(budget)}"))
+        if (name, budget, "latest", "") not in test.done:
+            state = _snapshot_states(run_dir / name / "trunk", [budget])[0]
+            test.add(_row(plan, budget, "latest", score(state, "test"), label="latest snapshot"))
+        for recipe in study.recipes:
+            if (name, budget, "candidate", recipe.label) in selection.done:
+                continue
+            state, tokens = _merged(plan, run_dir, recipe, budget, study.max_merged)
+            selection.add(_row(plan, budget, "candidate", score(state, "selection"), recipe=recipe.label,
+                               window_start_tokens=tokens[0], merged=len(tokens)))  # fmt: skip
+
+
+def choose_recipe(
+    study: ScalingConfig, plans_: Sequence[Plan], selection: Sequence[Mapping[str, Any]]
+) -> tuple[Recipe, list[dict[str, Any]]]:
+    """The recipe with the least mean selection-split loss over the fitted sizes (the held-out size never votes)."""
+    fitted = {p.size.name for p in plans_}
+    if study.holdout == "largest":
+        fitted.discard(max(plans_, key=lambda p: p.params).size.name)
+    table = []
+    for recipe in study.recipes:
+        losses = [r["val_loss"] for r in selection if r["recipe"] == recipe.label and r["size"] in fitted]
+        table.append({"recipe": recipe.label, "mean_loss": sum(losses) / len(losses), "points": len(losses)})
+    best = min(range(len(table)), key=lambda i: table[i]["mean_loss"])
+    return study.recipes[best], table
+
+
+def _score_merges(plan: Plan, study: ScalingConfig, recipe: Recipe, run_dir: Path, score: _Scorer, test: _Rows,
+                  clock: _Clock) -> None:  # fmt: skip
+    """The chosen recipe's merge at every budget, on the test split; the merge (reads + average) is timed."""
+    for budget in plan.budgets:
+        if (plan.size.name, budget, "merge", recipe.label) in test.done:
+            continue
+        t = time.perf_counter()
+        state, tokens = _merged(plan, run_dir, recipe, budget, study.max_merged)
+        clock.add(f"{plan.size.name}/merge-{budget}", time.perf_counter() - t)
+        label = f"{recipe.method.upper()} of {len(tokens)} snapshots, {format_tokens(tokens[0])}..{format_tokens(budget)}"
+        test.add(_row(plan, budget, "merge", score(state, "test"), recipe=recipe.label,
+                      window_start_tokens=tokens[0], merged=len(tokens), label=label))  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------- the run
+
+
+def _check_same_config(run_dir: Path, config: dict[str, Any]) -> None:
+    """Resuming with another config would mix two studies in one results file: refuse it."""
+    stamp = run_dir / "config.json"
+    if not stamp.exists():
+        stamp.write_text(json.dumps(config, indent=1) + "\n")
+        return
+    saved = json.loads(stamp.read_text())
+    if saved != config:
+        changed = sorted(
+            f"{s}.{k}" for s in config for k in config[s] if saved.get(s, {}).get(k) != config[s][k]
+        )
+        raise PmakitError(
+            f"{run_dir} holds a study with another config (changed: {', '.join(changed) or 'sections'}); "
+            "pass --fresh to start over or use another -o"
+        )
+
+
+def _jsonable(x: Any) -> Any:
+    return json.loads(json.dumps(x, default=str))
+
+
+def _size_record(plan: Plan, clock: _Clock) -> dict[str, Any]:
+    s = clock.seconds
+    name = plan.size.name
+    trunk = s.get(f"{name}/trunk", 0.0)
+    return {
+        **asdict(plan.size), "lr": plan.train.lr, "params": plan.params, "params_total": plan.params_total,
+        "every_tokens": plan.train.every_tokens, "budgets": list(plan.budgets), "forks": list(plan.forks),
+        "anneal_tokens": [d - f for d, f in zip(plan.budgets, plan.forks)],
+        "seconds": {"trunk": trunk, "anneals": sum(s.get(f"{name}/anneal-{d}", 0.0) for d in plan.budgets),
+                    "merges": sum(s.get(f"{name}/merge-{d}", 0.0) for d in plan.budgets)},
+        "trunk_tokens_per_s": plan.train.total_tokens / trunk if trunk else None,
+    }  # fmt: skip
+
+
+def _write_csv(run_dir: Path, rows: Sequence[Mapping[str, Any]]) -> None:
+    tmp = run_dir / ".results.csv.tmp"
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(RESULT_COLUMNS), extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    tmp.replace(run_dir / "results.csv")
+
+
+def run_scaling_study(
+    data: Mapping[str, Any], run_dir: str | Path, *, fresh: bool = False, progress: bool = True
+) -> Path:
+    """Run (or resume) the study into ``run_dir``; returns the report's path."""
+    from pmakit.train.data import val_batches
+    from pmakit.train.loop import load_corpus
+
+    study = _section(data)
+    # every_tokens is set per size (plans); the base takes the largest size's, so that it validates
+    base = TrainConfig.from_dict({"every_tokens": study.every_tokens_largest, **(data.get("train") or {})})
+    run_dir = Path(run_dir)
+    if fresh and run_dir.exists():
+        remove_run(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _check_same_config(run_dir, _jsonable({"train": base.to_dict(), STUDY: asdict(study)}))
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    corpus = load_corpus(base)
+    all_plans = plans(base, study, corpus.vocab_size)
+    clock = _Clock(run_dir / "timings.json")
+    batches = val_batches(corpus.val, batch_size=base.batch_size, seq_len=base.model.seq_len,
+                          max_batches=study.selection_batches + study.test_batches)  # fmt: skip
+    selection_batches, test_batches = split_batches(batches, study.selection_batches, study.test_batches)
+    test, selection = _Rows(run_dir / "results.jsonl"), _Rows(run_dir / "selection.jsonl")
+    scorers = {}
+    for plan in all_plans:
+        _train_trunk(plan, run_dir, corpus, clock, progress)
+        for budget, fork in zip(plan.budgets, plan.forks):
+            _anneal(plan, study, budget, fork, run_dir, corpus, clock, progress)
+        scorers[plan.size.name] = _Scorer(plan, corpus, selection_batches, test_batches)
+        _score_references(plan, study, run_dir, scorers[plan.size.name], test, selection)
+    recipe, table = choose_recipe(study, all_plans, selection.rows)
+    log.info("merge recipe chosen on the selection split: %s", recipe.label)
+    for plan in all_plans:
+        _score_merges(plan, study, recipe, run_dir, scorers[plan.size.name], test, clock)
+    _write_csv(run_dir, test.rows)
+    _write_record(run_dir, data, base, study, all_plans, clock, recipe, table, started)
+    from pmakit.report import write_report
+
+    return Path(write_report(run_dir).html)
+
+
+def _write_record(run_dir: Path, data: Mapping[str, Any], base: TrainConfig, study: ScalingConfig,
+                  all_plans: Sequence[Plan], clock: _Clock, recipe: Recipe, table: list[dict[str, Any]],
+                  started: str) -> None:  # fmt: skip
+    path = run_dir / "experiment.json"
+    previous = json.loads(path.read_text()) if path.exists() else {}
+    record = {
+        "study": STUDY,
+        "preset": data.get("preset"),
+        "config": _jsonable({"train": base.to_dict(), STUDY: asdict(study)}),
+        "sizes": [_size_record(p, clock) for p in all_plans],
+        "recipe": {**asdict(recipe), "label": recipe.label},
+        "selection": table,
+        "seconds": dict(clock.seconds),
+        "started": previous.get("started", started),
+        "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "load_average": os.getloadavg(),
+        "threads": torch.get_num_threads(),
+        "pmakit": pmakit.__version__,
+        "torch": torch.__version__,
+    }
+    tmp = path.with_name(".experiment.json.tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    tmp.replace(path)

@@ -1,0 +1,469 @@
+"""Fit the Chinchilla law ``L(N, D) = E + A/N^alpha + B/D^beta`` to measured losses, with bootstrap error bars.
+
+The method of Hoffmann et al. 2022 (approach 3) as replicated by Besiroglu et al. 2024: minimise the Huber loss
+(delta 1e-3) between the predicted and the measured log-loss, with the law written as
+``log L = logsumexp(a - alpha log N, b - beta log D, e)`` (A = exp a, B = exp b, E = exp e), from the best points of
+a grid of initial values; error bars by refitting on resampled points. The minimiser is scipy's L-BFGS-B (as in
+Hoffmann et al.) with the analytic gradient and tolerances near machine precision: Besiroglu et al. traced the
+original's implausibly narrow intervals to an optimiser stopped early, so convergence is checked, never assumed.
+
+Used twice: by ``pmakit scaling-fit`` on any results file (a user's own runs) and by the report of the ``scaling``
+study (``pmakit experiment --preset scaling``), which fits merges and anneals separately and predicts a held-out
+model size with both. A leaf module: numpy and scipy only.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from itertools import product
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pmakit.errors import PmakitError
+
+KINDS = ("merge", "anneal")
+PARAMS = ("E", "A", "B", "alpha", "beta")
+HUBER_DELTA = 1e-3
+"""Hoffmann et al.'s delta: residuals are log-losses, so 1e-3 is a 0.1% miss (quadratic below, linear above)."""
+
+# The grid of initial values (Hoffmann et al.: alpha, beta in 0..2, e in -1..1.5, a, b in 0..25). The whole grid is
+# scored in one vectorised pass and the minimiser starts from the best few: the objective is cheap, the fits are not.
+_GRID = {
+    "e": np.linspace(-1.0, 1.5, 6),
+    "a": np.linspace(0.0, 25.0, 6),
+    "b": np.linspace(0.0, 25.0, 6),
+    "alpha": np.linspace(0.0, 2.0, 5),
+    "beta": np.linspace(0.0, 2.0, 5),
+}
+_LOWER = np.array([-10.0, -20.0, -20.0, 0.0, 0.0])
+_UPPER = np.array([10.0, 80.0, 80.0, 4.0, 4.0])
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured loss."""
+
+    n: float
+    """Model size N (non-embedding parameters, by the study's convention)."""
+    d: float
+    """Training tokens D."""
+    loss: float
+    """Held-out loss (nats per token)."""
+    kind: str
+    """merge or anneal: what produced the loss."""
+
+
+@dataclass(frozen=True)
+class Law:
+    """``L(N, D) = E + A/N^alpha + B/D^beta``."""
+
+    E: float
+    """Irreducible loss."""
+    A: float
+    """Size term's scale."""
+    B: float
+    """Data term's scale."""
+    alpha: float
+    """Size exponent."""
+    beta: float
+    """Data exponent."""
+
+    @classmethod
+    def from_theta(cls, theta: Sequence[float] | np.ndarray) -> Law:
+        e, a, b, alpha, beta = (float(x) for x in theta)
+        return cls(math.exp(e), math.exp(a), math.exp(b), alpha, beta)
+
+    def __call__(self, n: Any, d: Any) -> Any:
+        return self.E + self.A / np.power(n, self.alpha) + self.B / np.power(d, self.beta)
+
+    def frontier(self, compute: Any, n_grid: Any) -> Any:
+        """The compute-optimal loss at each compute C = 6ND: the least L(N, C/6N) over ``n_grid``."""
+        c = np.asarray(compute, dtype=float)[:, None]
+        n = np.asarray(n_grid, dtype=float)[None, :]
+        return np.min(self(n, c / (6.0 * n)), axis=1)
+
+
+@dataclass(frozen=True)
+class Fit:
+    """One kind's fit: the law, its 95% bootstrap intervals and how well it converged."""
+
+    law: Law
+    """The point estimate (all fitting points)."""
+    ci95: dict[str, tuple[float, float]]
+    """2.5 and 97.5 percentiles of each parameter over the bootstrap refits."""
+    points: int
+    """Points fitted."""
+    sizes: list[float]
+    """Distinct N among them."""
+    huber: float
+    """The objective at the optimum (sum of Huber losses of log residuals)."""
+    rms_log_residual: float
+    """Root mean square of log(L_pred / L_measured) at the optimum."""
+    bootstrap: int
+    """Resamples that gave a fit (failed ones are counted in ``bootstrap_failed``)."""
+    bootstrap_failed: int = 0
+    """Resamples where every start failed (degenerate resamples); left out of the intervals."""
+    samples: list[list[float]] = field(default_factory=list, repr=False)
+    """The bootstrap refits as (E, A, B, alpha, beta) rows, for prediction intervals."""
+    at_bound: list[str] = field(default_factory=list)
+    """Parameters the optimum puts on a bound of the search box: the data do not pin them down."""
+
+    def predict_interval(self, n: float, d: float) -> tuple[float, float]:
+        """2.5 and 97.5 percentiles of the bootstrap laws' predictions at (n, d)."""
+        if not self.samples:
+            return (math.nan, math.nan)
+        s = np.asarray(self.samples)
+        pred = s[:, 0] + s[:, 1] / n ** s[:, 3] + s[:, 2] / d ** s[:, 4]
+        lo, hi = np.percentile(pred, [2.5, 97.5])
+        return float(lo), float(hi)
+
+
+# --------------------------------------------------------------------------------------------------- the fit
+
+
+def _log_pred(theta: np.ndarray, log_n: np.ndarray, log_d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """log L(N, D) and the softmax weights of its three terms (the Jacobian's building blocks)."""
+    e, a, b, alpha, beta = theta
+    terms = np.stack([a - alpha * log_n, b - beta * log_d, np.full_like(log_n, e)])
+    top = terms.max(axis=0)
+    w = np.exp(terms - top)
+    total = w.sum(axis=0)
+    return top + np.log(total), w / total
+
+
+def _residuals(theta: np.ndarray, log_n: np.ndarray, log_d: np.ndarray, log_l: np.ndarray) -> np.ndarray:
+    return _log_pred(theta, log_n, log_d)[0] - log_l
+
+
+def _jacobian(theta: np.ndarray, log_n: np.ndarray, log_d: np.ndarray, log_l: np.ndarray) -> np.ndarray:
+    _, (wa, wb, we) = _log_pred(theta, log_n, log_d)
+    return np.stack([we, wa, wb, -wa * log_n, -wb * log_d], axis=1)
+
+
+def _huber(r: np.ndarray, delta: float) -> np.ndarray:
+    """Huber loss, summed over the last axis."""
+    a = np.abs(r)
+    return np.where(a <= delta, 0.5 * r * r, delta * (a - 0.5 * delta)).sum(axis=-1)
+
+
+def _grid_starts(
+    log_n: np.ndarray, log_d: np.ndarray, log_l: np.ndarray, keep: int, delta: float
+) -> np.ndarray:
+    """The ``keep`` grid points with the lowest objective, best first."""
+    grid = np.array(list(product(*_GRID.values())))  # columns e, a, b, alpha, beta
+    e, a, b, alpha, beta = (grid[:, i : i + 1] for i in range(5))
+    terms = np.stack(
+        [a - alpha * log_n[None, :], b - beta * log_d[None, :], np.broadcast_to(e, (len(grid), len(log_n)))]
+    )
+    pred = np.logaddexp(np.logaddexp(terms[0], terms[1]), terms[2])
+    order = np.argsort(_huber(pred - log_l[None, :], delta), kind="stable")
+    return grid[order[:keep]]
+
+
+def _objective(
+    theta: np.ndarray, log_n: np.ndarray, log_d: np.ndarray, log_l: np.ndarray, delta: float
+) -> tuple[float, np.ndarray]:
+    """The summed Huber loss of the log residuals and its gradient."""
+    r = _residuals(theta, log_n, log_d, log_l)
+    small = np.abs(r) <= delta
+    value = float(np.where(small, 0.5 * r * r, delta * (np.abs(r) - 0.5 * delta)).sum())
+    return value, _jacobian(theta, log_n, log_d, log_l).T @ np.where(small, r, delta * np.sign(r))
+
+
+def _minimise(
+    starts: Iterable[np.ndarray], log_n: np.ndarray, log_d: np.ndarray, log_l: np.ndarray, delta: float
+) -> tuple[np.ndarray, float] | None:
+    """The best local optimum over ``starts`` (None when no start converged)."""
+    from scipy.optimize import minimize
+
+    best: tuple[np.ndarray, float] | None = None
+    for x0 in starts:
+        res = minimize(
+            _objective,
+            np.clip(x0, _LOWER, _UPPER),
+            args=(log_n, log_d, log_l, delta),
+            jac=True,
+            method="L-BFGS-B",
+            bounds=list(zip(_LOWER, _UPPER)),
+            # Tolerances near machine precision: the objective is ~1e-6 at the optimum, so scipy's defaults would
+            # stop far from it (the flaw Besiroglu et al. found in the original fit).
+            options={"maxiter": 5000, "ftol": 1e-15, "gtol": 1e-12, "maxcor": 20},
+        )
+        if not res.success or not np.all(np.isfinite(res.x)):
+            continue  # not converged: never report an optimiser that stopped early
+        if best is None or res.fun < best[1]:
+            best = (res.x, float(res.fun))
+    return best
+
+
+def _logs(points: Sequence[Point]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    arr = np.array([(p.n, p.d, p.loss) for p in points], dtype=float)
+    return np.log(arr[:, 0]), np.log(arr[:, 1]), np.log(arr[:, 2])
+
+
+def fit_law(points: Sequence[Point], *, delta: float = HUBER_DELTA, starts: int = 24) -> tuple[Law, float]:
+    """The least-Huber law through ``points`` (the best of ``starts`` grid starts) and its objective."""
+    _check_fittable(points)
+    log_n, log_d, log_l = _logs(points)
+    best = _minimise(_grid_starts(log_n, log_d, log_l, starts, delta), log_n, log_d, log_l, delta)
+    if best is None:
+        raise PmakitError(f"the scaling-law fit did not converge from any of {starts} starting points")
+    return Law.from_theta(best[0]), best[1]
+
+
+def _check_fittable(points: Sequence[Point]) -> None:
+    if len(points) < 6:
+        raise PmakitError(
+            f"a scaling-law fit has 5 parameters and needs at least 6 points, got {len(points)}"
+        )
+    if len({p.n for p in points}) < 2 or len({p.d for p in points}) < 2:
+        raise PmakitError("a scaling-law fit needs at least 2 model sizes and 2 token counts")
+
+
+def _theta(law: Law) -> np.ndarray:
+    return np.array([math.log(law.E), math.log(law.A), math.log(law.B), law.alpha, law.beta])
+
+
+def fit(points: Sequence[Point], *, bootstrap: int = 400, seed: int = 0, delta: float = HUBER_DELTA) -> Fit:
+    """Fit ``points`` and bootstrap it: ``bootstrap`` refits on points resampled with replacement.
+
+    Each refit starts from the full fit's optimum and from the best grid points of the resample, so a resample
+    whose optimum lies elsewhere is not pulled towards the point estimate.
+    """
+    law, value = fit_law(points, delta=delta)
+    log_n, log_d, log_l = _logs(points)
+    rng = np.random.default_rng(seed)
+    samples: list[list[float]] = []
+    failed = 0
+    for _ in range(bootstrap):
+        idx = rng.integers(0, len(points), len(points))
+        if len(set(log_n[idx])) < 2 or len(set(log_d[idx])) < 2:
+            failed += 1  # a resample with one size (or one budget) cannot identify the law
+            continue
+        n_, d_, l_ = log_n[idx], log_d[idx], log_l[idx]
+        starts = [_theta(law), *_grid_starts(n_, d_, l_, 1, delta)]
+        best = _minimise(starts, n_, d_, l_, delta)
+        if best is None:
+            failed += 1
+            continue
+        s = Law.from_theta(best[0])
+        samples.append([s.E, s.A, s.B, s.alpha, s.beta])
+    arr = np.asarray(samples) if samples else np.full((1, 5), np.nan)
+    lo, hi = np.percentile(arr, [2.5, 97.5], axis=0)
+    residual = np.log(law(np.exp(log_n), np.exp(log_d))) - log_l
+    return Fit(
+        law=law,
+        ci95={k: (float(lo[i]), float(hi[i])) for i, k in enumerate(PARAMS)},
+        points=len(points),
+        sizes=sorted({p.n for p in points}),
+        huber=value,
+        rms_log_residual=float(np.sqrt(np.mean(residual**2))),
+        bootstrap=len(samples),
+        bootstrap_failed=failed,
+        samples=samples,
+        at_bound=_at_bound(_theta(law)),
+    )
+
+
+def _at_bound(theta: np.ndarray) -> list[str]:
+    near = np.isclose(theta, _LOWER, atol=1e-6) | np.isclose(theta, _UPPER, atol=1e-6)
+    return [name for name, hit in zip(PARAMS, near) if hit]
+
+
+# --------------------------------------------------------------------------------------------------- a study
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One held-out point: the measured losses and what each fit predicted for its annealed loss."""
+
+    n: float
+    """Model size of the held-out point."""
+    d: float
+    """Tokens of the held-out point."""
+    anneal: float | None
+    """Measured annealed loss (the ground truth predicted)."""
+    merge: float | None
+    """Measured merged loss at the same point."""
+    predicted: dict[str, float]
+    """Each fit's prediction, by kind."""
+    interval: dict[str, tuple[float, float]]
+    """Each fit's 95% bootstrap prediction interval, by kind."""
+    rel_error: dict[str, float | None]
+    """predicted / annealed - 1, by kind (None without an annealed loss)."""
+
+
+@dataclass(frozen=True)
+class StudyFit:
+    """Separate fits on the merges and on the anneals; the held-out size predicted by both."""
+
+    fits: dict[str, Fit]
+    """By kind (merge, anneal)."""
+    holdout_n: float | None
+    """The model size left out of both fits (None: nothing held out)."""
+    predictions: list[Prediction]
+    """The held-out points."""
+    delta: float = HUBER_DELTA
+    """Huber delta of the fits."""
+
+    def targets(self, tolerance: float = 0.01) -> dict[str, Any]:
+        """The scaling study's targets, each with its numbers and met / missed."""
+        out: dict[str, Any] = {}
+        errors = [p.rel_error.get("merge") for p in self.predictions]
+        errs = [abs(e) for e in errors if e is not None]
+        if errs:
+            worst = max(errs)
+            out["heldout_within"] = {
+                "tolerance": tolerance,
+                "max_abs_rel_error": worst,
+                "met": worst <= tolerance,
+            }
+        if set(KINDS) <= set(self.fits):
+            m, a = self.fits["merge"], self.fits["anneal"]
+            out["exponents_inside_anneal_ci"] = {
+                k: {"merge": getattr(m.law, k), "anneal_ci95": a.ci95[k],
+                    "met": a.ci95[k][0] <= getattr(m.law, k) <= a.ci95[k][1]}
+                for k in ("alpha", "beta")
+            }  # fmt: skip
+        bound = {kind: f.at_bound for kind, f in self.fits.items() if f.at_bound}
+        if bound:
+            out["at_bound"] = bound
+        return out
+
+
+def fit_study(
+    points: Sequence[Point], *, holdout: str = "largest", bootstrap: int = 400, seed: int = 0
+) -> StudyFit:
+    """Fit each kind present on every point but the held-out size, and predict the held-out annealed losses.
+
+    Args:
+        holdout: ``largest`` (leave the largest N out of both fits and predict it) or ``none``.
+    """
+    if holdout not in ("largest", "none"):
+        raise PmakitError(f"holdout must be largest or none, got {holdout!r}")
+    held = max(p.n for p in points) if holdout == "largest" and points else None
+    fits = {}
+    for kind in KINDS:
+        mine = [p for p in points if p.kind == kind and p.n != held]
+        if mine:
+            try:
+                fits[kind] = fit(mine, bootstrap=bootstrap, seed=seed)
+            except PmakitError as e:
+                raise PmakitError(f"{kind} points: {e}") from None
+    if not fits:
+        raise PmakitError(f"no {' or '.join(KINDS)} points to fit")
+    return StudyFit(fits, held, _predictions(points, held, fits))
+
+
+def _predictions(points: Sequence[Point], held: float | None, fits: Mapping[str, Fit]) -> list[Prediction]:
+    if held is None:
+        return []
+    at = {(p.kind, p.d): p.loss for p in points if p.n == held}
+    out = []
+    for d in sorted({d for (_, d) in at}):
+        anneal = at.get(("anneal", d))
+        predicted = {k: float(f.law(held, d)) for k, f in fits.items()}
+        out.append(
+            Prediction(
+                n=held,
+                d=d,
+                anneal=anneal,
+                merge=at.get(("merge", d)),
+                predicted=predicted,
+                interval={k: f.predict_interval(held, d) for k, f in fits.items()},
+                rel_error={k: None if anneal is None else v / anneal - 1 for k, v in predicted.items()},
+            )
+        )
+    return out
+
+
+def to_json(study: StudyFit) -> dict[str, Any]:
+    """A JSON-ready record of the fits (bootstrap samples left out), the predictions and the targets."""
+    fits = {}
+    for kind, f in study.fits.items():
+        d = asdict(f)
+        d.pop("samples")
+        d["law"] = asdict(f.law)
+        fits[kind] = d
+    return {
+        "law": "L(N, D) = E + A / N^alpha + B / D^beta",
+        "loss": f"Huber (delta {study.delta:g}) on log L; scipy least_squares from a grid of initial values",
+        "holdout_n": study.holdout_n,
+        "fits": fits,
+        "predictions": [asdict(p) for p in study.predictions],
+        "targets": study.targets(),
+    }
+
+
+# --------------------------------------------------------------------------------------------------- files
+
+_ALIASES = {
+    "n": ("params", "n", "parameters", "non_embedding_params"),
+    "d": ("tokens", "d"),
+    "loss": ("loss", "val_loss"),
+    "kind": ("kind",),
+}
+
+
+def _pick(record: Mapping[str, Any], field_name: str, where: str) -> Any:
+    for name in _ALIASES[field_name]:
+        for key in (name, name.upper()):
+            if key in record and record[key] not in (None, ""):
+                return record[key]
+    raise PmakitError(f"{where}: no {' / '.join(_ALIASES[field_name])} column")
+
+
+def _point(record: Mapping[str, Any], where: str) -> Point | None:
+    kind = str(_pick(record, "kind", where)).strip().lower()
+    if kind not in KINDS:
+        return None  # other rows (latest snapshots, candidates) are not fitted
+    values = []
+    for name in ("n", "d", "loss"):
+        raw = _pick(record, name, where)
+        try:
+            x = float(raw)
+        except (TypeError, ValueError):
+            raise PmakitError(f"{where}: {name} value {raw!r} is not a number") from None
+        if not (math.isfinite(x) and x > 0):
+            raise PmakitError(f"{where}: {name} must be a positive number, got {raw!r}")
+        values.append(x)
+    return Point(values[0], values[1], values[2], kind)
+
+
+def _records(path: Path) -> list[tuple[str, Mapping[str, Any]]]:
+    if not path.is_file():
+        raise PmakitError(f"{path}: no such results file")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if path.suffix in (".jsonl", ".json"):
+        out: list[tuple[str, Mapping[str, Any]]] = []
+        for i, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                raise PmakitError(f"{path}:{i}: not a JSON object") from None
+            if not isinstance(obj, dict):
+                raise PmakitError(f"{path}:{i}: not a JSON object")
+            out.append((f"{path}:{i}", obj))
+        return out
+    rows = list(csv.DictReader(text.splitlines()))
+    return [(f"{path}:{i + 2}", r) for i, r in enumerate(rows)]
+
+
+def read_points(paths: Sequence[str | Path]) -> list[Point]:
+    """The merge and anneal points of results files (CSV or JSONL; columns params|N, tokens|D, loss|val_loss,
+    kind). Rows of another kind are skipped; a file without a usable point is an error naming it."""
+    points: list[Point] = []
+    for path in map(Path, paths):
+        mine = [p for where, r in _records(path) if (p := _point(r, where)) is not None]
+        if not mine:
+            raise PmakitError(f"{path}: no rows with kind merge or anneal")
+        points += mine
+    return points

@@ -1,0 +1,153 @@
+"""The Chinchilla fit (``pmakit.scaling_fit``) against synthetic losses with known parameters, and
+``pmakit scaling-fit`` through the real CLI."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from pmakit.cli import cli
+from pmakit.errors import PmakitError
+from pmakit.scaling_fit import Law, Point, fit, fit_law, fit_study, read_points
+
+# A law in the range of the scaling preset (N 1e5..1e6 non-embedding parameters, D 5e5..4e6 tokens).
+TRUTH = Law(E=1.6, A=250.0, B=700.0, alpha=0.42, beta=0.36)
+SIZES = (1e5, 2e5, 4e5, 8e5, 1.6e6)
+BUDGETS = (5e5, 1e6, 2e6, 3e6, 4e6)
+
+
+def synthetic(law: Law, noise: float, seed: int, kind: str = "anneal") -> list[Point]:
+    """law(N, D) times a log-normal factor of relative spread ``noise``."""
+    rng = np.random.default_rng(seed)
+    return [
+        Point(n, d, float(law(n, d) * math.exp(rng.normal(0, noise))), kind) for n in SIZES for d in BUDGETS
+    ]
+
+
+def test_noise_free_points_give_back_the_law() -> None:
+    law, objective = fit_law(synthetic(TRUTH, 0.0, 0))
+    for name in ("E", "A", "B", "alpha", "beta"):
+        assert getattr(law, name) == pytest.approx(getattr(TRUTH, name), rel=1e-3), name
+    assert objective < 1e-12
+
+
+def test_noisy_points_recover_the_law_and_the_bootstrap_interval_covers_it() -> None:
+    f = fit(synthetic(TRUTH, 0.003, 1), bootstrap=150, seed=0)
+    assert f.law.alpha == pytest.approx(TRUTH.alpha, abs=0.06)
+    assert f.law.beta == pytest.approx(TRUTH.beta, abs=0.04)
+    assert abs(f.law.E / TRUTH.E - 1) < 0.1
+    assert f.bootstrap + f.bootstrap_failed == 150 and f.bootstrap >= 140
+    for name in ("E", "A", "B", "alpha", "beta"):
+        lo, hi = f.ci95[name]
+        assert lo <= getattr(TRUTH, name) <= hi, (name, lo, hi)
+        assert lo < getattr(f.law, name) < hi  # the point estimate sits inside its own interval
+    assert f.rms_log_residual == pytest.approx(0.003, rel=0.5)  # the residuals are the noise, not a bad fit
+
+
+def test_more_noise_gives_wider_intervals() -> None:
+    narrow = fit(synthetic(TRUTH, 0.002, 2), bootstrap=30).ci95["beta"]
+    wide = fit(synthetic(TRUTH, 0.02, 2), bootstrap=30).ci95["beta"]
+    assert wide[1] - wide[0] > 2 * (narrow[1] - narrow[0])
+
+
+def test_held_out_size_is_predicted_by_each_kind_and_the_targets_follow() -> None:
+    # merges follow a law whose data exponent is off: its prediction of the held-out anneals must miss.
+    off = Law(E=TRUTH.E, A=TRUTH.A, B=TRUTH.B * 3, alpha=TRUTH.alpha, beta=TRUTH.beta + 0.1)
+    points = synthetic(TRUTH, 0.001, 3) + synthetic(off, 0.001, 4, kind="merge")
+    study = fit_study(points, bootstrap=40)
+    assert study.holdout_n == max(SIZES)
+    assert all(f.sizes == list(SIZES[:-1]) for f in study.fits.values())
+    assert [p.d for p in study.predictions] == list(BUDGETS)
+    for p in study.predictions:
+        assert p.rel_error["anneal"] is not None and abs(p.rel_error["anneal"]) < 0.01
+        assert p.rel_error["merge"] == pytest.approx(off(p.n, p.d) / TRUTH(p.n, p.d) - 1, abs=0.01)
+    targets = study.targets(0.01)
+    assert targets["heldout_within"]["met"] is False
+    assert targets["exponents_inside_anneal_ci"]["beta"]["met"] is False
+    assert targets["exponents_inside_anneal_ci"]["alpha"]["met"] is True
+
+
+def test_too_few_points_is_one_clear_error() -> None:
+    with pytest.raises(PmakitError, match="at least 6 points"):
+        fit_law(synthetic(TRUTH, 0.0, 0)[:5])
+    with pytest.raises(PmakitError, match="2 model sizes"):
+        fit_law([Point(1e5, d, 3.0, "anneal") for d in BUDGETS * 2])
+
+
+def _write_csv(path: Path, points: list[Point]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["params", "tokens", "loss", "kind"])
+        w.writerow([1e5, 1e6, 3.0, "latest"])  # another kind of row: skipped
+        for p in points:
+            w.writerow([p.n, p.d, p.loss, p.kind])
+
+
+def test_cli_fits_a_users_csv_and_writes_json_and_plot(tmp_path: Path) -> None:
+    points = synthetic(TRUTH, 0.001, 5) + synthetic(TRUTH, 0.001, 6, kind="merge")
+    _write_csv(tmp_path / "runs.csv", points)
+    result = CliRunner().invoke(
+        cli, ["scaling-fit", str(tmp_path / "runs.csv"), "-o", str(tmp_path / "out"), "--bootstrap", "30"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "alpha" in result.output and "Held out: N = 1,600,000" in result.output
+    record = json.loads((tmp_path / "out" / "scaling_fit.json").read_text())
+    assert set(record["fits"]) == {"merge", "anneal"}
+    assert record["fits"]["anneal"]["law"]["alpha"] == pytest.approx(TRUTH.alpha, abs=0.05)
+    assert record["targets"]["heldout_within"]["met"] is True
+    assert (tmp_path / "out" / "scaling_fit.png").stat().st_size > 10_000
+
+
+def test_read_points_takes_jsonl_with_the_studys_column_names(tmp_path: Path) -> None:
+    path = tmp_path / "results.jsonl"
+    rows = [
+        {"params": p.n, "tokens": p.d, "val_loss": p.loss, "kind": p.kind} for p in synthetic(TRUTH, 0.0, 0)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert read_points([path]) == synthetic(TRUTH, 0.0, 0)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("tokens,loss,kind\n1,2,anneal\n", "no params"),
+        ("params,tokens,loss,kind\n1e5,1e6,-3,anneal\n", "positive"),
+        ("params,tokens,loss,kind\n1e5,1e6,abc,anneal\n", "not a number"),
+        ("params,tokens,loss,kind\n1e5,1e6,3,latest\n", "no rows with kind merge or anneal"),
+    ],
+)
+def test_cli_bad_results_file_is_one_error_line(tmp_path: Path, text: str, message: str) -> None:
+    (tmp_path / "bad.csv").write_text(text)
+    result = CliRunner().invoke(cli, ["scaling-fit", str(tmp_path / "bad.csv"), "-o", str(tmp_path / "o")])
+    assert result.exit_code == 1
+    assert message in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "o" / "scaling_fit.json").exists()
+
+
+def test_cli_missing_file_and_holdout_none(tmp_path: Path) -> None:
+    result = CliRunner().invoke(cli, ["scaling-fit", str(tmp_path / "nope.csv"), "-o", str(tmp_path / "o")])
+    assert result.exit_code == 1 and "no such results file" in result.output
+    _write_csv(tmp_path / "runs.csv", synthetic(TRUTH, 0.0, 0))
+    result = CliRunner().invoke(
+        cli,
+        [
+            "scaling-fit",
+            str(tmp_path / "runs.csv"),
+            "-o",
+            str(tmp_path / "o"),
+            "--holdout",
+            "none",
+            "--bootstrap",
+            "0",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    record = json.loads((tmp_path / "o" / "scaling_fit.json").read_text())
+    assert record["holdout_n"] is None and record["predictions"] == [] and set(record["fits"]) == {"anneal"}
+    assert record["fits"]["anneal"]["sizes"] == list(SIZES)  # nothing held out: every size fitted
