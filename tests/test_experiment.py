@@ -110,3 +110,62 @@ def test_bad_experiment_configs() -> None:
         ExperimentConfig(methods=("sma", "bogus"))
     with pytest.raises(PmakitError, match="unknown experiment config keys: fork"):
         ExperimentConfig.from_dict({"fork": [1]})
+
+
+def _fork_table(report_md: str) -> dict[str, dict[str, float]]:
+    """The 'At each fork' table of report.md: per fork (F1, ...), latest and the merge's and anneal's Δ."""
+    section = report_md.split("## At each fork", 1)[1].split("\n## ", 1)[0]
+    out = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if not line.startswith("| F") or len(cells) < 7:
+            continue
+        number = lambda cell: float(cell.split()[0])  # noqa: E731  "3.7396 ± 0.0380" -> 3.7396
+        out[cells[0].split()[0]] = {
+            "latest": number(cells[3]),
+            "merge_delta": number(cells[5]),
+            "anneal_delta": number(cells[6]),
+        }
+    return out
+
+
+def test_every_figure_plots_the_numbers_its_table_prints(
+    smoke: tuple[Path, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 14: the loss-vs-tokens figure's fork panels and the gains bars show exactly the fork table's numbers
+    (same models, same tokens, same evaluation), read back from the drawn matplotlib figures."""
+    from pmakit import report
+    from pmakit.report import plots
+
+    drawn: dict[str, object] = {}
+    save = plots._save
+    monkeypatch.setattr(
+        plots, "_save", lambda fig, path: drawn.setdefault(path.name, fig) and save(fig, path)
+    )
+    run, _ = smoke
+    report.write_report(run)
+    table = _fork_table((run / "report.md").read_text())
+    assert set(table) == {"F1", "F2"}
+
+    curves = drawn["loss_vs_tokens.png"]
+    panels = [ax for ax in curves.axes if ax.get_title().startswith("F")]  # type: ignore[attr-defined]
+    assert [ax.get_title().split()[0] for ax in panels] == ["F1", "F2"]
+    for ax in panels:
+        fork = table[ax.get_title().split()[0]]
+        y = {line.get_label(): float(line.get_ydata()[0]) for line in ax.get_lines()}
+        assert y["latest"] == pytest.approx(fork["latest"], abs=6e-5)
+        assert y["best merge"] - y["latest"] == pytest.approx(fork["merge_delta"], abs=1.1e-4)
+        assert y["anneal"] - y["latest"] == pytest.approx(fork["anneal_delta"], abs=1.1e-4)
+        # the values printed on the panel are the table's own digits
+        assert {t.get_text() for t in ax.texts} >= {f"{fork['latest']:.4f}"}
+
+    gains = drawn["fork_gains.png"]
+    (ax,) = gains.axes  # type: ignore[attr-defined]
+    bars = [(p.get_x() + p.get_width() / 2, p.get_height(), p.get_facecolor()) for p in ax.patches]
+    anneal_color = tuple(int(plots.ANNEAL[i : i + 2], 16) / 255 for i in (1, 3, 5))
+    for i, name in enumerate(("F1", "F2")):
+        group = sorted((b for b in bars if abs(b[0] - i) < 0.5), key=lambda b: b[0])
+        anneal = [h for _, h, c in group if tuple(c[:3]) == pytest.approx(anneal_color)]
+        assert anneal == [pytest.approx(table[name]["anneal_delta"], abs=6e-5)]
+        merges = [h for _, h, c in group if tuple(c[:3]) != pytest.approx(anneal_color)]
+        assert min(merges) == pytest.approx(table[name]["merge_delta"], abs=6e-5)

@@ -77,10 +77,15 @@ def draw_figures(data: RunData, forks: list[ForkSummary], base: int | None) -> d
     except ImportError as e:
         figs.failures.append(f"matplotlib is not available ({e}); install `pmakit[report]` for the plots.")
         return figs
+    config = data.experiment.get("config") or {}
+    online = (config.get("train") or {}).get("eval_batches")
+    final = (config.get("experiment") or {}).get("eval_batches")
     figs.weightings_v = v_for_weightings(forks)
     figs.sweep_v, figs.sweep_n = v_for_n_sweep(forks), n_for_v_sweep(forks)
     jobs = {
-        "curves": lambda p: plots.plot_curves(data.curves, forks, p),
+        "curves": lambda p: plots.plot_curves(
+            data.curves, forks, p, online_batches=online, final_batches=final
+        ),
         "fork_gains": lambda p: plots.plot_fork_gains(forks, base, p),
         "heatmap": lambda p: plots.plot_heatmaps(forks, base, p),
         "weightings": lambda p: plots.plot_weightings(forks, figs.weightings_v, base, p),

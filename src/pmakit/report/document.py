@@ -303,12 +303,15 @@ def figure_blocks(forks: Sequence[ForkSummary], figs: Figures, base: int | None)
                 figs.curves,
                 "Validation loss vs tokens",
                 [
-                    "Black: the latest snapshot of the constant-LR run. Blue: the online merge of its recent "
-                    "snapshots, evaluated along the way. Vermillion: each anneal branch, forked at a dotted line "
-                    "(F1, F2, ...) and decayed to LR ≈ 0. Markers (right): the latest snapshot (dot), the best merge "
-                    "(star) and the anneal (diamond) at each fork's evaluation point F + D, as results.csv has them. "
-                    "Per-model s.e. bands are left out: the models are compared on the same batches, so the "
-                    "paired s.e. in the tables is the right yardstick.",
+                    "Left: the online evaluations made during training, on the trainer's few held-out "
+                    "batches. Black: the latest snapshot of the constant-LR run. Blue: the online merge of its "
+                    "recent snapshots. Vermillion: each anneal branch, forked at a dotted line (F1, F2, ...) and "
+                    "decayed to LR ≈ 0. Right, one panel per fork: the latest snapshot (dot), the best merge (star) "
+                    "and the anneal (diamond) at F + D, exactly the tables' numbers (the final evaluation, on more "
+                    "batches). The two are drawn apart because the online and final evaluations use different "
+                    "batches: the same model at the same tokens differs between them by sampling noise. Per-model "
+                    "s.e. bands are left out: the models are compared on the same batches, so the paired s.e. in "
+                    "the tables is the right yardstick.",
                     "Paper (findings 1, 2): the merge sits below the constant-LR curve and close to the anneal; "
                     "early in a fork it is clearly better, late the anneal catches up or edges ahead slightly.",
                 ],

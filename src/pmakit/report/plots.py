@@ -117,84 +117,120 @@ def _series_style(name: str) -> tuple[str, str, float, str]:
     return name, "#999999", 1.0, ":"
 
 
-def plot_curves(curves: dict[str, list[CurvePoint]], forks: Sequence[ForkSummary], path: Path) -> Path | None:
-    """Validation loss vs tokens: the constant-LR run, its online merge, each anneal branch; forks marked."""
+def plot_curves(
+    curves: dict[str, list[CurvePoint]],
+    forks: Sequence[ForkSummary],
+    path: Path,
+    *,
+    online_batches: int | None = None,
+    final_batches: int | None = None,
+) -> Path | None:
+    """Validation loss vs tokens. Left: the online evaluations during training (the constant-LR run, its online
+    merge, each anneal branch; forks marked). Right, one small panel per fork: the three models each fork's table
+    compares at F + D (latest, best merge, anneal), with exactly the table's numbers.
+
+    The two sides are kept apart on purpose: the online evaluations use fewer held-out batches than the final ones
+    (``online_batches`` vs ``final_batches``), so an online curve and a final number for the same model and tokens
+    differ by sampling noise, and one axis holding both would contradict the tables.
+    """
     if not curves:
-        return None
-    has_forks = bool(forks)
-    fig, axes = _new(12.5 if has_forks else 8, 4.6, 2 if has_forks else 1)
-    order = sorted(curves, key=lambda s: (not s.startswith("anneal"), s != "latest", s))
-    for ax in axes:
-        seen: set[str] = set()
-        for name in order:
-            pts = curves[name]
-            label, color, lw, ls = _series_style(name)
-            x = [p.tokens for p in pts]
-            y = [p.val_loss for p in pts]
-            marker = "o" if len(pts) <= 2 else None
-            ax.plot(
-                x, y, color=color, lw=lw, ls=ls, marker=marker, ms=3, label=None if label in seen else label
-            )
-            seen.add(label)
-        for i, f in enumerate(forks, start=1):
-            ax.axvline(f.fork_tokens, color="#666666", lw=0.9, ls=":", zorder=0)
-            ax.annotate(
-                f"F{i}",
-                (f.fork_tokens, 0.0),
-                xycoords=("data", "axes fraction"),
-                xytext=(3, 4),
-                textcoords="offset points",
-                fontsize=9,
-                color="#444444",
-            )
-        _token_axis(ax)
-        ax.set_xlabel("training tokens")
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("validation loss (nats/token)")
-    axes[0].set_yscale("log")
-    axes[0].yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
-    axes[0].yaxis.set_minor_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
-    axes[0].set_title("whole run (log loss axis)")
-    if has_forks:
-        _zoom_on_forks(axes[1], curves, forks)
-    axes[0].legend(loc="upper right", fontsize=9, framealpha=0.9)
+        return None  # the fork panels alone would repeat the gains figure
+    marked = [f for f in forks if f.eval_tokens and _fork_marks(f)]
+    ratios = [3.0] + [1.0] * len(marked)
+    fig = Figure(figsize=(8.0 + 2.6 * len(marked), 4.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = list(fig.subplots(1, len(ratios), squeeze=False, width_ratios=ratios)[0])
+    _online_panel(axes.pop(0), curves, forks, online_batches)
+    for i, (ax, f) in enumerate(zip(axes, marked), start=1):
+        _fork_panel(ax, f, forks.index(f) + 1, final_batches, first=i == 1)
     return _save(fig, path)
 
 
-def _zoom_on_forks(ax: Axes, curves: dict[str, list[CurvePoint]], forks: Sequence[ForkSummary]) -> None:
-    """Limit the second panel to the fork region and mark each fork's best merge and anneal end point."""
-    first = min(f.fork_tokens for f in forks)
-    ends = [f.eval_tokens for f in forks if f.eval_tokens] + [p.tokens for c in curves.values() for p in c]
-    last = max(ends)
-    span = max((f.anneal_tokens or 0) for f in forks) or (last - first) * 0.25 or 1
-    x0, x1 = max(0, first - span), last + 0.03 * (last - first + span)
-    ys = [p.val_loss for c in curves.values() for p in c if x0 <= p.tokens <= x1]
-    # the three models each fork compares, as results.csv has them at the fork's evaluation point
-    marks = (
-        ("latest", "o", 6, LATEST, "latest snapshot at F + D"),
-        ("best_merge", "*", 14, MERGE, "best merge at F + D"),
-        ("annealed", "D", 6, ANNEAL, "anneal at F + D"),
-    )
-    for attr, marker, size, color, label in marks:
-        pts = [
-            (f.eval_tokens, r.val_loss)
-            for f in forks
-            if (r := getattr(f, attr)) is not None and f.eval_tokens
-        ]
-        pts = [(x, y) for x, y in pts if y is not None]
-        if pts:
-            xs, ys_ = zip(*pts)
-            ax.plot(
-                xs, ys_, marker=marker, ms=size, color=color, mec="white", zorder=5, ls="none", label=label
-            )
-            ys.extend(ys_)
-    ax.legend(loc="best", fontsize=9)
-    ax.set_xlim(x0, x1)
-    if ys:
-        lo, hi = min(ys), max(ys)
-        pad = 0.08 * (hi - lo) or 0.01
-        ax.set_ylim(lo - pad, hi + pad)
-    ax.set_title("around the fork points")
+def _online_panel(
+    ax: Axes, curves: dict[str, list[CurvePoint]], forks: Sequence[ForkSummary], batches: int | None
+) -> None:
+    order = sorted(curves, key=lambda s: (not s.startswith("anneal"), s != "latest", s))
+    seen: set[str] = set()
+    for name in order:
+        pts = curves[name]
+        label, color, lw, ls = _series_style(name)
+        marker = "o" if len(pts) <= 2 else None
+        ax.plot(
+            [p.tokens for p in pts],
+            [p.val_loss for p in pts],
+            color=color,
+            lw=lw,
+            ls=ls,
+            marker=marker,
+            ms=3,
+            label=None if label in seen else label,
+        )
+        seen.add(label)
+    for i, f in enumerate(forks, start=1):
+        ax.axvline(f.fork_tokens, color="#666666", lw=0.9, ls=":", zorder=0)
+        ax.annotate(
+            f"F{i}",
+            (f.fork_tokens, 0.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(3, 4),
+            textcoords="offset points",
+            fontsize=9,
+            color="#444444",
+        )
+    _token_axis(ax)
+    ax.set_xlabel("training tokens")
+    ax.grid(alpha=0.3)
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+    on = f" on {batches} batches" if batches else ""
+    ax.set_title(f"online evaluations during training{on} (log axis)", fontsize=10)
+    ax.legend(loc="upper right", fontsize=9, framealpha=0.9)
+
+
+FORK_MARKS = (
+    ("latest", "o", 7, LATEST, "latest"),
+    ("best_merge", "*", 15, MERGE, "best merge"),
+    ("annealed", "D", 7, ANNEAL, "anneal"),
+)
+"""What each fork's panel shows: (ForkSummary attribute, marker, size, colour, label)."""
+
+
+def _fork_marks(fork: ForkSummary) -> list[tuple[str, str, int, str, float]]:
+    """(label, marker, size, colour, val_loss) of the models a fork's table compares at F + D."""
+    out = []
+    for attr, marker, size, color, label in FORK_MARKS:
+        row = getattr(fork, attr)
+        if row is not None and row.val_loss is not None:
+            out.append((label, marker, size, color, row.val_loss))
+    return out
+
+
+def _fork_panel(ax: Axes, fork: ForkSummary, index: int, batches: int | None, *, first: bool) -> None:
+    """One fork's three models at F + D: a marker and its value each, as the tables print it."""
+    marks = _fork_marks(fork)
+    for x, (label, marker, size, color, loss) in enumerate(marks):
+        ax.plot([x], [loss], marker=marker, ms=size, color=color, mec="white", ls="none", label=label)
+        ax.annotate(
+            fmt.loss(loss),
+            (x, loss),
+            xytext=(0, 9),
+            textcoords="offset points",
+            ha="center",
+            fontsize=8,
+            color=color,
+        )
+    ax.set_xticks(range(len(marks)), [m[0] for m in marks], fontsize=8)
+    ax.set_xlim(-0.6, len(marks) - 0.4)
+    losses = [m[4] for m in marks]
+    pad = 0.25 * (max(losses) - min(losses)) or 0.01
+    ax.set_ylim(min(losses) - pad, max(losses) + 1.4 * pad)
+    ax.grid(alpha=0.3, axis="y")
+    on = f", {batches} batches" if batches else ""
+    ax.set_title(f"F{index} at F + D = {fmt.tokens(fork.eval_tokens)}\n(the tables' numbers{on})", fontsize=9)
+    if first:
+        ax.set_ylabel("final validation loss (nats/token)")
 
 
 # --- (1)/(6) gains at each fork --------------------------------------------------------------------------
