@@ -113,7 +113,9 @@ def check_average_equals_merge(averager: Any, save_dir: Path, out: Path, method:
 
 
 @pytest.mark.parametrize("trainer_counts", [True, False])
-def test_hf_trainer_callback(tmp_path: Path, trainer_counts: bool) -> None:
+def test_hf_trainer_callback(
+    tmp_path: Path, trainer_counts: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
     from pmakit.integrations.hf import PMACallback
 
     ids = sequences(BATCH * STEPS, SEQ, seed=1)
@@ -130,9 +132,9 @@ def test_hf_trainer_callback(tmp_path: Path, trainer_counts: bool) -> None:
         eval_steps=12,
         logging_steps=6,
         save_strategy="no",
-        report_to=[],
+        report_to=["tensorboard"],
         use_cpu=True,
-        disable_tqdm=True,
+        disable_tqdm=True,  # the Trainer's console line is then PrinterCallback's print of each log
         dataloader_num_workers=0,
         include_num_input_tokens_seen=trainer_counts,
         seed=0,
@@ -142,6 +144,7 @@ def test_hf_trainer_callback(tmp_path: Path, trainer_counts: bool) -> None:
     trainer = transformers.Trainer(
         model=model, args=args, train_dataset=train, eval_dataset=evals, callbacks=[callback]
     )
+    callback.attach(trainer)  # before the TensorBoard reporter, which the Trainer puts before user callbacks
     trainer.train()
     if trainer_counts:
         assert trainer.state.num_input_tokens_seen == STEPS * BATCH * SEQ
@@ -169,6 +172,17 @@ def test_hf_trainer_callback(tmp_path: Path, trainer_counts: bool) -> None:
     assert [r["step"] for r in evals_logged if r["model"] == "latest"] == [12, 24]
     history = [h for h in trainer.state.log_history if "eval_merged_loss" in h]
     assert [h["step"] for h in history] == [12, 24]
+    assert all("eval_loss" in h for h in history)  # on the evaluation's own entry, not a separate one
+    # The merged loss reaches the Trainer's console line and TensorBoard with the eval loss it goes with.
+    console = [line for line in capsys.readouterr().out.splitlines() if "'eval_merged_loss'" in line]
+    assert len(console) == 2 and all("'eval_loss'" in line for line in console)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = {f.parent for f in (tmp_path / "out").rglob("events.out.tfevents.*")}
+    tb = EventAccumulator(str(events))
+    tb.Reload()
+    logged = [(e.step, e.value) for e in tb.Scalars("eval/merged_loss")]
+    assert logged == [(h["step"], pytest.approx(h["eval_merged_loss"])) for h in history]
     metrics = trainer.evaluate()  # an evaluation after training is scored too, with the weights untouched
     assert metrics["eval_merged_loss"] == pytest.approx(want, rel=1e-5)
     for k, v in model.state_dict().items():

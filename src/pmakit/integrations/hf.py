@@ -4,7 +4,9 @@ Tokens come from ``state.num_input_tokens_seen`` when the Trainer counts them
 (``TrainingArguments(include_num_input_tokens_seen=True)``); otherwise a forward pre-hook counts the elements of
 the model's main input (``input_ids``) in every training forward, which is what the Trainer's ``"all"`` count is.
 When the Trainer evaluates, the merged weights are swapped in, the eval loss is computed on the Trainer's eval
-dataloader, and ``eval_merged_loss`` is added to the returned metrics and to ``state.log_history``.
+dataloader, and ``eval_merged_loss`` is added to the evaluation's logged metrics: the console line, the returned
+metrics, ``state.log_history`` and metrics.jsonl. Reporters the Trainer registers before user callbacks
+(TensorBoard, W&B) get it too once ``callback.attach(trainer)`` has put the callback first.
 """
 
 from __future__ import annotations
@@ -73,9 +75,28 @@ class PMACallback(TrainerCallback):
         loss = next((h["loss"] for h in reversed(state.log_history) if "loss" in h), None)
         self.core.step(model, tokens=self._tokens(args, state), step=state.global_step, lr=lr, loss=loss)
 
-    def on_evaluate(self, args: Any, state: Any, control: Any, metrics: Any = None, **kwargs: Any) -> None:
-        model, batches = kwargs.get("model"), kwargs.get("eval_dataloader")
-        if not state.is_world_process_zero or model is None or batches is None:
+    def attach(self, trainer: Any) -> PMACallback:
+        """Put this callback first among ``trainer``'s callbacks (adding it if absent), so that the reporters the
+        Trainer registers before user callbacks (TensorBoard, W&B, ... from ``report_to``) log the merged loss
+        too. Without it the merged loss still reaches the console line, the returned metrics,
+        ``state.log_history`` and metrics.jsonl. Returns ``self``."""
+        callbacks = trainer.callback_handler.callbacks
+        if self in callbacks:
+            callbacks.remove(self)
+        callbacks.insert(0, self)
+        return self
+
+    def on_log(
+        self, args: Any, state: Any, control: Any, logs: Any = None, model: Any = None, **kwargs: Any
+    ) -> None:
+        """An evaluation's metrics are being logged: score the merged weights on the same eval dataloader and add
+        ``<prefix>_merged_loss`` to them, before the console line and any later reporter prints them.
+
+        (The Trainer logs an evaluation's metrics before it calls ``on_evaluate``, so a metric added there never
+        reaches a logger; here it does.)"""
+        batches = kwargs.get("eval_dataloader")
+        prefix = _eval_prefix(logs)
+        if not state.is_world_process_zero or model is None or batches is None or prefix is None:
             return
         device = next(model.parameters()).device
         key = getattr(model, "main_input_name", "input_ids")
@@ -90,28 +111,31 @@ class PMACallback(TrainerCallback):
         )
         if merged is None:
             return
-        latest = (metrics or {}).get("eval_loss")
-        if latest is not None:
-            self.core.write(
-                {
-                    "kind": "eval",
-                    "model": "latest",
-                    "tokens": tokens,
-                    "step": state.global_step,
-                    "val_loss": latest,
-                }
-            )
-        if metrics is not None:
-            metrics["eval_merged_loss"] = merged
-        state.log_history.append(
-            {"eval_merged_loss": merged, "merged": self.averager.label, "step": state.global_step}
-        )
+        record = {"kind": "eval", "model": "latest", "tokens": tokens, "step": state.global_step}
+        self.core.write({**record, "val_loss": logs[f"{prefix}_loss"]})
+        logs[f"{prefix}_merged_loss"] = merged  # also the dict Trainer.evaluate returns
+        entry = state.log_history[-1] if state.log_history else None
+        if entry is not None and entry.get(f"{prefix}_loss") == logs[f"{prefix}_loss"]:
+            entry[f"{prefix}_merged_loss"] = merged  # the Trainer copied logs into its history just before
+            entry["merged"] = self.averager.label
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.core.close()
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+
+
+def _eval_prefix(logs: Any) -> str | None:
+    """``eval`` (or the ``metric_key_prefix`` used) when ``logs`` are an evaluation's metrics, else None."""
+    if not isinstance(logs, dict):
+        return None
+    for k in logs:
+        prefix = k[: -len("_loss")]
+        # The end-of-training summary (train_loss, train_runtime) has the same shape: not an evaluation.
+        if k.endswith("_loss") and f"{prefix}_runtime" in logs and prefix != "train":
+            return prefix
+    return None
 
 
 def _tokenizer_files(kwargs: dict[str, Any], save_dir: Path) -> list[Path]:
