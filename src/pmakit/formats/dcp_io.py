@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import io
 import mmap
 import os
 import pickle
@@ -77,7 +78,7 @@ def _dcp() -> Any:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
     from torch.distributed.checkpoint.metadata import (
         ChunkStorageMetadata,
         Metadata,
@@ -115,8 +116,27 @@ def _dcp() -> Any:
                 out = out.narrow(dim, offset, length)
             return out
 
+    class RawBytesSavePlanner(DefaultSavePlanner):
+        """Writes ``io.BytesIO`` values as they are (bytes already serialized, such as Megatron's
+        ``_extra_state`` read back from a checkpoint), where torch's planner would pickle them again."""
+
+        def transform_object(self, write_item: Any, object: Any) -> Any:
+            return object if isinstance(object, io.BytesIO) else super().transform_object(write_item, object)
+
+    class RawBytesLoadPlanner(DefaultLoadPlanner):
+        """Keeps the stored bytes of non-tensor entries as they are (torch's planner would unpickle them)."""
+
+        def __init__(self) -> None:
+            super().__init__(flatten_state_dict=False)
+            self.raw: dict[str, bytes] = {}
+
+        def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+            self.raw[read_item.dest_index.fqn] = value.read()
+
     return types.SimpleNamespace(
         dcp=dcp,
+        RawBytesSavePlanner=RawBytesSavePlanner,
+        RawBytesLoadPlanner=RawBytesLoadPlanner,
         FileSystemReader=FileSystemReader,
         FileSystemWriter=FileSystemWriter,
         ChunkStorageMetadata=ChunkStorageMetadata,
@@ -146,9 +166,11 @@ class _StandIn:
 @functools.cache
 def _allowed_globals() -> dict[tuple[str, str], Any]:
     import copyreg
+    import dataclasses
+    import enum
     import pathlib
 
-    from torch.distributed.checkpoint import filesystem, metadata
+    from torch.distributed.checkpoint import filesystem, metadata, planner
 
     allowed: dict[tuple[str, str], Any] = {
         ("torch", "Size"): torch.Size,
@@ -162,6 +184,13 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
     for name, value in vars(metadata).items():
         if isinstance(value, type) and value.__module__ == metadata.__name__:
             allowed[(metadata.__name__, name)] = value
+    # Megatron keeps its global save plan in .metadata: torch's plan records (dataclasses and enums), inert data.
+    for name, value in vars(planner).items():
+        plan_record = isinstance(value, type) and (
+            dataclasses.is_dataclass(value) or issubclass(value, enum.Enum)
+        )
+        if plan_record and value.__module__ == planner.__name__:
+            allowed[(planner.__name__, name)] = value
     for name, value in vars(torch).items():
         if isinstance(value, torch.dtype):
             allowed[("torch", name)] = value
@@ -226,7 +255,9 @@ def model_entries(metadata: Metadata, model_key: str | None = None) -> tuple[dic
         if nested:
             name = ".".join(path[1:]) if path[0] == model_key and len(path) > 1 else None
         else:
-            name = None if path[0] in NOT_MODEL or len(path) > 1 else key
+            # Flat keys count too: Megatron saves its optimizer moments as ``optimizer.state.exp_avg.<param>``.
+            trainer_state = path[0] in NOT_MODEL or path[0].split(".", 1)[0] in NOT_MODEL
+            name = None if trainer_state or len(path) > 1 else key
         if name is None or not isinstance(entries[key], _dcp().TensorStorageMetadata):
             skipped.append(key)
         else:
@@ -406,15 +437,37 @@ def save(
     nested as given (``{"model": tensors}``: keys ``model.<name>``, as OLMo-core saves them).
 
     With ``distributed``, every rank of the default process group calls this with its own disjoint tensors and
-    torch writes one ``.metadata`` for all of them (a collective).
+    torch writes one ``.metadata`` for all of them (a collective). ``io.BytesIO`` values are non-tensor entries
+    already serialized (see ``read_bytes``): written as they are.
     """
     writer = _dcp().FileSystemWriter(Path(directory), sync_files=fsync, thread_count=1)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            _dcp().dcp.save(dict(tensors), storage_writer=writer, no_dist=not distributed)
+            _dcp().dcp.save(
+                dict(tensors),
+                storage_writer=writer,
+                planner=_dcp().RawBytesSavePlanner(),
+                no_dist=not distributed,
+            )
     except _dcp().CheckpointException as e:  # a BaseException: would escape every ``except Exception``
         raise PmakitError(f"{directory}: writing the DCP checkpoint failed ({_brief(e)})") from e
+
+
+def read_bytes(path: Path, keys: list[str]) -> dict[str, bytes]:
+    """The stored bytes of the non-tensor entries ``keys`` of a DCP checkpoint, as saved (a pickle: not
+    unpickled here), for a writer that carries them into its output unchanged."""
+    if not keys:
+        return {}
+    planner = _dcp().RawBytesLoadPlanner()
+    reader = _dcp().CachedMetadataReader(path, read_metadata(path))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            _dcp().dcp.load(dict.fromkeys(keys), storage_reader=reader, planner=planner, no_dist=True)
+    except (Exception, _dcp().CheckpointException) as e:  # the latter is a BaseException
+        raise PmakitError(f"{path}: reading {len(keys)} non-tensor entries failed ({_brief(e)})") from e
+    return planner.raw
 
 
 def _brief(e: BaseException) -> str:

@@ -53,6 +53,7 @@ _BUILTIN = (
     "pmakit",
     # Framework layouts go here, before the generic ones below.
     "olmo_core",
+    "megatron",
     "hf_trainer",
     "dcp",
     "hf_model",

@@ -1,0 +1,229 @@
+"""Megatron save folders: ``iter_000000N/{.metadata, __R_I.distcp, common.pt, metadata.json}`` (``torch_dist``).
+
+Written by Megatron-LM's ``save_checkpoint`` (``--ckpt-format torch_dist``, the default) or by megatron-core's own
+``dist_checkpointing.save(sharded_state_dict, dir)``, at any tensor/pipeline parallelism.
+
+- Checkpoints: directories holding ``common.pt`` (any name; Megatron-LM's are ``iter_0000500``). ``metadata.json``
+  is written last, so a checkpoint without it is incomplete. ``latest_checkpointed_iteration.txt`` beside them is a
+  loose file, never a candidate. The legacy ``--ckpt-format torch`` (``mp_rank_XX/model_optim_rng.pt``) is not
+  read: convert it with Megatron-LM's ``tools/checkpoint/convert.py`` first.
+- Tokens and step: from ``common.pt`` (the non-sharded part of the state dict), loaded with
+  ``torch.load(weights_only=True)``. Megatron-LM stores ``iteration`` and its ``args`` (an ``argparse.Namespace``):
+  tokens = ``args.consumed_train_samples`` x ``args.seq_length``. A megatron-core caller stores what it passes: an
+  explicit top-level ``tokens`` wins, else ``consumed_train_samples`` x ``seq_length`` at the top level or in
+  ``args``; else ``iteration`` (or the step in the name) x ``--tokens-per-step``. ``argparse.Namespace`` and any
+  other class pickled there (Megatron's enums in ``args``) become inert stand-ins that keep their attributes:
+  nothing from the file is called, and Megatron need not be installed.
+- Model weights: the tensor entries of the DCP checkpoint under their sharded keys, as Megatron's
+  ``sharded_state_dict()`` names them: layers stacked on a leading axis (``decoder.layers.self_attention.
+  linear_qkv.weight`` of shape ``[num_layers, 3h, h]``), global (unsharded) shapes whatever the TP/PP degree, so
+  TP=2 and TP=1 checkpoints merge alike. Optimizer state (``optimizer.state.exp_avg.*``, ``optimizer.state.
+  fp32_param.*``, ``chained_N.optimizer.*``) is never averaged; non-tensor entries (``*._extra_state/shard_*``, the
+  RNG state ``rng_state/shard_*``) are not weights either. All of them are listed in ``Reader.skipped``.
+- Written back (the default output for such inputs): ``OUT/`` with ``.metadata`` and ``*.distcp`` holding the
+  merged weights under the same keys (one unsharded chunk each), the newest input's non-tensor entries
+  (``_extra_state``, RNG state) copied byte for byte, no optimizer state, and the newest input's ``common.pt`` and
+  ``metadata.json``. Megatron loads it with its default strictness, at any TP degree:
+  ``megatron.core.dist_checkpointing.load(model.sharded_state_dict(), OUT)`` then
+  ``model.load_state_dict(...)``; Megatron-LM: ``--load OUT --no-load-optim`` (add ``--finetune`` to restart the
+  iteration count and schedule), so the optimizer starts fresh, as PMA-init wants. ``--format safetensors`` writes
+  one HF-layout directory under these Megatron keys (Megatron ships no HF converter in megatron-core; Megatron-
+  Bridge does that).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pmakit.formats import Reader
+from pmakit.formats.dcp_io import METADATA_FILE, DCPReader
+from pmakit.layouts.base import (
+    IncompleteSnapshot,
+    Layout,
+    Snapshot,
+    _count,
+    float_or_none,
+    step_from_name,
+    validate_metadata,
+)
+from pmakit.layouts.dcp import written_dcp_files
+
+COMMON_FILE = "common.pt"
+"""The non-sharded part of Megatron's state dict (``COMMON_STATE_FNAME``)."""
+CONFIG_FILE = "metadata.json"
+"""Megatron's backend record (``CheckpointingConfig``): written once the checkpoint is complete."""
+_OPTIMIZER = re.compile(r"(?:chained_\d+\.)?optim(?:izer)?\.")
+"""Optimizer entries: ``optimizer.state.<moment>.<param key>``, ``chained_0.optimizer...`` (ChainedOptimizer)."""
+
+
+class _StandIn:
+    """An inert object in place of any class pickled into ``common.pt`` (``argparse.Namespace``, enums): keeps
+    the attributes and arguments it is given, runs nothing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.__dict__.update(kwargs)
+        self._args = args
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+        else:
+            self._state = state
+
+
+def _attrs(value: Any) -> dict[str, Any]:
+    """The fields of Megatron's ``args`` (a stand-in) or of a plain dict; nothing for anything else."""
+    if isinstance(value, dict):
+        return value
+    return vars(value) if isinstance(value, _StandIn) else {}
+
+
+def read_common(file: Path) -> dict[str, Any]:
+    """Megatron's ``common.pt``, loaded with ``weights_only=True``; every class it names that ``weights_only``
+    does not allow (found by scanning the pickle, not running it) becomes the inert stand-in."""
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(file)
+        with torch.serialization.safe_globals([(_StandIn, name) for name in names]):
+            common = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0]
+        raise IncompleteSnapshot(file, f"refused: holds objects other than plain data ({first})") from e
+    except Exception as e:  # torch raises many types for a damaged zip or pickle
+        raise IncompleteSnapshot(file, f"unreadable ({type(e).__name__}: {e})") from e
+    if not isinstance(common, dict):
+        raise IncompleteSnapshot(
+            file, f"expected Megatron's common state (a dict), got {type(common).__name__}"
+        )
+    return common
+
+
+def _lr(common: dict[str, Any]) -> float | None:
+    """The learning rate of the first parameter group, where Megatron's optimizer keeps it in ``common.pt``."""
+    optimizer = common.get("optimizer")
+    for _ in range(
+        2
+    ):  # {"param_groups": ...} or, for a wrapped optimizer, {"optimizer": {"param_groups": ...}}
+        if not isinstance(optimizer, dict):
+            return None
+        groups = optimizer.get("param_groups")
+        if isinstance(groups, list) and groups and isinstance(groups[0], dict):
+            return float_or_none(groups[0].get("lr"))
+        optimizer = optimizer.get("optimizer")
+    return None
+
+
+def counts(common: dict[str, Any], file: Path) -> tuple[int | None, int | None, str]:
+    """(tokens, step, where the tokens came from) in Megatron's common state, validated; None where unknown."""
+    args = _attrs(common.get("args"))
+    fields = {k: common.get(k, args.get(k)) for k in ("iteration", "consumed_train_samples", "seq_length")}
+    try:
+        step, samples, seq = (_count(fields, k) for k in fields)
+    except ValueError as e:
+        raise IncompleteSnapshot(file, str(e)) from None
+    if common.get("tokens") is not None:
+        return validate_metadata({"tokens": common["tokens"]}, file)[0], step, "tokens"
+    if samples is not None and seq is not None:
+        return samples * seq, step, "consumed_train_samples x seq_length"
+    return None, step, ""
+
+
+class MegatronReader(DCPReader):
+    """The model weights of a Megatron checkpoint: tensor entries that are not optimizer state."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        for name in [n for n in self.tensors if _OPTIMIZER.match(n)]:
+            del self.tensors[name]
+            self.skipped.append(name)
+        self.skipped.sort()
+
+
+class MegatronLayout(Layout):
+    name = "megatron"
+    native_format = "megatron"
+
+    def is_snapshot(self, path: Path) -> bool:
+        return (path / COMMON_FILE).is_file()
+
+    def read(self, path: Path, tokens_per_step: int | None) -> Snapshot:
+        if not (path / METADATA_FILE).is_file():
+            legacy = " (legacy --ckpt-format torch is not read)" if any(path.glob("mp_rank_*")) else ""
+            raise IncompleteSnapshot(
+                path, f"no {METADATA_FILE}: Megatron's sharded weights are missing{legacy}"
+            )
+        if not (path / CONFIG_FILE).is_file():
+            raise IncompleteSnapshot(
+                path, f"no {CONFIG_FILE}: Megatron writes it last, so this save did not finish"
+            )
+        common_file = path / COMMON_FILE
+        common = read_common(common_file)
+        tokens, step, how = counts(common, common_file)
+        step = step if step is not None else step_from_name(path)
+        source = self.name
+        if tokens is None:
+            if step is None or not tokens_per_step:
+                hint = (
+                    " (pass --tokens-per-step to count tokens from the iteration)" if step is not None else ""
+                )
+                raise IncompleteSnapshot(
+                    common_file,
+                    f"no tokens, nor consumed_train_samples and seq_length in it or its args{hint}",
+                )
+            tokens, source, how = step * tokens_per_step, "name", "iteration x --tokens-per-step"
+        record = {"iteration": step, "tokens": tokens, "tokens_from": how}
+        record["checkpoint_version"] = float_or_none(common.get("checkpoint_version"))
+        return Snapshot(
+            path, tokens=tokens, step=step, lr=_lr(common), source=source, meta=record, layout=self.name
+        )
+
+    def open(self, path: Path) -> Reader:
+        return MegatronReader(path)
+
+    def write(
+        self,
+        merged: Mapping[str, torch.Tensor],
+        template: Path,
+        out: Path,
+        *,
+        distributed: bool,
+        fsync: bool,
+    ) -> list[str]:
+        from pmakit.formats import dcp_io
+
+        rank0 = not distributed or torch.distributed.get_rank() == 0
+        state: dict[str, Any] = dict(merged)
+        if rank0:  # non-tensor entries once, from the newest input, byte for byte
+            state.update(
+                {k: io.BytesIO(v) for k, v in dcp_io.read_bytes(template, carried(template)).items()}
+            )
+        dcp_io.save(state, out, distributed=distributed, fsync=fsync)
+        if not rank0:
+            return []
+        shutil.copy2(template / COMMON_FILE, out / COMMON_FILE)
+        # Last, as Megatron does: it marks the checkpoint complete.
+        shutil.copy2(template / CONFIG_FILE, out / CONFIG_FILE)
+        return [*written_dcp_files(out), COMMON_FILE, CONFIG_FILE]
+
+
+def carried(path: Path) -> list[str]:
+    """The non-tensor entries of a Megatron checkpoint a merge carries over: ``_extra_state``, RNG state;
+    not the optimizer's."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from pmakit.formats.dcp_io import read_metadata
+
+    entries = read_metadata(path).state_dict_metadata
+    return [
+        k for k, md in entries.items() if isinstance(md, BytesStorageMetadata) and not _OPTIMIZER.match(k)
+    ]
+
+
+LAYOUT = MegatronLayout()
