@@ -80,10 +80,12 @@ class _StandIn:
 
 
 def _attrs(value: Any) -> dict[str, Any]:
-    """The fields of Megatron's ``args`` (a stand-in) or of a plain dict; nothing for anything else."""
+    """The fields of Megatron's ``args`` (the stand-in, or a real ``argparse.Namespace`` where megatron, once
+    imported, has allow-listed it for ``weights_only`` loads) or of a plain dict."""
     if isinstance(value, dict):
         return value
-    return vars(value) if isinstance(value, _StandIn) else {}
+    fields = getattr(value, "__dict__", None)
+    return fields if isinstance(fields, dict) else {}
 
 
 def read_common(file: Path) -> dict[str, Any]:
@@ -178,7 +180,7 @@ class MegatronLayout(Layout):
                     f"no tokens, nor consumed_train_samples and seq_length in it or its args{hint}",
                 )
             tokens, source, how = step * tokens_per_step, "name", "iteration x --tokens-per-step"
-        record = {"iteration": step, "tokens": tokens, "tokens_from": how}
+        record: dict[str, Any] = {"iteration": step, "tokens": tokens, "tokens_from": how}
         record["checkpoint_version"] = float_or_none(common.get("checkpoint_version"))
         return Snapshot(
             path, tokens=tokens, step=step, lr=_lr(common), source=source, meta=record, layout=self.name

@@ -1,0 +1,243 @@
+"""Writes and loads Megatron torch_dist checkpoints with megatron-core 0.16.1's own code on CPU (gloo), for the
+layout tests: ``python megatron_run.py MODE ARGS`` (world size 1) or under ``torchrun --nproc-per-node 2`` (tensor
+parallelism TP=2 over the 2 ranks; TP is always the world size).
+
+Modes (several, separated by ``+``, run in one process one after the other):
+  train SAVE STEPS   a tiny GPTModel (local layer spec), torch Adam, a checkpoint SAVE/iter_000000N every step, as
+                     Megatron-LM lays them out: ``dist_checkpointing.save`` of {model: model.sharded_state_dict(),
+                     optimizer: the Adam state through megatron's ``optim_state_to_sharding_state`` (what its
+                     FP32Optimizer saves), rng_state: a ShardedObject} + a common part (iteration, checkpoint_version,
+                     args = an argparse.Namespace with consumed_train_samples, seq_length and a megatron enum, the
+                     optimizer's param_groups), and ``latest_checkpointed_iteration.txt``
+  reshard SRC DST K  the last K SRC/iter_N loaded by ``dist_checkpointing.load`` (model and optimizer) into this
+                     TP degree and saved again to DST/iter_N: the same weights, sharded TP ways
+  pma-init CKPT DUMP a model of this TP degree loaded from CKPT by ``dist_checkpointing.load`` with its default
+                     strictness, saved again to DUMP (model only, megatron's writer), then one training step; prints
+                     one JSON line {"loss": ..., "moved": ...}
+
+Patches (megatron-core assumes CUDA for these; nothing else is patched):
+- ``torch.cuda.current_device`` returns "cpu": layers and the loss allocate on ``current_device()``.
+- The CUDA RNG tracker (``model_parallel_cuda_manual_seed``, ``get_cuda_rng_tracker().fork()`` in attention):
+  ``torch.cuda.get_rng_state`` / ``manual_seed`` and megatron's ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``
+  use the CPU generator, so the tracker's states are real CPU generator states.
+- ``torch.cuda.synchronize`` is a no-op (the torch_dist writer calls it before writing).
+The model gets an explicit causal mask (megatron's default one is built on "cuda"). psutil must be installed or
+the torch_dist save hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+if __name__ == "__main__":
+    # The torch_dist writer starts a helper process (multiprocessing "spawn") that re-imports this file: the
+    # heavy imports happen in the real run only.
+    import argparse
+    import json
+    import socket
+    from pathlib import Path
+    from typing import Any
+
+    import torch
+
+VOCAB, SEQ, BATCH, LR = 64, 16, 4, 1e-2
+
+
+def init_distributed() -> None:
+    """gloo over torchrun's environment, or a world of one on a free local port."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    torch.distributed.init_process_group("gloo")
+
+
+def patch_cuda() -> None:
+    """The CPU stand-ins listed in the module docstring."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()  # type: ignore[assignment]
+    torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)  # type: ignore[assignment,return-value]
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+
+def build() -> tuple[Any, Any]:
+    """The tiny GPTModel (same initial weights at any TP degree: CPU initialization splits one master weight)
+    and a torch Adam over its parameters."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        tensor_model_parallel_size=torch.distributed.get_world_size(),
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        position_embedding_type="learned_absolute",
+    )
+    return model, torch.optim.Adam(model.parameters(), lr=LR)
+
+
+def train_step(model: Any, optimizer: Any, step: int) -> float:
+    generator = torch.Generator().manual_seed(step)  # the same batch on every rank
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator)
+    positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
+    loss = model(tokens[:, :-1], positions, causal, labels=tokens[:, 1:]).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return float(loss)
+
+
+def sharded_state(model: Any, optimizer: Any, common: dict[str, Any]) -> dict[str, Any]:
+    """What Megatron-LM's ``generate_state_dict`` hands to ``dist_checkpointing.save``: the model's and the
+    optimizer's sharded state (the optimizer through megatron's own helpers, as its FP32Optimizer does), the RNG
+    state as a ShardedObject, and the common (non-sharded) part."""
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map,
+        optim_state_to_sharding_state,
+    )
+
+    model_state = model.sharded_state_dict()
+    optim_state = optimizer.state_dict()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    id_map = get_param_id_to_sharded_param_map(model_state, params)
+    optim_state_to_sharding_state(optim_state, id_map, exclude_keys=("step",))
+    tp, tp_rank = torch.distributed.get_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    rng = ShardedObject("rng_state", [torch.get_rng_state()], (1, tp), (0, tp_rank), replica_id=0)
+    return {"model": model_state, "optimizer": optim_state, "rng_state": rng, **common}
+
+
+def common_state(iteration: int) -> dict[str, Any]:
+    from megatron.core.transformer.enums import AttnBackend
+
+    args = argparse.Namespace(
+        iteration=iteration,
+        consumed_train_samples=iteration * BATCH,
+        seq_length=SEQ,
+        global_batch_size=BATCH,
+        tensor_model_parallel_size=torch.distributed.get_world_size(),
+        attention_backend=AttnBackend.auto,  # Megatron-LM's args hold megatron enums
+    )
+    return {"args": args, "checkpoint_version": 3.0, "iteration": iteration}
+
+
+def save(state: dict[str, Any], directory: Path) -> None:
+    from megatron.core import dist_checkpointing
+
+    if torch.distributed.get_rank() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(state, str(directory))
+
+
+def train(save_dir: Path, steps: int) -> None:
+    model, optimizer = build()
+    for step in range(1, steps + 1):
+        train_step(model, optimizer, step)
+        save(sharded_state(model, optimizer, common_state(step)), save_dir / f"iter_{step:07d}")
+        if torch.distributed.get_rank() == 0:
+            (save_dir / "latest_checkpointed_iteration.txt").write_text(str(step))
+
+
+def load(model: Any, optimizer: Any | None, checkpoint: Path) -> dict[str, Any]:
+    """Megatron's own load, default strictness; the optimizer's moments too when given (Adam state made first,
+    as megatron's ``init_state_fn`` does, so the sharded optimizer state has tensors to load into)."""
+    from megatron.core import dist_checkpointing
+
+    state: dict[str, Any] = {"model": model.sharded_state_dict()}
+    if optimizer is not None:
+        for p in (p for group in optimizer.param_groups for p in group["params"]):
+            optimizer.state[p].update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+            optimizer.state[p]["step"] = torch.tensor(0.0)
+        state = sharded_state(model, optimizer, {})
+        del state["rng_state"]
+    loaded = dist_checkpointing.load(state, str(checkpoint))
+    model.load_state_dict(loaded["model"])
+    if optimizer is not None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for index, moments in loaded["optimizer"]["state"].items():
+            for name, value in moments.items():
+                optimizer.state[params[index]][name].copy_(value)
+    return loaded
+
+
+def reshard(src: Path, dst: Path, last: int) -> None:
+    from megatron.core import dist_checkpointing
+
+    iterations = sorted(int(p.name[5:]) for p in src.glob("iter_*"))[-last:]
+    for iteration in iterations:
+        model, optimizer = build()
+        checkpoint = src / f"iter_{iteration:07d}"
+        load(model, optimizer, checkpoint)
+        common = dist_checkpointing.load_common_state_dict(str(checkpoint))
+        keep = {k: v for k, v in common.items() if k in ("args", "checkpoint_version", "iteration")}
+        save(sharded_state(model, optimizer, keep), dst / f"iter_{iteration:07d}")
+    if torch.distributed.get_rank() == 0:
+        (dst / "latest_checkpointed_iteration.txt").write_text(str(iterations[-1]))
+
+
+def pma_init(checkpoint: Path, dump: Path) -> None:
+    model, optimizer = build()
+    load(model, None, checkpoint)
+    save(model.sharded_state_dict(), dump)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = train_step(model, optimizer, 10**6)
+    moved = all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    if torch.distributed.get_rank() == 0:
+        print(json.dumps({"loss": loss, "moved": moved}))
+
+
+def run_job(mode: str, args: list[str]) -> None:
+    if mode == "train":
+        train(Path(args[0]), int(args[1]))
+    elif mode == "reshard":
+        reshard(Path(args[0]), Path(args[1]), int(args[2]))
+    elif mode == "pma-init":
+        pma_init(Path(args[0]), Path(args[1]))
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+
+
+def main() -> None:
+    """Jobs separated by ``+`` run one after the other in this process (one start-up for several runs)."""
+    init_distributed()
+    patch_cuda()
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=torch.distributed.get_world_size())
+    argv = sys.argv[1:]
+    try:
+        while argv:
+            job = argv[: argv.index("+")] if "+" in argv else argv
+            argv = argv[len(job) + 1 :]
+            run_job(job[0], job[1:])
+    finally:
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
