@@ -6,7 +6,7 @@ Written by Megatron-LM's ``save_checkpoint`` (``--ckpt-format torch_dist``, the 
 - Checkpoints: directories holding ``common.pt`` (any name; Megatron-LM's are ``iter_0000500``). ``metadata.json``
   is written last, so a checkpoint without it is incomplete. ``latest_checkpointed_iteration.txt`` beside them is a
   loose file, never a candidate. The legacy ``--ckpt-format torch`` (``mp_rank_XX/model_optim_rng.pt``) is not
-  read: convert it with Megatron-LM's ``tools/checkpoint/convert.py`` first.
+  read.
 - Tokens and step: from ``common.pt`` (the non-sharded part of the state dict), loaded with
   ``torch.load(weights_only=True)``. Megatron-LM stores ``iteration`` and its ``args`` (an ``argparse.Namespace``):
   tokens = ``args.consumed_train_samples`` x ``args.seq_length``. A megatron-core caller stores what it passes: an
@@ -25,10 +25,11 @@ Written by Megatron-LM's ``save_checkpoint`` (``--ckpt-format torch_dist``, the 
   (``_extra_state``, RNG state) copied byte for byte, no optimizer state, and the newest input's ``common.pt`` and
   ``metadata.json``. Megatron loads it with its default strictness, at any TP degree:
   ``megatron.core.dist_checkpointing.load(model.sharded_state_dict(), OUT)`` then
-  ``model.load_state_dict(...)``; Megatron-LM: ``--load OUT --no-load-optim`` (add ``--finetune`` to restart the
-  iteration count and schedule), so the optimizer starts fresh, as PMA-init wants. ``--format safetensors`` writes
-  one HF-layout directory under these Megatron keys (Megatron ships no HF converter in megatron-core; Megatron-
-  Bridge does that).
+  ``model.load_state_dict(...)``; the optimizer starts fresh, as PMA-init wants. Megatron-LM's ``--load`` takes a
+  save folder: merge into ``MERGED/iter_0000500``, write ``500`` to ``MERGED/latest_checkpointed_iteration.txt``
+  and pass ``--load MERGED --no-load-optim`` (``--finetune`` restarts the iteration count; Megatron-LM is not
+  installed here, so this recipe is untested). ``--format safetensors`` writes one HF-layout directory under these
+  Megatron keys (megatron-core ships no HF converter).
 """
 
 from __future__ import annotations
