@@ -258,3 +258,40 @@ def test_read_without_megatron_installed(megatron_runs: dict[str, Path]) -> None
     assert (
         json.loads(head) == want["decoder.layers.self_attention.linear_qkv.weight"].reshape(-1)[:4].tolist()
     )
+
+
+def test_two_rank_merge_writes_the_same_megatron_checkpoint(
+    megatron_runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """``torchrun -m pmakit merge``: each rank writes its own tensors into one Megatron checkpoint (a DCP
+    collective), the carried entries once."""
+    import os
+
+    out = tmp_path / "out"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    proc = subprocess.run(
+        [*torchrun, "-m", "pmakit", "merge", str(megatron_runs["ws1"]), "-o", str(out), "-q"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(SRC), "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(list(out.glob("__1_*.distcp"))) > 0  # rank 1 wrote its share
+    got, want = dcp_tensors(out), dcp_tensors(megatron_runs["merged"])
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    assert dcp_bytes(out) == dcp_bytes(megatron_runs["merged"])
+
+
+def test_safetensors_on_request_keeps_megatron_keys(megatron_runs: dict[str, Path], tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    args = ["merge", str(megatron_runs["ws1"]), "-o", str(tmp_path / "st"), "--format", "safetensors"]
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 0, r.output
+    got, want = load_file(tmp_path / "st" / "model.safetensors"), dcp_tensors(megatron_runs["merged"])
+    assert got.keys() == want.keys() and "decoder.layers.self_attention.linear_qkv.weight" in got
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
