@@ -358,3 +358,22 @@ def test_not_enough_space_is_refused_before_writing(
     with pytest.raises(PmakitError, match="not enough disk space"):
         merge(snaps, [0.5, 0.5], tmp_path / "out")
     assert not partial_dir(tmp_path / "out").exists()
+
+
+def test_inputs_without_model_weights_are_one_error(tmp_path: Path) -> None:
+    """A torch file of trainer state only (no tensor): one error, not a crash in planning or writing."""
+    from click.testing import CliRunner
+
+    from pmakit.cli import cli
+
+    for step in (1, 2):
+        (tmp_path / "run" / f"step-{step}").mkdir(parents=True)
+        torch.save({"iteration": step, "lr": 0.1}, tmp_path / "run" / f"step-{step}" / "state.pt")
+    snaps = discover(tmp_path / "run", tokens_per_step=10)
+    with pytest.raises(PmakitError, match="no model weights"):
+        plan_merge(snaps, [0.5, 0.5])
+    run, out = str(tmp_path / "run"), str(tmp_path / "out")
+    for args in (["inspect", run], ["merge", run, "-o", out]):
+        r = CliRunner().invoke(cli, [*args, "--tokens-per-step", "10"])
+        assert r.exit_code == 1 and "no model weights" in r.stderr and "Traceback" not in r.output, r.output
+    assert not (tmp_path / "out").exists()

@@ -206,6 +206,10 @@ def plan_merge(
         readers = [stack.enter_context(open_weights(s.path)) for s in snapshots]
         _validate(readers, snapshots, cast=dtype not in (None, "same") if cast is None else cast)
         newest = readers[-1]
+        if not newest.tensors:  # e.g. a torch file of trainer state only: one line, not a crash further down
+            raise PmakitError(
+                f"{snapshots[-1].path}: no model weights ({len(newest.skipped)} entries, none a model tensor)"
+            )
         order = sorted(newest.tensors, key=lambda k: newest.tensors[k].order)
         tensors = {
             k: (
