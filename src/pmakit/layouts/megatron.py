@@ -44,8 +44,7 @@ from typing import Any
 
 import torch
 
-from pmakit.formats import Reader
-from pmakit.formats.dcp_io import METADATA_FILE, DCPReader
+from pmakit.formats import Reader, dcp_io
 from pmakit.layouts.base import (
     IncompleteSnapshot,
     Layout,
@@ -111,15 +110,11 @@ def read_common(file: Path) -> dict[str, Any]:
 def _lr(common: dict[str, Any]) -> float | None:
     """The learning rate of the first parameter group, where Megatron's optimizer keeps it in ``common.pt``."""
     optimizer = common.get("optimizer")
-    for _ in range(
-        2
-    ):  # {"param_groups": ...} or, for a wrapped optimizer, {"optimizer": {"param_groups": ...}}
-        if not isinstance(optimizer, dict):
-            return None
-        groups = optimizer.get("param_groups")
-        if isinstance(groups, list) and groups and isinstance(groups[0], dict):
-            return float_or_none(groups[0].get("lr"))
-        optimizer = optimizer.get("optimizer")
+    if isinstance(optimizer, dict) and "param_groups" not in optimizer:
+        optimizer = optimizer.get("optimizer")  # a wrapped optimizer: {"optimizer": {"param_groups": ...}}
+    groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
+    if isinstance(groups, list) and groups and isinstance(groups[0], dict):
+        return float_or_none(groups[0].get("lr"))  # the scheduler's lr at the save
     return None
 
 
@@ -138,7 +133,7 @@ def counts(common: dict[str, Any], file: Path) -> tuple[int | None, int | None, 
     return None, step, ""
 
 
-class MegatronReader(DCPReader):
+class MegatronReader(dcp_io.DCPReader):
     """The model weights of a Megatron checkpoint: tensor entries that are not optimizer state."""
 
     def __init__(self, path: Path) -> None:
@@ -157,10 +152,10 @@ class MegatronLayout(Layout):
         return (path / COMMON_FILE).is_file()
 
     def read(self, path: Path, tokens_per_step: int | None) -> Snapshot:
-        if not (path / METADATA_FILE).is_file():
+        if not (path / dcp_io.METADATA_FILE).is_file():
             legacy = " (legacy --ckpt-format torch is not read)" if any(path.glob("mp_rank_*")) else ""
             raise IncompleteSnapshot(
-                path, f"no {METADATA_FILE}: Megatron's sharded weights are missing{legacy}"
+                path, f"no {dcp_io.METADATA_FILE}: Megatron's sharded weights are missing{legacy}"
             )
         if not (path / CONFIG_FILE).is_file():
             raise IncompleteSnapshot(
@@ -199,8 +194,6 @@ class MegatronLayout(Layout):
         distributed: bool,
         fsync: bool,
     ) -> list[str]:
-        from pmakit.formats import dcp_io
-
         rank0 = not distributed or torch.distributed.get_rank() == 0
         state: dict[str, Any] = dict(merged)
         if rank0:  # non-tensor entries once, from the newest input, byte for byte
@@ -221,9 +214,7 @@ def carried(path: Path) -> list[str]:
     not the optimizer's."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from pmakit.formats.dcp_io import read_metadata
-
-    entries = read_metadata(path).state_dict_metadata
+    entries = dcp_io.read_metadata(path).state_dict_metadata
     return [
         k for k, md in entries.items() if isinstance(md, BytesStorageMetadata) and not _OPTIMIZER.match(k)
     ]
