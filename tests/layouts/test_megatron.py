@@ -295,3 +295,28 @@ def test_safetensors_on_request_keeps_megatron_keys(megatron_runs: dict[str, Pat
     assert got.keys() == want.keys() and "decoder.layers.self_attention.linear_qkv.weight" in got
     for name, value in want.items():
         assert torch.equal(got[name], value), name
+
+
+def test_damaged_or_foreign_checkpoints_are_one_error_line(
+    megatron_runs: dict[str, Path], tmp_path: Path
+) -> None:
+    save = tmp_path / "save"
+    for name in ITERS[-2:]:
+        shutil.copytree(megatron_runs["ws1"] / name, save / name)
+    for f in (save / ITERS[-1]).glob("*.distcp"):
+        f.write_bytes(f.read_bytes()[:100])  # truncated after the save
+    r = CliRunner().invoke(cli, ["merge", str(save), "-o", str(tmp_path / "out"), "--last", "2"])
+    assert r.exit_code == 1, r.output
+    assert (
+        ITERS[-1] in r.stderr
+        and "truncated" in r.stderr
+        and len(r.stderr.splitlines()) == 1
+        and "Traceback" not in r.output
+    )
+    assert not (tmp_path / "out").exists()
+    # Megatron-LM's legacy format (mp_rank_XX/model_optim_rng.pt, no DCP files) is named, not guessed at.
+    legacy = tmp_path / "legacy" / "iter_0000001"
+    (legacy / "mp_rank_00").mkdir(parents=True)
+    torch.save({"iteration": 1}, legacy / "common.pt")
+    with pytest.raises(IncompleteSnapshot, match="legacy --ckpt-format torch is not read"):
+        get_layout("megatron").read(legacy, 64)
