@@ -54,6 +54,7 @@ _BUILTIN = (
     # Framework layouts go here, before the generic ones below.
     "olmo_core",
     "megatron",
+    "torchtitan",
     "hf_trainer",
     "dcp",
     "hf_model",
