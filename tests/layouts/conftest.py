@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -98,14 +99,14 @@ def olmo_core_callback_runs(olmo_core_all: dict[str, Path]) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def megatron_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Megatron-core torch_dist checkpoints and loads (``megatron_run.py``), in 3 framework processes:
+    """Megatron-core torch_dist checkpoints and loads (``megatron_run.py``), in 2 framework processes:
 
     - ``ws1``: 6 iterations at TP=1, a checkpoint ``iter_000000N`` every iteration (model, optimizer, RNG, common);
     - ``merged``: ``pmakit merge ws1 -o merged`` through the real CLI, no token flags (the default window: all 6);
     - ``tp2``: the last 4 of ``ws1`` loaded by Megatron at TP=2 over 2 ranks and saved again (the same weights);
-      in that process Megatron at TP=2 also loads ``merged`` and saves what it loaded to ``loaded-tp2``;
-    - ``loaded-tp1``: what Megatron at TP=1 loaded from ``merged``. Each load then takes a training step and
-      writes its JSON line to ``pma-init-tpN.json``.
+    - ``loaded-tp2``, ``loaded-tp1``: in that process, what Megatron loaded from ``merged`` at TP=2, then at TP=1
+      (2 data-parallel replicas), saved again by Megatron. Each load then takes a training step and writes its
+      JSON line to ``pma-init-tpN.json``.
     """
     for module in ("megatron", "psutil"):  # without psutil Megatron's torch_dist writer hangs
         if importlib.util.find_spec(module) is None:  # not imported here: the framework runs in subprocesses
@@ -119,10 +120,13 @@ def megatron_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     merge = run_cli("merge", p["ws1"], "-o", p["merged"], "-q")
     if merge.returncode != 0:
         pytest.fail(f"pmakit merge failed:\n{merge.stderr[-3000:]}")
-    both = run_framework(
-        script, *("reshard", p["ws1"], p["tp2"], 4, "+", "pma-init", p["merged"], p["loaded-tp2"]), ranks=2
+    two = run_framework(
+        script,
+        *("reshard", p["ws1"], p["tp2"], 4, "+"),
+        *("pma-init", p["merged"], p["loaded-tp2"], 2, "+", "pma-init", p["merged"], p["loaded-tp1"], 1),
+        ranks=2,
     )
-    (root / "pma-init-tp2.json").write_text(both.stdout.strip().splitlines()[-1])
-    one = run_framework(script, "pma-init", p["merged"], p["loaded-tp1"])
-    (root / "pma-init-tp1.json").write_text(one.stdout.strip().splitlines()[-1])
+    for line in two.stdout.splitlines():
+        if line.startswith('{"tp"'):
+            (root / f"pma-init-tp{json.loads(line)['tp']}.json").write_text(line)
     return {**p, "root": root}

@@ -1,6 +1,6 @@
 """Writes and loads Megatron torch_dist checkpoints with megatron-core 0.16.1's own code on CPU (gloo), for the
-layout tests: ``python megatron_run.py MODE ARGS`` (world size 1) or under ``torchrun --nproc-per-node 2`` (tensor
-parallelism TP=2 over the 2 ranks; TP is always the world size).
+layout tests: ``python megatron_run.py MODE ARGS`` (world size 1) or under ``torchrun --nproc-per-node 2``. Tensor
+parallelism TP is the world size (TP=2 over 2 ranks) unless a job names it.
 
 Modes (several, separated by ``+``, run in one process one after the other):
   train SAVE STEPS   a tiny GPTModel (local layer spec), torch Adam, a checkpoint SAVE/iter_000000N every step, as
@@ -11,9 +11,10 @@ Modes (several, separated by ``+``, run in one process one after the other):
                      optimizer's param_groups), and ``latest_checkpointed_iteration.txt``
   reshard SRC DST K  the last K SRC/iter_N loaded by ``dist_checkpointing.load`` (model and optimizer) into this
                      TP degree and saved again to DST/iter_N: the same weights, sharded TP ways
-  pma-init CKPT DUMP a model of this TP degree loaded from CKPT by ``dist_checkpointing.load`` with its default
-                     strictness, saved again to DUMP (model only, megatron's writer), then one training step; prints
-                     one JSON line {"loss": ..., "moved": ...}
+  pma-init CKPT DUMP [TP]  a model at TP (default: the world size; TP=1 on 2 ranks is 2 data-parallel replicas)
+                     loaded from CKPT by ``dist_checkpointing.load`` with its default strictness, saved again to
+                     DUMP (model only, megatron's writer), then one training step; prints one JSON line
+                     {"tp": ..., "loss": ..., "moved": ...}
 
 Patches (megatron-core assumes CUDA for these; nothing else is patched):
 - ``torch.cuda.current_device`` returns "cpu": layers and the loss allocate on ``current_device()``.
@@ -82,7 +83,7 @@ def build() -> tuple[Any, Any]:
         num_layers=2,
         hidden_size=32,
         num_attention_heads=4,
-        tensor_model_parallel_size=torch.distributed.get_world_size(),
+        tensor_model_parallel_size=tp_size(),
         use_cpu_initialization=True,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -125,7 +126,7 @@ def sharded_state(model: Any, optimizer: Any, common: dict[str, Any]) -> dict[st
     params = [p for group in optimizer.param_groups for p in group["params"]]
     id_map = get_param_id_to_sharded_param_map(model_state, params)
     optim_state_to_sharding_state(optim_state, id_map, exclude_keys=("step",))
-    tp, tp_rank = torch.distributed.get_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    tp, tp_rank = tp_size(), parallel_state.get_tensor_model_parallel_rank()
     rng = ShardedObject("rng_state", [torch.get_rng_state()], (1, tp), (0, tp_rank), replica_id=0)
     return {"model": model_state, "optimizer": optim_state, "rng_state": rng, **common}
 
@@ -138,7 +139,7 @@ def common_state(iteration: int) -> dict[str, Any]:
         consumed_train_samples=iteration * BATCH,
         seq_length=SEQ,
         global_batch_size=BATCH,
-        tensor_model_parallel_size=torch.distributed.get_world_size(),
+        tensor_model_parallel_size=tp_size(),
         attention_backend=AttnBackend.auto,  # Megatron-LM's args hold megatron enums
     )
     return {"args": args, "checkpoint_version": 3.0, "iteration": iteration}
@@ -207,10 +208,29 @@ def pma_init(checkpoint: Path, dump: Path) -> None:
     loss = train_step(model, optimizer, 10**6)
     moved = all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
     if torch.distributed.get_rank() == 0:
-        print(json.dumps({"loss": loss, "moved": moved}))
+        print(json.dumps({"tp": tp_size(), "loss": loss, "moved": moved}))
+
+
+def tp_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def use_tp(tp: int) -> None:
+    """Megatron's model-parallel groups for tensor parallelism ``tp`` (rebuilt when a job asks for another)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        if tp == tp_size():
+            return
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
 
 
 def run_job(mode: str, args: list[str]) -> None:
+    world = torch.distributed.get_world_size()
+    use_tp(int(args[2]) if mode == "pma-init" and len(args) > 2 else world)
     if mode == "train":
         train(Path(args[0]), int(args[1]))
     elif mode == "reshard":
@@ -227,7 +247,6 @@ def main() -> None:
     patch_cuda()
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=torch.distributed.get_world_size())
     argv = sys.argv[1:]
     try:
         while argv:

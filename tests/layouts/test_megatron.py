@@ -320,3 +320,6 @@ def test_damaged_or_foreign_checkpoints_are_one_error_line(
     torch.save({"iteration": 1}, legacy / "common.pt")
     with pytest.raises(IncompleteSnapshot, match="legacy --ckpt-format torch is not read"):
         get_layout("megatron").read(legacy, 64)
+    (save / ITERS[-2] / "metadata.json").write_text('{"sharded_backend": "zarr"}')  # an older backend
+    with pytest.raises(IncompleteSnapshot, match="'zarr' format is not read"):
+        get_layout("megatron").read(save / ITERS[-2], None)

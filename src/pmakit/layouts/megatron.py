@@ -51,6 +51,7 @@ from pmakit.layouts.base import (
     Snapshot,
     _count,
     float_or_none,
+    load_json,
     step_from_name,
     validate_metadata,
 )
@@ -152,6 +153,10 @@ class MegatronLayout(Layout):
         return (path / COMMON_FILE).is_file()
 
     def read(self, path: Path, tokens_per_step: int | None) -> Snapshot:
+        if (path / CONFIG_FILE).is_file():
+            backend = load_json(path / CONFIG_FILE).get("sharded_backend")
+            if backend != "torch_dist":
+                raise IncompleteSnapshot(path, f"Megatron's {backend!r} format is not read (only torch_dist)")
         if not (path / dcp_io.METADATA_FILE).is_file():
             legacy = " (legacy --ckpt-format torch is not read)" if any(path.glob("mp_rank_*")) else ""
             raise IncompleteSnapshot(
