@@ -104,3 +104,12 @@ def run_cli(
         cwd=cwd,
         timeout=timeout,
     )
+
+
+@pytest.fixture(scope="session")
+def smoke_experiment(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """`pmakit experiment --preset smoke` run once per session through the real CLI: (run dir, its stdout)."""
+    run = tmp_path_factory.mktemp("exp") / "smoke"
+    proc = run_cli("experiment", "--preset", "smoke", "-o", run, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run, proc.stdout

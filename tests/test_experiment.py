@@ -17,11 +17,8 @@ from pmakit.weights import get_weights
 
 
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    run = tmp_path_factory.mktemp("exp") / "smoke"
-    proc = run_cli("experiment", "--preset", "smoke", "-o", run, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run, proc.stdout
+def smoke(smoke_experiment: tuple[Path, str]) -> tuple[Path, str]:
+    return smoke_experiment  # one smoke study per session (the README test analyzes it too)
 
 
 def rows(run: Path) -> list[dict[str, str]]:
