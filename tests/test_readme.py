@@ -82,7 +82,9 @@ def spike_run(root: Path) -> Path:
     tps = 1_000_000  # tokens per step
     for i in range(1, 21):
         tokens = i * 10_000_000
-        write_snapshot(run / "snapshots" / f"step-{tokens // tps:06d}", state(i), step=tokens // tps, tokens=tokens)
+        write_snapshot(
+            run / "snapshots" / f"step-{tokens // tps:06d}", state(i), step=tokens // tps, tokens=tokens
+        )
     import torch
 
     torch.save({"state": {}, "param_groups": []}, run / "snapshots" / "step-000110" / "optimizer.pt")
@@ -141,8 +143,7 @@ def output_of(words: list[str]) -> str | None:
 
 
 def run_shell_block(text: str, cwd: Path, subs: dict[str, str], timeout: float = 600) -> None:
-    lines = shell_lines(text)
-    for n, line in enumerate(lines):
+    for line in shell_lines(text):
         for word, path in subs.items():
             line = line.replace(word, path)
         words = argv(line)
@@ -274,7 +275,7 @@ RECIPES: dict[str, Recipe] = {
     ),
     "from pmakit.integrations.olmo_core import PMACallback": Recipe(),
     "from pmakit.online import OnlineAverager": Recipe(),
-    "from pmakit.integrations.hf import PMACallback          # pip install \"pmakit[hf]\"": Recipe(),
+    'from pmakit.integrations.hf import PMACallback          # pip install "pmakit[hf]"': Recipe(),
     "pmakit train --preset replicas-smoke -o runs/copies --replicas 2 --sync-every 4                  # local SGD, H = 4": (
         Recipe()
     ),
@@ -318,9 +319,7 @@ def _blocks_to_run() -> list[Block]:
 
 
 @pytest.mark.parametrize("block", _blocks_to_run(), ids=lambda b: f"line{b.line}")
-def test_readme_example_runs_as_written(
-    block: Block, scratch: Path, request: pytest.FixtureRequest
-) -> None:
+def test_readme_example_runs_as_written(block: Block, scratch: Path, request: pytest.FixtureRequest) -> None:
     recipe = RECIPES[block.key]
     if block.key.startswith("pmakit analyze"):
         subs = _analyze(scratch, request.getfixturevalue("smoke_experiment")[0])

@@ -17,9 +17,7 @@ def framework_block() -> str:
     return block.text
 
 
-def test_readme_framework_block_on_olmo_core(
-    olmo_core_runs: dict[str, Path], tmp_path: Path
-) -> None:
+def test_readme_framework_block_on_olmo_core(olmo_core_runs: dict[str, Path], tmp_path: Path) -> None:
     run_shell_block(framework_block(), tmp_path, {"SAVE_FOLDER": str(olmo_core_runs["ws1"])})
     assert (tmp_path / "OUT" / "model.safetensors").is_file()  # the last line: --format safetensors
 
