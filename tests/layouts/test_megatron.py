@@ -16,7 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from click.testing import CliRunner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 
 from layouts.conftest import SRC
 from pmakit.cli import cli
@@ -31,18 +38,13 @@ ITERS = [f"iter_{i:07d}" for i in range(1, 7)]
 TOKENS_PER_ITER = 4 * 16  # 4 samples of 16 tokens
 
 
-def dcp_metadata(path: Path) -> object:
-    import torch.distributed.checkpoint as dcp
-
+def dcp_metadata(path: Path) -> Metadata:
     return dcp.FileSystemReader(path).read_metadata()
 
 
 def dcp_tensors(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor entry of a DCP checkpoint, unsharded by torch's own reader (the reference)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    entries = dcp_metadata(path).state_dict_metadata  # type: ignore[attr-defined]
+    entries = dcp_metadata(path).state_dict_metadata
     state = {
         k: torch.empty(md.size, dtype=md.properties.dtype)
         for k, md in entries.items()
@@ -56,13 +58,11 @@ def dcp_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def dcp_bytes(path: Path) -> dict[str, bytes]:
     """The stored bytes of every non-tensor entry (``_extra_state``, RNG), sliced from the data files."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
-
     md = dcp_metadata(path)
     out = {}
-    for key, entry in md.state_dict_metadata.items():  # type: ignore[attr-defined]
+    for key, entry in md.state_dict_metadata.items():
         if isinstance(entry, BytesStorageMetadata):
-            info = md.storage_data[MetadataIndex(key)]  # type: ignore[attr-defined]
+            info = md.storage_data[MetadataIndex(key)]
             with open(path / info.relative_path, "rb") as f:
                 f.seek(info.offset)
                 out[key] = f.read(info.length)
@@ -129,10 +129,8 @@ def test_merge_with_no_token_flags_is_the_hand_average_and_megatron_loads_it(
 def test_tp2_checkpoints_merge_like_tp1_ones(megatron_runs: dict[str, Path], tmp_path: Path) -> None:
     tp2 = megatron_runs["tp2"]
     assert len(list((tp2 / ITERS[-1]).glob("__1_*.distcp"))) > 0  # rank 1 wrote its shards
-    chunks = dcp_metadata(tp2 / ITERS[-1]).state_dict_metadata[
-        "decoder.layers.self_attention.linear_qkv.weight"
-    ]  # type: ignore[attr-defined]
-    assert len(chunks.chunks) == 4  # 2 layers x 2 tensor-parallel halves
+    qkv = dcp_metadata(tp2 / ITERS[-1]).state_dict_metadata["decoder.layers.self_attention.linear_qkv.weight"]
+    assert isinstance(qkv, TensorStorageMetadata) and len(qkv.chunks) == 4  # 2 layers x 2 TP halves
     for run in ("ws1", "tp2"):
         r = CliRunner().invoke(
             cli, ["merge", str(megatron_runs[run]), "-o", str(tmp_path / run), "--last", "3"]
