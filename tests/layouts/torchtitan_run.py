@@ -14,7 +14,8 @@ Modes:
                             parallel degree, as a run at this world size records it
   pma-init CKPT DUMP OUT    ``--checkpoint.initial_load_path CKPT --checkpoint.initial_load_model_only``: the
                             weights torchtitan loaded are saved to OUT (torch.save, rank 0), then one training step;
-                            its loss is printed as the last stdout line (JSON)
+                            its step and loss go to OUT with suffix .json
+  cli ARGS...               ``python -m pmakit ARGS`` (rank 0), e.g. the merge the next job loads
   hf-init CKPT DUMP OUT     the same with ``--checkpoint.initial_load_in_hf`` (HF safetensors, torchtitan's
                             state-dict adapter)
 
@@ -213,7 +214,13 @@ def trainer(cfg: Any) -> Any:
 
 
 def train(dump: Path, steps: int) -> None:
-    cfg = config(dump, "--training.steps", str(steps))
+    # The job config saved beside checkpoint/ names the model for the HF export; the last save is model-only, as
+    # torchtitan's default (the debug config turns that off).
+    cfg = config(
+        dump,
+        *("--training.steps", str(steps), "--debug.save_config_file", "config.json"),
+        "--checkpoint.last_save_model_only",
+    )
     t = trainer(cfg)
     try:
         t.train()
@@ -242,11 +249,11 @@ def pma_init(ckpt: Path, dump: Path, out: Path, *hf: str) -> None:
     cfg = config(
         dump,
         *("--checkpoint.initial_load_path", str(ckpt), "--checkpoint.initial_load_model_only", *hf),
-        *("--training.steps", "1", "--checkpoint.no-enable"),
+        *("--training.steps", "1", "--checkpoint.load_only"),
     )
     t = trainer(cfg)
     try:
-        t.checkpointer.load()
+        assert t.checkpointer.load(), "torchtitan loaded nothing"
         from torch.distributed.tensor import DTensor
 
         state = {
@@ -264,7 +271,9 @@ def pma_init(ckpt: Path, dump: Path, out: Path, *hf: str) -> None:
     finally:
         t.close()
     if torch.distributed.get_rank() == 0:
-        print(json.dumps({"step": t.step, "loss": losses[-1] if losses else None}))
+        out.with_suffix(".json").write_text(
+            json.dumps({"step": t.step, "loss": losses[-1] if losses else None})
+        )
 
 
 def run_job(mode: str, args: list[str]) -> None:
@@ -276,6 +285,12 @@ def run_job(mode: str, args: list[str]) -> None:
         pma_init(Path(args[0]), Path(args[1]), Path(args[2]))
     elif mode == "hf-init":
         pma_init(Path(args[0]), Path(args[1]), Path(args[2]), "--checkpoint.initial_load_in_hf")
+    elif mode == "cli":  # pmakit's real CLI (rank 0), between the framework's jobs
+        import subprocess
+
+        if torch.distributed.get_rank() == 0:
+            subprocess.run([sys.executable, "-m", "pmakit", *args], check=True)
+        torch.distributed.barrier()
     else:
         raise SystemExit(f"unknown mode {mode}")
 

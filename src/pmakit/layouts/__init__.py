@@ -55,6 +55,7 @@ _BUILTIN = (
     "olmo_core",
     "megatron",
     "torchtitan",
+    "torchtitan_hf",  # an output format only (--format safetensors of torchtitan inputs: HF names)
     "hf_trainer",
     "dcp",
     "hf_model",
@@ -143,3 +144,15 @@ def native_format(snapshot: Snapshot) -> str:
         return get_layout(snapshot.layout).native_format
     except PmakitError:
         return "safetensors"  # a Snapshot made by hand (fp32 sums of a merge)
+
+
+def safetensors_format(snapshot: Snapshot) -> str:
+    """What ``--format safetensors`` writes for inputs like ``snapshot``: HF names through the trainer's own
+    converter where its layout has one that applies (``safetensors_format`` of the layout: torchtitan's state-dict
+    adapter), else HF safetensors under the inputs' names."""
+    try:
+        layout = get_layout(snapshot.layout)
+    except PmakitError:
+        return "safetensors"
+    export = getattr(layout, "safetensors_format", None)
+    return export(snapshot) if callable(export) else "safetensors"

@@ -157,6 +157,12 @@ class TorchtitanLayout(Layout):
         meta = {"step": step, "tokens": step * rate, "tokens_per_step": rate, "model_only": True}
         return Snapshot(path, tokens=step * rate, step=step, source=self.name, meta=meta, layout=self.name)
 
+    def safetensors_format(self, snapshot: Snapshot) -> str:
+        """``--format safetensors``: HF names through torchtitan's adapter when at hand (see ``torchtitan_hf``)."""
+        from pmakit.layouts.torchtitan_hf import export_format
+
+        return export_format(snapshot)
+
     def open(self, path: Path) -> Reader:
         return DCPReader(path)  # the model's names at the top level; optimizer.* etc. skipped
 

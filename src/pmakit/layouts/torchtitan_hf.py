@@ -1,0 +1,148 @@
+"""``--format safetensors`` for torchtitan inputs: HF names through torchtitan's own state-dict adapter.
+
+torchtitan's HF load path (``--checkpoint.initial_load_in_hf``) reads HF-named safetensors and converts them with the
+model's ``ModelSpec.state_dict_adapter.from_hf``; this writer applies the inverse, ``to_hf`` (llama3: renames, and
+the rotary permutation of ``wq``/``wk``, which needs the model's head counts). The adapter needs torchtitan
+installed and the model's config, which a checkpoint does not hold: it is rebuilt from the job config torchtitan
+writes with ``--debug.save_config_file NAME.json`` (``model_spec.name`` and ``flavor``, i.e. ``--module`` and the
+registry flavor), looked for in the dump folder (two levels above ``checkpoint/step-N``). Without torchtitan, that
+file, or an adapter for the model, ``--format safetensors`` writes torchtitan's own names (a warning says why).
+
+Memory: tensors are converted and written one at a time (``to_hf`` on a one-entry state dict), so at most one
+converted tensor is held. Under torchrun each rank writes its own file (``model-hf-R-of-N.safetensors``, no
+index: torchtitan's HF reader reads every ``*.safetensors`` file of the directory).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pmakit.errors import PmakitError
+from pmakit.formats.safetensors_io import OutputTensor, Shard, ShardWriter
+from pmakit.layouts.base import Layout, Snapshot
+
+NAME = "torchtitan-hf"
+
+
+def job_config(checkpoint: Path) -> dict[str, Any] | None:
+    """torchtitan's saved job config (``--debug.save_config_file``) in the dump folder of ``checkpoint``."""
+    dump = checkpoint.resolve().parent.parent
+    for file in sorted(dump.glob("*.json")) + sorted(dump.glob("*/*.json")):
+        if file.stat().st_size > 2**22:
+            continue
+        try:
+            data = json.loads(file.read_text())
+        except (OSError, ValueError):
+            continue
+        spec = data.get("model_spec") if isinstance(data, dict) else None
+        if (
+            isinstance(spec, dict)
+            and isinstance(spec.get("name"), str)
+            and isinstance(spec.get("flavor"), str)
+        ):
+            return data
+    return None
+
+
+@functools.cache
+def _adapter(name: str, flavor: str) -> Any:
+    """torchtitan's state-dict adapter for ``--module name`` and registry flavor ``flavor``."""
+    module = importlib.import_module(f"torchtitan.models.{name}")
+    spec = module.model_registry(flavor)
+    if spec.state_dict_adapter is None:
+        raise PmakitError(f"torchtitan's {name} model ships no state-dict adapter")
+    return spec.state_dict_adapter(spec.model, None)
+
+
+def adapter_for(checkpoint: Path) -> tuple[Any, str]:
+    """(the adapter, '') or (None, why not)."""
+    config = job_config(checkpoint)
+    if config is None:
+        return None, (
+            f"no torchtitan job config in {checkpoint.resolve().parent.parent} "
+            "(run torchtitan with --debug.save_config_file config.json)"
+        )
+    spec = config["model_spec"]
+    try:
+        return _adapter(spec["name"], spec["flavor"]), ""
+    except (ImportError, AttributeError, KeyError, PmakitError) as e:
+        return None, f"no torchtitan state-dict adapter for {spec['name']}/{spec['flavor']} ({e})"
+
+
+def export_format(snapshot: Snapshot) -> str:
+    """``torchtitan-hf`` when the adapter for ``snapshot``'s model is at hand, else ``safetensors`` (warned)."""
+    adapter, why = adapter_for(snapshot.path)
+    if adapter is None:
+        print(f"warning: --format safetensors keeps torchtitan's parameter names: {why}", file=sys.stderr)
+        return "safetensors"
+    return NAME
+
+
+def _to_hf(adapter: Any, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    return dict(adapter.to_hf({name: tensor}))
+
+
+class TorchtitanHFExport(Layout):
+    """Writes merged torchtitan weights as HF safetensors; never claims a checkpoint itself."""
+
+    name = NAME
+
+    def is_snapshot(self, path: Path) -> bool:
+        return False
+
+    def read(self, path: Path, tokens_per_step: int | None) -> Snapshot:
+        raise PmakitError(f"{path}: {NAME} is an output format only")
+
+    def write(
+        self,
+        merged: Mapping[str, torch.Tensor],
+        template: Path,
+        out: Path,
+        *,
+        distributed: bool,
+        fsync: bool,
+    ) -> list[str]:
+        adapter, why = adapter_for(template)
+        if adapter is None:
+            raise PmakitError(f"cannot write HF names: {why}; use --format safetensors")
+        names = sorted(merged)
+        # Names and shapes first, on meta tensors (no data), for the file's header.
+        planned = [
+            OutputTensor(k, v.dtype, tuple(v.shape))
+            for name in names
+            for k, v in _to_hf(
+                adapter, name, torch.empty(merged[name].shape, dtype=merged[name].dtype, device="meta")
+            ).items()
+        ]
+        rank, world = (
+            (torch.distributed.get_rank(), torch.distributed.get_world_size()) if distributed else (0, 1)
+        )
+        # Not the staged shards' names (model.safetensors, model-0000i-of-0000n...): they are read while this writes.
+        file = "model-hf.safetensors" if world == 1 else f"model-hf-{rank + 1:05d}-of-{world:05d}.safetensors"
+        writer = ShardWriter(out / file, Shard(file, tuple(planned)))
+        try:
+            for name in names:
+                for k, v in _to_hf(adapter, name, merged[name]).items():
+                    writer.write(k, v.contiguous().reshape(-1))
+            writer.close(fsync=fsync)
+        except BaseException:
+            writer.abort()
+            raise
+        # No index: the merge drops the staged shards' index after this, and torchtitan's HF reader
+        # (HuggingFaceStorageReader) reads every *.safetensors file of the directory.
+        if distributed:
+            everyone: list[Any] = [None] * world
+            torch.distributed.all_gather_object(everyone, file)
+            return everyone if rank == 0 else []
+        return [file]
+
+
+LAYOUT = TorchtitanHFExport()
