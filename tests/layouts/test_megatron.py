@@ -131,6 +131,9 @@ def test_tp2_checkpoints_merge_like_tp1_ones(megatron_runs: dict[str, Path], tmp
     assert len(list((tp2 / ITERS[-1]).glob("__1_*.distcp"))) > 0  # rank 1 wrote its shards
     qkv = dcp_metadata(tp2 / ITERS[-1]).state_dict_metadata["decoder.layers.self_attention.linear_qkv.weight"]
     assert isinstance(qkv, TensorStorageMetadata) and len(qkv.chunks) == 4  # 2 layers x 2 TP halves
+    with open_weights(tp2 / ITERS[-1]) as reader:  # read a layer at a time, not the whole stacked tensor
+        units = reader._unit_boxes("decoder.layers.self_attention.linear_qkv.weight")  # type: ignore[attr-defined]
+        assert [tuple(box.sizes) for _, _, box in units] == [(1, 96, 32), (1, 96, 32)]
     for run in ("ws1", "tp2"):
         r = CliRunner().invoke(
             cli, ["merge", str(megatron_runs[run]), "-o", str(tmp_path / run), "--last", "3"]

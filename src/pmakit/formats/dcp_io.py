@@ -270,6 +270,25 @@ def _is_slab(chunk: ChunkStorageMetadata, size: torch.Size) -> bool:
     return all(o == 0 and s == d for o, s, d in zip(chunk.offsets[1:], chunk.sizes[1:], size[1:]))
 
 
+def _dim0_bands(chunks: list[ChunkStorageMetadata], size: torch.Size) -> list[tuple[int, int]]:
+    """The distinct dim-0 ranges of the saved chunks when they partition dim 0, else none."""
+    if len(size) < 2 or not chunks:
+        return []
+    bands = sorted({(c.offsets[0], c.offsets[0] + c.sizes[0]) for c in chunks})
+    edge = 0
+    for lo, hi in bands:
+        if lo != edge:  # ranges that overlap or leave a gap: no partition
+            return []
+        edge = hi
+    return bands if edge == size[0] else []
+
+
+def _dim0_overlap(a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> bool:
+    if len(a.sizes) == 0:
+        return True
+    return a.offsets[0] < b.offsets[0] + b.sizes[0] and b.offsets[0] < a.offsets[0] + a.sizes[0]
+
+
 class DCPReader(Reader):
     format = "dcp"
 
@@ -311,7 +330,9 @@ class DCPReader(Reader):
         self._hinted: set[tuple[str, int]] = set()
 
     def _unit_boxes(self, name: str) -> list[tuple[int, int, ChunkStorageMetadata]]:
-        """The flat ranges the tensor is loaded in: its saved dim-0 slabs, or the whole tensor."""
+        """The flat ranges the tensor is loaded in: its saved dim-0 slabs; else dim-0 bands of the saved chunks
+        (tensor parallelism splitting an inner dim: Megatron's layer-stacked weights at TP>1 load a layer at a
+        time); else the whole tensor."""
         md = self._md[name]
         size = md.size
         inner = 1
@@ -320,6 +341,14 @@ class DCPReader(Reader):
         if len(size) > 0 and md.chunks and all(_is_slab(c, size) for c in md.chunks):
             slabs = sorted(md.chunks, key=lambda c: c.offsets[0])
             return [(c.offsets[0] * inner, (c.offsets[0] + c.sizes[0]) * inner, c) for c in slabs]
+        bands = _dim0_bands(md.chunks, size)
+        if len(bands) > 1:
+            box = _dcp().ChunkStorageMetadata
+            rest = len(size) - 1
+            return [
+                (lo * inner, hi * inner, box(torch.Size([lo] + [0] * rest), torch.Size([hi - lo, *size[1:]])))
+                for lo, hi in bands
+            ]
         numel = self.tensors[name].numel
         return [(0, numel, _dcp().ChunkStorageMetadata(torch.Size([0] * len(size)), torch.Size(size)))]
 
@@ -392,8 +421,8 @@ class DCPReader(Reader):
                 continue
             self._hinted.add((name, lo))
             for chunk in md.chunks:
-                if chunk is not box and len(md.chunks) > 1 and _is_slab(box, md.size):
-                    continue  # a slab unit is exactly one saved chunk
+                if not _dim0_overlap(chunk, box):
+                    continue  # only the saved chunks that hold this unit
                 info = self._storage_data.get(_dcp().MetadataIndex(key, chunk.offsets))
                 if info is None:
                     continue
