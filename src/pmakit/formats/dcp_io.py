@@ -9,8 +9,9 @@ The unit of reading is a saved chunk: DCP stores each rank's piece of a tensor a
 Such a record is mapped, not loaded (``torch_record``): the reader returns views of the page cache, so a DCP input
 costs no memory, whatever N and the tensor sizes, like a safetensors input. A record it cannot map (compressed or
 re-encoded by newer torch writers, a view of a larger storage) is loaded whole through ``dcp.load``, kept while the
-merge walks through it and dropped once the merge has moved past. A tensor whose saved chunks are not dim-0 slabs
-(tensor parallelism) is loaded whole.
+merge walks through it and dropped once the merge has moved past. A tensor whose saved chunks split an inner dim
+(tensor parallelism) is loaded through ``dcp.load`` by dim-0 bands of its chunks (one layer of Megatron's
+layer-stacked weights at a time), or whole when its chunks do not partition dim 0.
 
 The model state may be at the top level (torchtitan) or under a top-level ``model`` key (OLMo-core); either way the
 merged names are the model's own. Optimizer, scheduler, data loader, RNG and other non-tensor entries are skipped
