@@ -130,3 +130,30 @@ def megatron_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         if line.startswith('{"tp"'):
             (root / f"pma-init-tp{json.loads(line)['tp']}.json").write_text(line)
     return {**p, "root": root}
+
+
+@pytest.fixture(scope="session")
+def torchtitan_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """torchtitan runs and loads (``torchtitan_run.py``: its own Trainer, llama3 debug model), in 2 processes:
+
+    - ``ws1``: 5 steps, a checkpoint every step (``ws1/checkpoint/step-N``; step-5 the model-only last save), then in
+      the same process ``pmakit merge ws1 -o merged`` and ``--format safetensors -o merged-hf`` (the real CLI, no
+      token flags), torchtitan loading ``merged`` (``initial_load_path``, model only) and ``merged-hf``
+      (``initial_load_in_hf``), each then taking a training step: ``loaded.pt``/``.json``, ``loaded-hf.pt``/``.json``;
+    - under FSDP over 2 ranks: ``ws2-native`` (2 steps trained at world size 2) and ``ws2`` (``ws1``'s step-2..4
+      loaded by torchtitan at world size 2 and saved again: the same weights).
+    """
+    if importlib.util.find_spec("torchtitan") is None:
+        pytest.skip("torchtitan is not installed")
+    root = tmp_path_factory.mktemp("torchtitan")
+    script = HERE / "torchtitan_run.py"
+    p = {name: root / name for name in ("ws1", "merged", "merged-hf", "ws2", "ws2-native")}
+    run_framework(
+        script,
+        *("train", p["ws1"], 5, "+", "cli", "merge", p["ws1"], "-o", p["merged"], "-q", "+"),
+        *("cli", "merge", p["ws1"], "-o", p["merged-hf"], "-q", "--format", "safetensors", "+"),
+        *("pma-init", p["merged"], root / "pma-init", root / "loaded.pt", "+"),
+        *("hf-init", p["merged-hf"], root / "hf-init", root / "loaded-hf.pt"),
+    )
+    run_framework(script, "train", p["ws2-native"], 2, "+", "reshard", p["ws1"], p["ws2"], "2,3,4", ranks=2)
+    return {**p, "root": root}

@@ -8,7 +8,7 @@ Every job builds its config with torchtitan's own ``ConfigManager`` from the com
 Modes:
   train DUMP STEPS          the llama3 debug model, a checkpoint every step (DUMP/checkpoint/step-N, full state,
                             synchronous DCP), ``Trainer.train()``
-  reshard SRC DST K         the last K SRC/checkpoint/step-N loaded by torchtitan's CheckpointManager into this world
+  reshard SRC DST N,M,..    SRC/checkpoint/step-N, step-M, ... (full checkpoints) loaded by torchtitan's CheckpointManager into this world
                             size (all but the data loader, which torchtitan cannot reshard) and saved again to
                             DST/checkpoint/step-N; ``ntokens_seen`` (per rank in torchtitan) divided by the data
                             parallel degree, as a run at this world size records it
@@ -29,9 +29,13 @@ Patches (CPU only; torchtitan 0.3.0 assumes an accelerator):
   has no backward on CPU: ``FlexAttention.compiled_flex_attn`` is causal SDPA (each sequence is one document, so
   the block-causal mask is the causal one);
 - ``components.metrics.DeviceMemoryMonitor`` (accelerator memory statistics) is a stand-in reporting zeros;
+- FSDP gradient reduction: ``distributed.fsdp.disable_fsdp_gradient_division`` also forces a SUM reduction (the
+  same thing: torchtitan's divide factor is 1), as gloo has no ``PREMUL_SUM``;
 - ``distributed.utils.set_pg_timeouts`` (after the first step) is skipped: its barrier passes
   ``device_ids=[torch.cpu.current_device()]``, the string ``"cpu"``, which gloo's barrier refuses;
 - the 2-second sleep at the end of ``Trainer.train`` is skipped.
+One option differs from the debug config: ``--parallelism.spmd_backend partial_dtensor`` (torchtitan's own choice
+of FSDP over plain parameters; its default ``spmd_types`` refused to shard the model at world size 2 here).
 The model (llama3 ``debugmodel``: SDPA attention, selective activation checkpointing), optimizer, LR schedule,
 FSDP and the CheckpointManager are torchtitan's own, unpatched.
 """
@@ -57,6 +61,7 @@ _available = torch._utils._get_available_device_type
 torch._utils._get_available_device_type = lambda: "cpu"  # the device patch (see the module docstring)
 try:
     import torchtitan.components.metrics as tt_metrics
+    import torchtitan.distributed.fsdp as tt_fsdp
     import torchtitan.distributed.utils as tt_dist_utils
     import torchtitan.models.common.attention as tt_attention
     import torchtitan.trainer as tt_trainer
@@ -119,6 +124,19 @@ def causal_attention(
 
 
 tt_attention.FlexAttention.compiled_flex_attn = staticmethod(causal_attention)  # type: ignore[method-assign]
+_divide = tt_fsdp.disable_fsdp_gradient_division
+
+
+def sum_gradients(model: torch.nn.Module) -> None:
+    """torchtitan sets FSDP's gradient divide factor to 1, which FSDP reduces with ``PREMUL_SUM(1/1)``, an op gloo
+    lacks; a plain SUM (``set_force_sum_reduction_for_comms``) is the same reduction."""
+    _divide(model)
+    for module in model.modules():
+        if isinstance(module, torch.distributed.fsdp.FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+
+
+tt_fsdp.disable_fsdp_gradient_division = sum_gradients
 tt_dist_utils.set_pg_timeouts = lambda **kwargs: None  # its barrier passes device_ids=["cpu"] (see docstring)
 
 
@@ -200,6 +218,7 @@ def config(dump: Path, *options: str) -> Any:
         *("--training.local_batch_size", str(BATCH // world_size()), "--training.steps", "10"),
         *("--checkpoint.enable", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0"),
         *("--metrics.log_freq", "1000", "--comm.init_timeout_seconds", "300"),
+        *("--parallelism.spmd_backend", "partial_dtensor"),  # see the module docstring
         *options,
     ]
     cfg = ConfigManager().parse_args(args)
@@ -228,8 +247,7 @@ def train(dump: Path, steps: int) -> None:
         t.close()
 
 
-def reshard(src: Path, dst: Path, last: int) -> None:
-    steps = sorted(int(p.name[5:]) for p in (src / "checkpoint").glob("step-*"))[-last:]
+def reshard(src: Path, dst: Path, steps: list[int]) -> None:
     cfg = config(dst, "--checkpoint.exclude_from_loading", "dataloader")
     t = trainer(cfg)
     try:
@@ -280,7 +298,7 @@ def run_job(mode: str, args: list[str]) -> None:
     if mode == "train":
         train(Path(args[0]), int(args[1]))
     elif mode == "reshard":
-        reshard(Path(args[0]), Path(args[1]), int(args[2]))
+        reshard(Path(args[0]), Path(args[1]), [int(x) for x in args[2].split(",")])
     elif mode == "pma-init":
         pma_init(Path(args[0]), Path(args[1]), Path(args[2]))
     elif mode == "hf-init":

@@ -34,7 +34,7 @@ NAME = "torchtitan-hf"
 
 def job_config(checkpoint: Path) -> dict[str, Any] | None:
     """torchtitan's saved job config (``--debug.save_config_file``) in the dump folder of ``checkpoint``."""
-    dump = checkpoint.resolve().parent.parent
+    dump = checkpoint.absolute().parent.parent  # the save folder named, symlinks not followed
     for file in sorted(dump.glob("*.json")) + sorted(dump.glob("*/*.json")):
         if file.stat().st_size > 2**22:
             continue
@@ -67,7 +67,7 @@ def adapter_for(checkpoint: Path) -> tuple[Any, str]:
     config = job_config(checkpoint)
     if config is None:
         return None, (
-            f"no torchtitan job config in {checkpoint.resolve().parent.parent} "
+            f"no torchtitan job config in {checkpoint.absolute().parent.parent} "
             "(run torchtitan with --debug.save_config_file config.json)"
         )
     spec = config["model_spec"]
