@@ -141,7 +141,9 @@ def torchtitan_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
       token flags), torchtitan loading ``merged`` (``initial_load_path``, model only) and ``merged-hf``
       (``initial_load_in_hf``), each then taking a training step: ``loaded.pt``/``.json``, ``loaded-hf.pt``/``.json``;
     - under FSDP over 2 ranks: ``ws2-native`` (2 steps trained at world size 2) and ``ws2`` (``ws1``'s step-2..4
-      loaded by torchtitan at world size 2 and saved again: the same weights).
+      loaded by torchtitan at world size 2 and saved again: the same weights), and ``online``: pmakit's
+      ``PMASnapshots`` in a Trainer subclass, 2 steps, then resumed by torchtitan from its step-2 checkpoint to step 4
+      (``online/dump`` torchtitan's, ``online/pma`` pmakit's snapshots every 2 steps' tokens).
     """
     if importlib.util.find_spec("torchtitan") is None:
         pytest.skip("torchtitan is not installed")
@@ -155,5 +157,11 @@ def torchtitan_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
         *("pma-init", p["merged"], root / "pma-init", root / "loaded.pt", "+"),
         *("hf-init", p["merged-hf"], root / "hf-init", root / "loaded-hf.pt"),
     )
-    run_framework(script, "train", p["ws2-native"], 2, "+", "reshard", p["ws1"], p["ws2"], "2,3,4", ranks=2)
-    return {**p, "root": root}
+    online = (root / "online" / "dump", root / "online" / "pma")
+    run_framework(
+        script,
+        *("train", p["ws2-native"], 2, "+", "reshard", p["ws1"], p["ws2"], "2,3,4", "+"),
+        *("online", *online, 2, "+", "online", *online, 4),
+        ranks=2,
+    )
+    return {**p, "root": root, "online": root / "online"}

@@ -190,3 +190,22 @@ def test_checkpoints_are_read_without_torchtitan_installed(torchtitan_runs: dict
     assert (int(tokens), int(count)) == (4 * TOKENS_PER_STEP, 57)
     want = model_weights(steps(torchtitan_runs["ws1"], 4)[0])["layers.0.attention.qkv_linear.wq.weight"]
     assert json.loads(head) == want.reshape(-1)[:4].tolist()
+
+
+def test_online_snapshots_in_a_trainer_subclass_are_the_trainers_weights_and_resume_safe(
+    torchtitan_runs: dict[str, Path],
+) -> None:
+    """pmakit.integrations.torchtitan.PMASnapshots under FSDP over 2 ranks: a snapshot every 2 steps' tokens; the run
+    stopped after step 2 and was resumed by torchtitan from its checkpoint, and step 3 (resumed mid-interval) is
+    not saved."""
+    from safetensors.torch import load_file
+
+    run = torchtitan_runs["online"]
+    snaps = discover(run / "pma")
+    assert [(s.step, s.tokens, s.layout) for s in snaps] == [(2, 256, "pmakit"), (4, 512, "pmakit")]
+    for snap in snaps:
+        saved = load_file(snap.path / "model.safetensors")
+        want = model_weights(run / "dump" / "checkpoint" / f"step-{snap.step}")  # FSDP shards, read by torch
+        assert saved.keys() == want.keys()
+        for name, value in want.items():
+            assert torch.equal(saved[name], value), name

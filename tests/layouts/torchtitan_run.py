@@ -15,6 +15,8 @@ Modes:
   pma-init CKPT DUMP OUT    ``--checkpoint.initial_load_path CKPT --checkpoint.initial_load_model_only``: the
                             weights torchtitan loaded are saved to OUT (torch.save, rank 0), then one training step;
                             its step and loss go to OUT with suffix .json
+  online DUMP PMA STEPS     ``pmakit.integrations.torchtitan.PMASnapshots`` in a Trainer subclass, a snapshot every 2
+                            steps' tokens into PMA, checkpoints every step (full, so a rerun resumes from the last)
   cli ARGS...               ``python -m pmakit ARGS`` (rank 0), e.g. the merge the next job loads
   hf-init CKPT DUMP OUT     the same with ``--checkpoint.initial_load_in_hf`` (HF safetensors, torchtitan's
                             state-dict adapter)
@@ -294,6 +296,25 @@ def pma_init(ckpt: Path, dump: Path, out: Path, *hf: str) -> None:
         )
 
 
+def online(dump: Path, pma: Path, steps: int) -> None:
+    """pmakit's PMASnapshots in a Trainer subclass (the README's recipe); resumes from DUMP's checkpoints."""
+    from pmakit.integrations.torchtitan import PMASnapshots
+
+    class PMATrainer(tt_trainer.Trainer):
+        def train_step(self, data_iterator: Any) -> None:
+            super().train_step(data_iterator)
+            self.pma.after_step(self)
+
+    torch.manual_seed(0)
+    t = PMATrainer(config=config(dump, "--training.steps", str(steps)))
+    t.pma = PMASnapshots(pma, every_tokens=2 * TOKENS_PER_STEP)  # type: ignore[attr-defined]
+    try:
+        t.train()
+    finally:
+        t.pma.close()  # type: ignore[attr-defined]
+        t.close()
+
+
 def run_job(mode: str, args: list[str]) -> None:
     if mode == "train":
         train(Path(args[0]), int(args[1]))
@@ -303,6 +324,8 @@ def run_job(mode: str, args: list[str]) -> None:
         pma_init(Path(args[0]), Path(args[1]), Path(args[2]))
     elif mode == "hf-init":
         pma_init(Path(args[0]), Path(args[1]), Path(args[2]), "--checkpoint.initial_load_in_hf")
+    elif mode == "online":
+        online(Path(args[0]), Path(args[1]), int(args[2]))
     elif mode == "cli":  # pmakit's real CLI (rank 0), between the framework's jobs
         import subprocess
 

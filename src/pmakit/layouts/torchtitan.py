@@ -101,12 +101,15 @@ def read_train_state(path: Path) -> dict[str, int]:
     dp = values.get(DP_DEGREE, 1)
     if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
         raise IncompleteSnapshot(path, f"{DP_DEGREE} must be a positive integer, got {dp!r}")
-    ntokens = values.get("train_state.ntokens_seen")
-    record = {"step": values.get("train_state.step"), "tokens": ntokens}
-    if isinstance(ntokens, int) and not isinstance(ntokens, bool):
-        record["tokens"] = ntokens * dp
-    tokens, step = validate_metadata(record, path / dcp_io.METADATA_FILE)  # `True` is not 1
-    return {"step": step if step is not None else -1, "tokens": tokens, "ntokens_seen": ntokens, "dp": dp}
+    ntokens, step = values.get("train_state.ntokens_seen"), values.get("train_state.step")
+    if ntokens is None or step is None:
+        raise IncompleteSnapshot(
+            path, "no train_state.step and train_state.ntokens_seen in this torchtitan checkpoint"
+        )
+    tokens, checked = validate_metadata(
+        {"tokens": ntokens, "step": step}, path / dcp_io.METADATA_FILE
+    )  # not `True`
+    return {"step": checked or 0, "tokens": tokens * dp, "ntokens_seen": tokens, "dp": dp}
 
 
 class TorchtitanLayout(Layout):
