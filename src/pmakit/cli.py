@@ -798,6 +798,64 @@ def analyze(
     click.echo(f"wrote {output / 'plane.json'}, {output / 'plane.png'}")
 
 
+@cli.command()
+@click.argument("run_dir", type=click.Path(path_type=Path), metavar="RUN")
+@click.option(
+    "--eval",
+    "data",
+    type=str,
+    default=None,
+    help="Held-out data: 'corpus' (the run's own held-out split) [default], a token file (.npy/.bin of token ids; "
+    "cut into two contiguous halves) or a text file/directory/glob (tokenized with the snapshot's tokenizer, "
+    "divided by file). Selection and test splits are disjoint.",
+)
+@click.option(
+    "-o", "--output", required=True, type=click.Path(path_type=Path), help="Directory of the tuned merge."
+)
+@click.option(
+    "--budget-evals",
+    type=int,
+    default=None,
+    help="Trials, each one evaluation on the selection split (the 2 baselines included) [default: 40 without "
+    "--budget-seconds]. The test split costs 3 more.",
+)
+@click.option(
+    "--budget-seconds",
+    type=float,
+    default=None,
+    help="Start no new trial after this many seconds (with --budget-evals: whichever comes first).",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the TPE sampler and file order.")
+@click.option(
+    "--batches", type=int, default=16, show_default=True, help="Held-out batches per split (selection, test)."
+)
+@click.option("--max-n", type=int, default=16, show_default=True, help="Largest number of snapshots N searched.")
+@click.option(
+    "--eval-cmd",
+    type=str,
+    default=None,
+    help="For a model too big to evaluate in memory: a shell command run on each candidate merge, written to "
+    "disk; {model} is its directory, {split} is 'selection' or 'test'; the last number it prints is the loss "
+    "(no paired s.e. then).",
+)
+@click.option("--force", is_flag=True, help="Replace OUTPUT if it is a merge pmakit wrote.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+def tune(run_dir: Path, data: str | None, output: Path, quiet: bool, **options: Any) -> None:
+    """Search N, V, window end and weighting (incl. free weights) for RUN's merge on a selection split, confirm
+    on a disjoint test split against the newest snapshot and the fixed recipe (SMA, N=10), write the merge.
+
+    Writes OUTPUT (a merged model, loads like any merge) with OUTPUT/tune.json (every trial, both splits).
+    """
+    from pmakit.lab.tune import TuneConfig, render, tune
+
+    if options["budget_evals"] is None and options["budget_seconds"] is None:
+        options["budget_evals"] = 40
+    if quiet:
+        logging.getLogger("pmakit").setLevel(logging.WARNING)
+    record = tune(run_dir, output, data=data, config=TuneConfig(**options))
+    click.echo(render(record))
+
+
 def main() -> None:
     """Console-script entry point."""
     cli(prog_name="pmakit")

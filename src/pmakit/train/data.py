@@ -22,6 +22,14 @@ The tokenizer is a byte-level BPE (GPT-2's pre-tokenizer and decoder, any UTF-8 
 ``tokenizers`` on the train files only, with ``<|endoftext|>`` (id 0) appended after every document, and saved
 as an HF fast tokenizer that ``transformers.AutoTokenizer.from_pretrained(corpus.tokenizer_dir)`` loads.
 
+The validation split is divided once more BY FILE into two disjoint held-out splits (``heldout_splits``): a
+*selection* split, on which every choice is made (best merge cell, best weighting, ``pmakit tune``'s search), and a
+*test* split, on which the chosen model is reported. Every document of the cached validation tokens ends with EOT
+(id 0, and a literal ``<|endoftext|>`` in the text is encoded as text), so the files are found again from the cached
+tokens alone: the cache entry keeps exactly its meaning and key, and the division is a pure function of it. Input
+without document boundaries (pre-tokenized files, the tail of a single text file) is divided into two contiguous
+halves instead.
+
 Tokenizer and token arrays are cached under ``cache_dir/corpus-<key>/``, the key hashing the file list (paths,
 sizes, mtimes) and every option; an entry is built in a hidden temporary directory and renamed into place, so an
 interrupted run never leaves an entry that looks complete.
@@ -202,6 +210,85 @@ def val_batches(
     # Evenly spaced window indices (distinct because total <= n_windows): every held-out file gets a say.
     starts = (np.arange(total, dtype=np.int64) * n_windows // total) * seq_len
     return [_windows(val, starts[i * batch_size : (i + 1) * batch_size], seq_len) for i in range(n_batches)]
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """The held-out tokens in two disjoint splits: choose on ``selection``, report on ``test``."""
+
+    selection: np.ndarray
+    """Token ids every choice is made on."""
+    test: np.ndarray
+    """Token ids the chosen model is reported on (no file of it is in ``selection``)."""
+    mode: str
+    """``by-file`` (whole documents) or ``contiguous`` (two halves of one token stream)."""
+    documents: tuple[int, int]
+    """Documents (files) in (selection, test); (0, 0) for a contiguous division."""
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "selection_tokens": len(self.selection),
+            "test_tokens": len(self.test),
+            "selection_documents": self.documents[0],
+            "test_documents": self.documents[1],
+        }
+
+
+def heldout_splits(val: np.ndarray, *, eot: int | None = 0) -> HeldOut:
+    """Divide held-out tokens into disjoint selection and test splits, by document where there are two or more.
+
+    Documents are the runs of tokens ending in ``eot`` (the separator ``encode_docs`` appends), taken in their
+    stored order (the corpus already shuffled its files with the seed) and each given to the split that holds
+    fewer tokens so far, so the two come out about equal. With ``eot=None`` or fewer than two documents the tokens
+    are cut into two contiguous halves (first half selection).
+
+    Example: documents of 5, 3, 4 tokens -> selection [doc 0], test [doc 1, doc 2] (5 vs 3, then 5 vs 7).
+    """
+    if len(val) < 4:
+        raise PmakitError(
+            f"the held-out set has {len(val)} tokens, too few to divide into selection and test"
+        )
+    ends = np.flatnonzero(np.asarray(val) == eot) + 1 if eot is not None else np.zeros(0, dtype=np.int64)
+    if len(ends) and ends[-1] != len(val):
+        ends = np.append(ends, len(val))  # a trailing piece without separator is a document of its own
+    starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+    return heldout_of_documents([val[lo:hi] for lo, hi in zip(starts, ends)] if len(ends) >= 2 else [val])
+
+
+def heldout_of_documents(docs: Sequence[np.ndarray]) -> HeldOut:
+    """Documents (token arrays, in a shuffled order) divided by document; one document is cut in two halves."""
+    if len(docs) < 2:
+        tokens = docs[0]
+        if len(tokens) < 4:
+            raise PmakitError(f"the held-out text has {len(tokens)} tokens, too few to divide in two")
+        half = len(tokens) // 2
+        return HeldOut(tokens[:half], tokens[half:], "contiguous", (0, 0))
+    parts: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
+    held = [0, 0]
+    for doc in docs:
+        k = 0 if held[0] <= held[1] else 1  # the lighter split takes the next document
+        parts[k].append(doc)
+        held[k] += len(doc)
+    return HeldOut(
+        np.concatenate(parts[0]), np.concatenate(parts[1]), "by-file", (len(parts[0]), len(parts[1]))
+    )
+
+
+def corpus_heldout(corpus: Corpus) -> HeldOut:
+    """``heldout_splits`` of a corpus's validation tokens (by file for text corpora tokenized here)."""
+    by_file = corpus.tokenizer_dir is not None and corpus.files.get("split") == "by-file"
+    return heldout_splits(corpus.val, eot=0 if by_file else None)
+
+
+def split_batches(
+    held: HeldOut, *, batch_size: int, seq_len: int, max_batches: int
+) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Fixed batches of each split (``val_batches`` of each): ``{"selection": [...], "test": [...]}``."""
+    return {
+        name: val_batches(tokens, batch_size=batch_size, seq_len=seq_len, max_batches=max_batches)
+        for name, tokens in (("selection", held.selection), ("test", held.test))
+    }
 
 
 def stdlib_root() -> Path:
@@ -582,6 +669,11 @@ def _load_entry(entry: Path) -> Corpus:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Pre-tokenized input
+
+
+def read_token_file(path: Path, max_bytes: int | None = None) -> np.ndarray:
+    """Token ids of a ``.npy`` (1-D integer array) or a nanoGPT-style uint16 ``.bin``; an error line otherwise."""
+    return _read_token_file(Path(path), max_bytes)
 
 
 def _read_token_file(path: Path, max_bytes: int | None) -> np.ndarray:

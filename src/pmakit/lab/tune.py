@@ -1,0 +1,562 @@
+"""``pmakit tune``: search the merge of a run's snapshots on a selection split, confirm it on a disjoint test split.
+
+The search space (one optuna TPE study, seeded): the window's end (how many snapshots back from the newest), the
+spacing V (a multiple of the run's snapshot interval), the count N, and the weighting: ``sma``, ``wma``, ``ema`` and
+``ema-normalized`` with a searched alpha, the WSM decay shapes (``wsm-cosine``, ``wsm-1sqrt``; ``wsm-linear`` is
+``sma``), and ``free`` per-snapshot weights on the simplex (N uniforms u_i, w_i = -log u_i / sum: a uniform draw on
+the simplex, the "checkpoint merging via Bayesian optimisation" idea of Liu et al. 2024, arXiv 2403.19390).
+
+Every trial is scored on the selection split only. The first two trials are the baselines (the newest snapshot,
+and the fixed recipe: SMA of the last 10 snapshots at the run's interval), so the search never returns a merge
+that is worse on selection than either. The chosen merge and both baselines are then scored once on the test
+split, with paired standard errors over the test batches, and the chosen merge is written by the streaming engine
+(``pmakit.merge.merge``) into OUT, which loads like any merge; OUT/tune.json records every trial.
+
+Models are evaluated in memory (built from the newest snapshot's config.json, weights swapped in per trial). For
+a model too big for that, ``eval_cmd`` runs a user command on each candidate merge written to disk.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pmakit.errors import PmakitError
+from pmakit.evaluate import EvalResult, evaluate, paired_difference
+from pmakit.snapshot import Snapshot
+from pmakit.train.data import HeldOut
+from pmakit.weights import get_weights
+
+log = logging.getLogger(__name__)
+
+FAMILIES = ("sma", "wma", "ema", "ema-normalized", "wsm-cosine", "wsm-1sqrt", "free")
+"""Weightings searched (``free``: per-snapshot weights on the simplex)."""
+EMA_FAMILIES = ("ema", "ema-normalized")
+FIXED_N = 10
+"""N of the fixed recipe (the paper's default SMA), at the run's own snapshot interval."""
+SPLITS = ("selection", "test")
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    """What ``pmakit tune`` searches and how long."""
+
+    budget_evals: int | None = 40
+    """Trials (selection-split evaluations), the two baselines included; None: until ``budget_seconds``."""
+    budget_seconds: float | None = None
+    """Stop starting new trials after this many seconds (with ``budget_evals``: whichever comes first)."""
+    seed: int = 0
+    """Seed of the TPE sampler (and of the file order of a text corpus)."""
+    batches: int = 16
+    """Held-out batches per split."""
+    batch_size: int | None = None
+    """Sequences per batch (default: the run's, else 8)."""
+    seq_len: int | None = None
+    """Tokens per sequence (default: the run's, else the model's context up to 256)."""
+    max_n: int = 16
+    """Largest N searched."""
+    v_multiples: tuple[int, ...] = (1, 2, 4)
+    """Spacings searched, as multiples of the run's snapshot interval."""
+    families: tuple[str, ...] = FAMILIES
+    """Weightings searched."""
+    eval_cmd: str | None = None
+    """Evaluate with this command instead of in memory: ``{model}`` is a merged model directory, ``{split}`` is
+    selection or test; it prints the loss as the last number on stdout."""
+    force: bool = False
+    """Replace OUT if it is a previous merge."""
+
+    def __post_init__(self) -> None:
+        if self.budget_evals is None and self.budget_seconds is None:
+            raise PmakitError("give a budget: --budget-evals N or --budget-seconds S")
+        if self.budget_evals is not None and self.budget_evals < 2:
+            raise PmakitError(
+                f"--budget-evals must be at least 2 (the two baselines), got {self.budget_evals}"
+            )
+        if self.budget_seconds is not None and self.budget_seconds <= 0:
+            raise PmakitError(f"--budget-seconds must be positive, got {self.budget_seconds}")
+        if self.batches < 2:
+            raise PmakitError(
+                f"--batches must be at least 2 (a standard error needs two), got {self.batches}"
+            )
+        if self.max_n < 1 or min(self.v_multiples, default=0) < 1:
+            raise PmakitError("max_n and the V multiples must be positive")
+        unknown = sorted(set(self.families) - set(FAMILIES))
+        if unknown or not self.families:
+            raise PmakitError(f"unknown weighting families {unknown}; known: {', '.join(FAMILIES)}")
+        if self.eval_cmd is not None and "{model}" not in self.eval_cmd:
+            raise PmakitError("--eval-cmd must contain {model} (the merged model directory to evaluate)")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One merge: which snapshots, with which weights, and the parameters that gave them."""
+
+    snapshots: tuple[Snapshot, ...]
+    weights: tuple[float, ...]
+    params: dict[str, Any] = field(hash=False, compare=False)
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        return tuple(s.tokens for s in self.snapshots), tuple(round(w, 9) for w in self.weights)
+
+    def record(self) -> dict[str, Any]:
+        return {
+            **self.params,
+            "tokens": [s.tokens for s in self.snapshots],
+            "weights": [round(w, 6) for w in self.weights],
+        }
+
+
+# --------------------------------------------------------------------------------------------------- the space
+
+
+@dataclass(frozen=True)
+class Space:
+    """The run's snapshots (oldest first) and what may be searched over them."""
+
+    snapshots: list[Snapshot]
+    interval: int
+    """The run's snapshot interval V (median gap in tokens)."""
+    config: TuneConfig
+
+    @classmethod
+    def of(cls, snapshots: Sequence[Snapshot], config: TuneConfig) -> Space:
+        gaps = [b.tokens - a.tokens for a, b in zip(snapshots, snapshots[1:])]
+        return cls(list(snapshots), int(statistics.median(gaps)) if gaps else 0, config)
+
+    def window(self, end_back: int, n: int, v_mult: int) -> list[Snapshot]:
+        """Up to ``n`` snapshots ``v_mult`` apart ending ``end_back`` snapshots before the newest, oldest first."""
+        end = len(self.snapshots) - 1 - end_back
+        fit = end // v_mult + 1
+        return [self.snapshots[end - k * v_mult] for k in range(min(n, fit))][::-1]
+
+    def candidate(self, params: Mapping[str, Any], free: Sequence[float] = ()) -> Candidate:
+        chosen = self.window(params["end_back"], params["n"], params["v_mult"])
+        n, family = len(chosen), params["family"]
+        if family == "free":
+            raw = [-math.log(max(u, 1e-12)) for u in free[:n]]
+            weights = [r / sum(raw) for r in raw] if n > 1 else [1.0]
+        else:
+            weights = get_weights(family, n, alpha=params.get("alpha") or 0.2)
+        effective = {
+            "end_tokens": chosen[-1].tokens,
+            "n": n,
+            "v_tokens": params["v_mult"] * self.interval,
+            "family": family,
+            "alpha": params.get("alpha") if family in EMA_FAMILIES else None,
+        }
+        return Candidate(tuple(chosen), tuple(weights), effective)
+
+    def baselines(self) -> dict[str, Candidate]:
+        """The newest snapshot alone, and the fixed recipe (SMA of the last 10 at the run's interval)."""
+        last = {"end_back": 0, "n": 1, "v_mult": 1, "family": "sma"}
+        fixed = {"end_back": 0, "n": FIXED_N, "v_mult": 1, "family": "sma"}
+        return {"last": self.candidate(last), "fixed": self.candidate(fixed)}
+
+    def suggest(self, trial: Any) -> Candidate:
+        """The trial's candidate; conditional parameters (alpha, free weights) only where they mean something."""
+        cfg = self.config
+        params: dict[str, Any] = {
+            "end_back": trial.suggest_int("end_back", 0, len(self.snapshots) - 1),
+            "v_mult": trial.suggest_categorical("v_mult", list(cfg.v_multiples)),
+            "n": trial.suggest_int("n", 1, cfg.max_n),
+            "family": trial.suggest_categorical("family", list(cfg.families)),
+        }
+        if params["family"] in EMA_FAMILIES:
+            params["alpha"] = trial.suggest_float("alpha", 0.02, 0.8, log=True)
+        free: list[float] = []
+        if params["family"] == "free":
+            n = len(self.window(params["end_back"], params["n"], params["v_mult"]))
+            free = [trial.suggest_float(f"u{i}", 1e-6, 1.0) for i in range(n)]
+        return self.candidate(params, free)
+
+
+# --------------------------------------------------------------------------------------------------- scoring
+
+
+class Scorer:
+    """Scores candidates on the two splits; each distinct candidate is evaluated once per split."""
+
+    def __init__(self, evaluate_state: Callable[[Candidate, str], EvalResult]) -> None:
+        self._evaluate = evaluate_state
+        self._cache: dict[tuple[Any, ...], EvalResult] = {}
+        self.evaluations = {split: 0 for split in SPLITS}
+
+    def __call__(self, candidate: Candidate, split: str) -> EvalResult:
+        key = (split, *candidate.key)
+        if key not in self._cache:
+            self._cache[key] = self._evaluate(candidate, split)
+            self.evaluations[split] += 1
+        return self._cache[key]
+
+
+class InMemory:
+    """The model built from the newest snapshot's config.json; states averaged in memory and swapped in."""
+
+    def __init__(self, snapshot_dir: Path, batches: Mapping[str, Sequence[Any]]) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if not (snapshot_dir / "config.json").is_file():
+            raise PmakitError(
+                f"{snapshot_dir} has no config.json to build the model from; pass --eval-cmd to evaluate with "
+                "your own command"
+            )
+        self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(snapshot_dir))
+        self.batches = batches
+        self._states: dict[int, dict[str, torch.Tensor]] = {}
+
+    def _state(self, snap: Snapshot) -> dict[str, torch.Tensor]:
+        from pmakit.formats import read_state
+
+        if snap.tokens not in self._states:
+            self._states[snap.tokens] = read_state(snap.path)
+        return self._states[snap.tokens]
+
+    def __call__(self, candidate: Candidate, split: str) -> EvalResult:
+        from pmakit.merge import average_states
+        from pmakit.train.loop import swapped
+
+        state = average_states([self._state(s) for s in candidate.snapshots], list(candidate.weights))
+        with swapped(self.model, state):
+            return evaluate(self.model, self.batches[split])
+
+
+class Command:
+    """A user command scores each candidate merge, written to a scratch directory by the streaming engine."""
+
+    def __init__(self, template: str, scratch: Path) -> None:
+        self.template = template
+        self.scratch = scratch
+
+    def __call__(self, candidate: Candidate, split: str) -> EvalResult:
+        from pmakit.merge import merge
+
+        model = self.scratch / "candidate"
+        merge(list(candidate.snapshots), list(candidate.weights), model, force=True, fsync=False)
+        command = self.template.replace("{model}", shlex.quote(str(model))).replace("{split}", split)
+        proc = subprocess.run(command, shell=True, capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = (proc.stderr.strip().splitlines() or ["(no stderr)"])[-1]
+            raise PmakitError(f"--eval-cmd failed with exit code {proc.returncode}: {tail}")
+        numbers = re.findall(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf", proc.stdout)
+        if not numbers:
+            raise PmakitError(f"--eval-cmd printed no loss (its stdout: {proc.stdout.strip()[:200]!r})")
+        loss = float(numbers[-1])
+        if not math.isfinite(loss):
+            raise PmakitError(f"--eval-cmd printed a non-finite loss ({loss}) for {model}")
+        return EvalResult(loss, float("nan"), None, [loss])
+
+
+# --------------------------------------------------------------------------------------------------- data
+
+
+@dataclass
+class EvalData:
+    """The two held-out splits and where they came from."""
+
+    held: HeldOut
+    source: str
+    batch_size: int
+    seq_len: int
+
+
+def load_eval_data(data: str | None, run: Path, newest: Snapshot, config: TuneConfig) -> EvalData:
+    """The selection/test splits of ``data``: None or ``corpus`` for the run's own corpus, a token file, or text."""
+    from pmakit.analysis import find_train_config
+    from pmakit.train.data import corpus_heldout, heldout_splits, read_token_file
+    from pmakit.train.loop import TrainConfig, load_corpus
+
+    raw = find_train_config(run)
+    model_ctx = _model_context(newest.path)
+    if data is None or data == "corpus":
+        if raw is None:
+            raise PmakitError(
+                f"no run config found in or above {run} to rebuild its corpus; pass --eval TOKENS.npy|TEXT_GLOB"
+            )
+        cfg = TrainConfig.from_dict(raw)
+        corpus = load_corpus(cfg)
+        held = corpus_heldout(corpus)
+        source = f"the run's held-out split ({corpus.files.get('source')})"
+        batch_size, seq_len = cfg.batch_size, cfg.model.seq_len
+    else:
+        path = Path(data).expanduser()
+        if path.is_file() and path.suffix in (".npy", ".bin"):
+            held, source = heldout_splits(read_token_file(path), eot=None), f"token file {path}"
+        else:
+            held, source = _text_heldout(data, newest.path, config.seed), f"text {data}"
+        batch_size, seq_len = 8, min(256, model_ctx)
+        if raw is not None:
+            batch_size, seq_len = (
+                int(raw.get("batch_size", 8)),
+                int(raw.get("model", {}).get("seq_len", seq_len)),
+            )
+    return EvalData(held, source, config.batch_size or batch_size, min(config.seq_len or seq_len, model_ctx))
+
+
+def _model_context(snapshot_dir: Path) -> int:
+    path = snapshot_dir / "config.json"
+    if not path.is_file():
+        return 1 << 30
+    config = json.loads(path.read_text())
+    return int(config.get("max_position_embeddings") or config.get("n_positions") or 1 << 30)
+
+
+def _text_heldout(source: str, snapshot_dir: Path, seed: int) -> HeldOut:
+    """Text files tokenized with the snapshot's tokenizer, divided by file (or in halves of a single file)."""
+    from pmakit.train.data import _read_text, heldout_of_documents, resolve_source
+
+    if not (snapshot_dir / "tokenizer.json").is_file():
+        raise PmakitError(
+            f"{snapshot_dir} has no tokenizer.json to tokenize {source} with; give a token file"
+        )
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(snapshot_dir / "tokenizer.json"))
+    _, paths = resolve_source(source)
+    order = np.random.default_rng(seed).permutation(len(paths))
+    docs = []
+    for i in order:
+        text, _ = _read_text(paths[i])
+        if text:
+            docs.append(np.asarray(tokenizer.encode(text).ids, dtype=np.int64))
+    if not docs:
+        raise PmakitError(f"{source}: no UTF-8 text to evaluate on")
+    return heldout_of_documents(docs)
+
+
+# --------------------------------------------------------------------------------------------------- search
+
+
+def tune(run: str | Path, out: str | Path, *, data: str | None = None, config: TuneConfig) -> dict[str, Any]:
+    """Search, confirm on the test split, write the merge into ``out`` and ``out/tune.json``; returns the record."""
+    from pmakit.guard import guard_output
+
+    run, out = Path(run), Path(out)
+    t0 = time.perf_counter()
+    snapshots = _run_snapshots(run)
+    guard_output(out, [s.path for s in snapshots], config.force)
+    space = Space.of(snapshots, config)
+    evaluator, source, scratch = _evaluator(run, out, snapshots[-1], data, config)
+    try:
+        scorer = Scorer(evaluator)
+        trials = _search(space, scorer, config)
+        record = _confirm(space, scorer, trials, config)
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    record.update(run=str(run), data=source, seconds=round(time.perf_counter() - t0, 2))
+    _write(out, record, config.force)
+    return record
+
+
+def _run_snapshots(run: Path) -> list[Snapshot]:
+    from pmakit.snapshot import gather
+
+    experiment_run = run / "main" / "snapshots"
+    snapshots, _ = gather([experiment_run if experiment_run.is_dir() else run])
+    if len(snapshots) < 2:
+        raise PmakitError(f"{run}: tuning a merge needs at least 2 snapshots, found {len(snapshots)}")
+    return snapshots
+
+
+def _evaluator(
+    run: Path, out: Path, newest: Snapshot, data: str | None, config: TuneConfig
+) -> tuple[Callable[[Candidate, str], EvalResult], dict[str, Any], Path | None]:
+    from pmakit.train.data import split_batches
+
+    if config.eval_cmd is not None:
+        scratch = out.parent / f".{out.name}.tune-scratch"
+        scratch.mkdir(parents=True, exist_ok=True)
+        return Command(config.eval_cmd, scratch), {"eval_cmd": config.eval_cmd}, scratch
+    found = load_eval_data(data, run, newest, config)
+    batches = split_batches(
+        found.held, batch_size=found.batch_size, seq_len=found.seq_len, max_batches=config.batches
+    )
+    source = {
+        "source": found.source,
+        **found.held.describe(),
+        "batches": {k: len(v) for k, v in batches.items()},
+        "batch_size": found.batch_size,
+        "seq_len": found.seq_len,
+    }
+    return InMemory(newest.path, batches), source, None
+
+
+def _search(space: Space, scorer: Scorer, config: TuneConfig) -> list[dict[str, Any]]:
+    """Run the TPE study on the selection split; every trial's record, in order."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    startup = max(2, min(10, (config.budget_evals or 40) // 3))
+    sampler = optuna.samplers.TPESampler(seed=config.seed, n_startup_trials=startup)
+    study = optuna.create_study(direction="minimize", sampler=sampler)
+    if 1 in config.v_multiples and "sma" in config.families:
+        # The search starts from both baselines, so what it returns is never worse than them on selection.
+        for base in space.baselines().values():
+            n = min(base.params["n"], config.max_n)
+            study.enqueue_trial({"end_back": 0, "v_mult": 1, "n": n, "family": "sma"}, skip_if_exists=True)
+    records: list[dict[str, Any]] = []
+
+    def objective(trial: Any) -> float:
+        t = time.perf_counter()
+        candidate = space.suggest(trial)
+        result = scorer(candidate, "selection")
+        records.append(
+            {
+                "number": trial.number,
+                "params": dict(trial.params),
+                "merge": candidate.record(),
+                "selection_loss": result.loss,
+                "selection_loss_se": _finite(result.loss_se),
+                "seconds": round(time.perf_counter() - t, 3),
+            }
+        )
+        return result.loss
+
+    with _progress(config) as advance:
+        study.optimize(
+            objective,
+            n_trials=config.budget_evals,
+            timeout=config.budget_seconds,
+            callbacks=[lambda *_: advance()],
+            catch=(),
+        )
+    return records
+
+
+def _confirm(
+    space: Space, scorer: Scorer, trials: list[dict[str, Any]], config: TuneConfig
+) -> dict[str, Any]:
+    """The best trial on selection, scored with both baselines on the test split (paired s.e.)."""
+    best = min(trials, key=lambda r: r["selection_loss"])
+    merge = best["merge"]
+    by_tokens = {s.tokens: s for s in space.snapshots}
+    chosen = Candidate(
+        tuple(by_tokens[t] for t in merge["tokens"]),
+        tuple(merge["weights"]),
+        {k: v for k, v in merge.items() if k not in ("tokens", "weights")},
+    )
+    models = {"tuned": chosen, **space.baselines()}
+    results = {name: {s: scorer(c, s) for s in SPLITS} for name, c in models.items()}
+    comparisons = {}
+    for a, b in (("tuned", "last"), ("tuned", "fixed"), ("fixed", "last")):
+        delta, se = paired_difference(results[a]["test"], results[b]["test"])
+        comparisons[f"{a} - {b}"] = {"delta": delta, "delta_se": _finite(se), "split": "test"}
+    return {
+        "config": {k: v for k, v in asdict(config).items() if k != "force"},
+        "interval_tokens": space.interval,
+        "snapshots": [s.tokens for s in space.snapshots],
+        "trials": trials,
+        "best_trial": best["number"],
+        "models": {
+            name: {
+                "merge": models[name].record(),
+                **{f"{s}_loss": results[name][s].loss for s in SPLITS},
+                **{f"{s}_loss_se": _finite(results[name][s].loss_se) for s in SPLITS},
+            }
+            for name in models
+        },
+        "comparisons": comparisons,
+        "evaluations": dict(scorer.evaluations),
+        "note": "chosen on the selection split; every test_* number is on the disjoint test split",
+        "_chosen": chosen,
+    }
+
+
+def _finite(x: float) -> float | None:
+    return None if x is None or not math.isfinite(x) else x
+
+
+def _write(out: Path, record: dict[str, Any], force: bool) -> None:
+    """The tuned merge by the streaming engine into ``out``, then ``out/tune.json`` (atomically)."""
+    from pmakit.merge import merge
+
+    chosen: Candidate = record.pop("_chosen")
+    summary = {k: record[k] for k in ("best_trial", "comparisons", "evaluations")}
+    merge(
+        list(chosen.snapshots),
+        list(chosen.weights),
+        out,
+        force=force,
+        manifest_extra={"method": "tune", "tune": {**summary, "merge": chosen.record()}},
+    )
+    record["merged"] = str(out)
+    tmp = out / ".tune.json.tmp"
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, out / "tune.json")
+
+
+@contextmanager
+def _progress(config: TuneConfig) -> Iterator[Callable[[], None]]:
+    """A rich bar with ETA over the trials (or the seconds of a time budget), on a terminal only."""
+    import sys
+
+    if not (sys.stderr.isatty() and log.isEnabledFor(logging.INFO)):
+        yield lambda: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    by_time = config.budget_evals is None
+    total = config.budget_seconds if by_time else config.budget_evals
+    start = time.perf_counter()
+    with Progress(
+        TextColumn("tuning (selection split)"),
+        BarColumn(),
+        *([] if by_time else [MofNCompleteColumn()]),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as bar:
+        task = bar.add_task("tune", total=total)
+
+        def advance() -> None:
+            if by_time:
+                bar.update(task, completed=min(time.perf_counter() - start, total or 0))
+            else:
+                bar.advance(task)
+
+        yield advance
+
+
+def render(record: Mapping[str, Any]) -> str:
+    """The summary ``pmakit tune`` prints: the choice, then the test split against both baselines."""
+    from pmakit.units import format_tokens
+
+    models, lines = record["models"], []
+    m = models["tuned"]["merge"]
+    alpha = f"({m['alpha']:.3g})" if m.get("alpha") else ""
+    lines.append(
+        f"tuned: {m['family']}{alpha} N={m['n']} V={format_tokens(m['v_tokens'])} ending at "
+        f"{format_tokens(m['end_tokens'])} (trial {record['best_trial']} of {len(record['trials'])}, "
+        "chosen on the selection split)"
+    )
+    for name, label in (
+        ("tuned", "tuned"),
+        ("fixed", "fixed recipe (SMA N=10)"),
+        ("last", "newest snapshot"),
+    ):
+        lines.append(
+            f"  {label:<26} selection {models[name]['selection_loss']:.4f}   test {models[name]['test_loss']:.4f}"
+        )
+    for key, c in record["comparisons"].items():
+        se = f" ± {c['delta_se']:.4f} (paired s.e.)" if c["delta_se"] is not None else " (no s.e.)"
+        lines.append(f"  test: {key} = {c['delta']:+.4f}{se}")
+    lines.append(f"wrote {record['merged']} and tune.json ({record['seconds']:.0f} s)")
+    return "\n".join(lines)
