@@ -274,6 +274,9 @@ RECIPES: dict[str, Recipe] = {
         Recipe(skip="run on the frameworks' own save folders in tests/layouts/test_readme_layouts.py")
     ),
     "from pmakit.integrations.olmo_core import PMACallback": Recipe(),
+    "from torchtitan.config import ConfigManager": Recipe(
+        skip="torchtitan's own Trainer runs this recipe in tests/layouts/test_torchtitan.py (torchtitan_run.py online)"
+    ),
     "from pmakit.online import OnlineAverager": Recipe(),
     'from pmakit.integrations.hf import PMACallback          # pip install "pmakit[hf]"': Recipe(),
     "pmakit train --preset replicas-smoke -o runs/copies --replicas 2 --sync-every 4                  # local SGD, H = 4": (
