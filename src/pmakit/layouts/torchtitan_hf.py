@@ -6,7 +6,8 @@ the rotary permutation of ``wq``/``wk``, which needs the model's head counts). T
 installed and the model's config, which a checkpoint does not hold: it is rebuilt from the job config torchtitan
 writes with ``--debug.save_config_file NAME.json`` (``model_spec.name`` and ``flavor``, i.e. ``--module`` and the
 registry flavor), looked for in the dump folder (two levels above ``checkpoint/step-N``). Without torchtitan, that
-file, or an adapter for the model, ``--format safetensors`` writes torchtitan's own names (a warning says why).
+file, or an adapter for the model, ``--format safetensors`` writes torchtitan's own names (a warning says why);
+``--format torchtitan-hf`` asks for HF names explicitly and fails instead.
 
 Memory: tensors are converted and written one at a time (``to_hf`` on a one-entry state dict), so at most one
 converted tensor is held. Under torchrun each rank writes its own file (``model-hf-R-of-N.safetensors``, no
