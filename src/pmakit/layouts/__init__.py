@@ -19,7 +19,8 @@ A layout (``base.Layout``) answers five questions about a trainer's save folder:
   memory-mapped staged files: write tensor by tensor or shard by shard, never all of it in memory (no fp32 copy
   of the model). Copy what is not averaged (configs, ``common.pt``, ``_extra_state``) from ``template``, the
   newest input. ``native_format = name`` makes this the default output of ``pmakit merge`` for such inputs;
-  ``--format safetensors`` still writes HF safetensors under ``open``'s names.
+  ``--format safetensors`` still writes HF safetensors under ``open``'s names, or HF names where the layout has a
+  ``safetensors_format(snapshot)`` naming a writer that converts them (torchtitan's state-dict adapter).
 
 Registration: ``LAYOUTS`` is ordered and the first layout whose ``is_snapshot`` holds wins, so framework layouts
 come before the generic ones (``dcp`` and ``hf-model`` match any directory with top-level weights). A module
