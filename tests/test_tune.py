@@ -1,0 +1,226 @@
+"""pmakit tune and the selection/test held-out splits, on a tiny real training run (a 1-layer Llama, seconds)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from conftest import run_cli
+from pmakit.cli import cli
+from pmakit.errors import PmakitError
+from pmakit.formats import read_state
+from pmakit.lab import tune as tune_mod
+from pmakit.lab.tune import TuneConfig, tune
+from pmakit.train.data import HeldOut, corpus_heldout, heldout_splits, prepare_corpus
+
+TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}  # line {i}\n" for i in range(3000))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+    """A corpus of 8 files and a 15-snapshot constant-LR run on it (RUN/snapshots, RUN/checkpoint)."""
+    from pmakit.train.loop import TrainConfig, Trainer
+    from pmakit.train.model import ModelConfig
+
+    root = tmp_path_factory.mktemp("tune")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for i in range(8):
+        (corpus / f"m{i}.py").write_text(TEXT[i * 15000 : (i + 1) * 15000 + 40000])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PMAKIT_CACHE", str(root / "cache"))
+        cfg = TrainConfig(
+            corpus=str(corpus), vocab_size=300, val_fraction=0.3, max_corpus_bytes=None,
+            model=ModelConfig(layers=1, hidden=32, heads=2, seq_len=32), batch_size=4, total_tokens=128 * 30,
+            lr=3e-3, warmup_tokens=256, every_tokens=128 * 2, eval_every=0, threads=1, log_every=10,
+        )  # fmt: skip
+        trainer = Trainer(cfg, root / "run", progress=False)
+        trainer.fit()
+        trainer.saver.wait()
+        trainer.close()
+        yield {"root": root, "run": root / "run", "corpus": corpus, "cache": root / "cache"}
+
+
+@pytest.fixture
+def cache(tiny: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("PMAKIT_CACHE", str(tiny["cache"]))
+    return tiny["cache"]
+
+
+# --- the splits
+
+
+def _docs(tokens: np.ndarray) -> list[tuple[int, ...]]:
+    ends = np.flatnonzero(tokens == 0) + 1
+    return [tuple(tokens[lo:hi]) for lo, hi in zip([0, *ends[:-1]], ends)]
+
+
+def test_splits_are_disjoint_whole_documents() -> None:
+    # documents of 5, 3, 4 tokens (each ends with EOT = 0) -> selection [doc 0], test [doc 1, doc 2]
+    val = np.array([1, 2, 3, 4, 0, 5, 6, 0, 7, 8, 9, 0], dtype=np.uint16)
+    held = heldout_splits(val)
+    assert held.mode == "by-file" and held.documents == (1, 2)
+    assert held.selection.tolist() == [1, 2, 3, 4, 0]
+    assert held.test.tolist() == [5, 6, 0, 7, 8, 9, 0]
+    halves = heldout_splits(np.arange(1, 11), eot=None)  # no document boundaries: contiguous halves
+    assert halves.mode == "contiguous" and halves.selection.tolist() == [1, 2, 3, 4, 5]
+    with pytest.raises(PmakitError, match="too few"):
+        heldout_splits(np.array([1, 0]))
+
+
+def test_corpus_splits_share_no_file(tiny: dict[str, Path]) -> None:
+    corpus = prepare_corpus(tiny["corpus"], tiny["cache"], vocab_size=300, val_fraction=0.3, seed=0)
+    held = corpus_heldout(corpus)
+    sel, test = _docs(held.selection), _docs(held.test)
+    assert held.mode == "by-file" and len(sel) >= 1 and len(test) >= 1
+    assert not set(sel) & set(test)
+    assert sorted(sel + test) == sorted(_docs(np.asarray(corpus.val)))  # every held-out file, once
+    assert corpus.files["val_files"] == len(sel) + len(test)
+
+
+# --- the search
+
+
+def _tune(tiny: dict[str, Path], out: Path, **kw: Any) -> dict[str, Any]:
+    options: dict[str, Any] = {"budget_evals": 12, "batches": 4, "seed": 3, **kw}
+    return tune(tiny["run"], out, config=TuneConfig(**options))
+
+
+def test_tune_record_is_complete_and_the_merge_loads(
+    tiny: dict[str, Path], cache: Path, tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "tuned"
+    record = _tune(tiny, out)
+    saved = json.loads((out / "tune.json").read_text())
+    assert saved["best_trial"] == record["best_trial"]
+    assert len(saved["trials"]) == 12  # the budget, baselines included
+    for t in saved["trials"]:
+        assert {"number", "params", "merge", "selection_loss"} <= set(t)
+        assert abs(sum(t["merge"]["weights"]) - 1) < 1e-5
+    assert saved["trials"][0]["merge"]["tokens"] == [3840]  # the newest snapshot, enqueued first
+    assert len(saved["trials"][1]["merge"]["tokens"]) == 10  # the fixed recipe, SMA of the last 10
+    best = min(saved["trials"], key=lambda t: t["selection_loss"])
+    models = saved["models"]
+    assert models["tuned"]["selection_loss"] == best["selection_loss"]
+    assert models["tuned"]["selection_loss"] <= min(
+        models["last"]["selection_loss"], models["fixed"]["selection_loss"]
+    )
+    for name in ("tuned", "last", "fixed"):
+        assert np.isfinite(models[name]["test_loss"]) and models[name]["test_loss_se"] > 0
+    c = saved["comparisons"]["tuned - fixed"]
+    assert c["delta"] == pytest.approx(models["tuned"]["test_loss"] - models["fixed"]["test_loss"])
+    assert saved["data"]["mode"] == "by-file" and saved["data"]["batches"] == {"selection": 4, "test": 4}
+
+    # the merge on disk is the recorded weights applied to the recorded snapshots, and it loads in transformers
+    merge = models["tuned"]["merge"]
+    snaps = {
+        int(json.loads((p / "pmakit.json").read_text())["tokens"]): p
+        for p in (tiny["run"] / "snapshots").iterdir()
+    }
+    states = [read_state(snaps[t]) for t in merge["tokens"]]
+    merged = read_state(out)
+    for key, value in merged.items():
+        expected = sum(w * s[key].float() for w, s in zip(merge["weights"], states))
+        torch.testing.assert_close(value.float(), expected, atol=1e-5, rtol=1e-4)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model(input_ids=torch.tensor([[1, 2, 3]])).logits.shape[-1] == 300
+    assert json.loads((out / "pmakit-merge.json").read_text())["method"] == "tune"
+
+
+def test_the_choice_ignores_the_test_split(
+    tiny: dict[str, Path], cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replacing the test split changes the test numbers, never the trials or the choice."""
+    first = _tune(tiny, tmp_path / "a")
+    real = tune_mod.load_eval_data
+
+    def other_test(*args: Any) -> Any:
+        found = real(*args)
+        rng = np.random.default_rng(1)
+        noise = rng.integers(1, 300, size=len(found.held.test)).astype(found.held.test.dtype)
+        found.held = HeldOut(found.held.selection, noise, found.held.mode, found.held.documents)
+        return found
+
+    monkeypatch.setattr(tune_mod, "load_eval_data", other_test)
+    second = _tune(tiny, tmp_path / "b")
+    assert [t["merge"] for t in first["trials"]] == [t["merge"] for t in second["trials"]]
+    assert first["models"]["tuned"]["merge"] == second["models"]["tuned"]["merge"]
+    assert first["models"]["tuned"]["test_loss"] != second["models"]["tuned"]["test_loss"]
+
+
+def test_time_budget_stops_the_search(tiny: dict[str, Path], cache: Path, tmp_path: Path) -> None:
+    record = _tune(tiny, tmp_path / "t", budget_evals=None, budget_seconds=0.5)
+    n = len(record["trials"])
+    assert 1 <= n < 500  # one trial takes milliseconds: an unlimited search would run far past 500
+    searched = sum(t["seconds"] for t in record["trials"])
+    assert searched < 0.5 + max(t["seconds"] for t in record["trials"]) + 0.2  # no trial starts after 0.5 s
+    assert record["evaluations"]["selection"] <= n
+
+
+def test_eval_cmd_scores_merges_written_to_disk(tiny: dict[str, Path], tmp_path: Path) -> None:
+    """A user command that prints a loss: here the mean of the head weights, so the choice is predictable."""
+    script = tmp_path / "score.py"
+    script.write_text(
+        "import sys\nfrom safetensors.numpy import load_file\n"  # no torch import: a fast command
+        "t = load_file(sys.argv[1] + '/model.safetensors')\n"
+        "print('loss', float(t['model.norm.weight'].mean()))\n"
+    )
+    out = tmp_path / "cmd"
+    record = _tune(tiny, out, budget_evals=4, eval_cmd=f"{sys.executable} {script} {{model}} {{split}}")
+    assert len(record["trials"]) == 4 and record["comparisons"]["tuned - last"]["delta_se"] is None
+    assert not (tmp_path / ".cmd.tune-scratch").exists()
+    assert (out / "model.safetensors").is_file()
+
+
+# --- the CLI
+
+
+def test_cli_runs_and_prints_both_splits(tiny: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "cli"
+    env = {"PMAKIT_CACHE": str(tiny["cache"])}
+    proc = run_cli("tune", tiny["run"], "-o", out, "--budget-evals", "4", "--batches", "2", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "chosen on the selection split" in proc.stdout and "test: tuned - fixed" in proc.stdout
+    assert (out / "tune.json").is_file()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--budget-evals", "1"], "at least 2"),
+        (["--eval-cmd", "echo 1"], "{model}"),
+        (["--eval", "nowhere/*.txt"], "matches no files"),
+        (["--eval", "missing.npy"], "corpus not found"),
+        (["--budget-seconds", "-1"], "positive"),
+    ],
+)
+def test_cli_errors_are_one_line(
+    tiny: dict[str, Path], cache: Path, tmp_path: Path, args: list[str], message: str
+) -> None:
+    r = CliRunner().invoke(cli, ["tune", str(tiny["run"]), "-o", str(tmp_path / "o"), *args])
+    assert r.exit_code != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error:") and message in lines[0], r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_refuses_a_missing_run_and_an_existing_output(tiny: dict[str, Path], tmp_path: Path) -> None:
+    r = CliRunner().invoke(cli, ["tune", str(tmp_path / "nope"), "-o", str(tmp_path / "o")])
+    assert r.exit_code != 0 and r.stderr.strip().splitlines() == [r.stderr.strip()]
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    r = CliRunner().invoke(cli, ["tune", str(tiny["run"]), "-o", str(tmp_path / "taken")])
+    assert r.exit_code != 0 and "exists" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert (tmp_path / "taken" / "notes.txt").read_text() == "mine"
+    assert os.listdir(tmp_path / "taken") == ["notes.txt"]
