@@ -209,3 +209,45 @@ def test_online_snapshots_in_a_trainer_subclass_are_the_trainers_weights_and_res
         assert saved.keys() == want.keys()
         for name, value in want.items():
             assert torch.equal(saved[name], value), name
+
+
+# -- token counts from synthetic torchtitan-shaped checkpoints (no torchtitan needed) ------------------------------
+
+
+def fake_checkpoint(path: Path, train_state: dict[str, object] | None, dp: int = 2) -> Path:
+    """A DCP checkpoint shaped as torchtitan's: model tensors at the top level, its trainer entries beside them."""
+    tree: dict[str, object] = {"w": torch.ones(4) * len(path.name)}
+    if train_state is not None:
+        tree |= {
+            "train_state": train_state,
+            "dataloader": {"world_size": dp},
+            "optimizer": {"m": torch.zeros(4)},
+        }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(tree, checkpoint_id=str(path), no_dist=True)
+    return path
+
+
+def test_tokens_of_model_only_saves_and_refused_records(tmp_path: Path) -> None:
+    import argparse
+
+    from pmakit.layouts import get_layout
+    from pmakit.snapshot import scan
+
+    run = tmp_path / "checkpoint"
+    fake_checkpoint(run / "step-1", {"step": 1, "ntokens_seen": 10})
+    fake_checkpoint(run / "step-2", {"step": 2, "ntokens_seen": 20})
+    fake_checkpoint(run / "step-3", None)  # the model-only last save
+    layout = get_layout("torchtitan")
+    got = [(s.step, s.tokens) for s in discover(tmp_path)]
+    assert got == [(1, 20), (2, 40), (3, 60)]  # x dataloader.world_size; step-3 at the others' 20 per step
+    assert layout.read(run / "step-3", 7).tokens == 21  # --tokens-per-step wins for a model-only save
+    # Checkpoints that disagree on the tokens per step (a batch-size ramp): the model-only save's count is unknown.
+    fake_checkpoint(run / "step-2", {"step": 2, "ntokens_seen": 30})
+    (found,) = [r for r in scan(tmp_path) if getattr(r, "path", None) == run / "step-3"]
+    assert "disagree" in str(found) and "--tokens-per-step" in str(found)
+    # A train_state record holding anything but plain data is refused, never unpickled.
+    fake_checkpoint(run / "step-4", {"step": 4, "ntokens_seen": argparse.Namespace(n=1)})
+    (bad,) = [r for r in scan(tmp_path) if getattr(r, "path", None) == run / "step-4"]
+    assert "refused" in str(bad)

@@ -147,7 +147,10 @@ class TorchtitanLayout(Layout):
         rates = set()
         for sibling in _siblings(path):
             if _is_torchtitan_dcp(sibling):
-                state = read_train_state(sibling)
+                try:
+                    state = read_train_state(sibling)
+                except IncompleteSnapshot:
+                    continue  # reported on its own
                 if state["step"] > 0:
                     rates.add(state["tokens"] / state["step"])
         if len(rates) != 1 or not float(next(iter(rates))).is_integer():
