@@ -146,7 +146,7 @@ def test_dcp_merge_equals_hf_merge(
     runs: dict[str, Path], tmp_path: Path, run: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Chunks of 100 elements cross the saved slabs' boundaries.
-    monkeypatch.setattr(merge_mod, "CHUNK_ELEMS", 100)
+    monkeypatch.setattr(merge_mod.plan, "CHUNK_ELEMS", 100)
     w = get_weights("ema", 3)
     merge(discover(runs["hf"]), w, tmp_path / "hf", fsync=False)
     merge(discover(runs[run]), w, tmp_path / "dcp", fsync=False)
@@ -192,11 +192,11 @@ def test_inspect_lists_skipped_entries_and_bad_metadata(runs: dict[str, Path], t
 
 
 def test_plan_counts_the_saved_chunks_dcp_inputs_hold(runs: dict[str, Path]) -> None:
-    from pmakit.capacity import plan_report
+    from pmakit.merge.capacity import plan_report
 
     snaps = discover(runs["dcp1"])
     report = plan_report(snaps, None, disk_bandwidth=1e9, accumulate_bandwidth=1e9)
-    buffers = 1024 * 4 * (merge_mod.N_BUFFERS + 2)  # the largest tensor (64 x 16) is the chunk
+    buffers = 1024 * 4 * (merge_mod.plan.N_BUFFERS + 2)  # the largest tensor (64 x 16) is the chunk
     # The saved chunks are mapped from the .distcp files (formats.torch_record): the inputs hold no memory.
     assert report["max_memory_bytes"] == buffers
 

@@ -178,7 +178,7 @@ def test_two_ranks_merge_fail_and_resume(runs: dict[str, Path], tmp_path: Path) 
 
 def test_device_fold_matches_the_cpu_fold() -> None:
     """The --device cuda accumulation, run on the CPU (no GPU here): same values as the CPU path."""
-    from pmakit.merge import BLOCK_ELEMS, _fold, _fold_on
+    from pmakit.merge.stream import BLOCK_ELEMS, _fold, _fold_on
 
     g = torch.Generator().manual_seed(0)
     views = [torch.randn(1000, generator=g).bfloat16() for _ in range(3)] + [torch.randn(1000, generator=g)]

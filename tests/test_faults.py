@@ -166,7 +166,7 @@ def test_disk_fills_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keep_fp3
         import pmakit.merge
 
         real = shutil.disk_usage
-        monkeypatch.setattr(pmakit.merge.shutil, "disk_usage", lambda p: real(p)._replace(free=2**40))
+        monkeypatch.setattr(pmakit.merge.output.shutil, "disk_usage", lambda p: real(p)._replace(free=2**40))
         start = time.monotonic()
         r = CliRunner().invoke(cli, list(map(str, args)))
         assert time.monotonic() - start < 60

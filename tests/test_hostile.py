@@ -680,7 +680,7 @@ def disk_too_small_for_fp32_sums(tmp: Path) -> Case:  # issue 13, defect 3: the 
     return Case(
         merge_args(tmp, "--dtype", "bf16", "--keep-fp32"),
         ("not enough disk space",),
-        patches=[(pmakit.merge.shutil, "disk_usage", usage)],
+        patches=[(pmakit.merge.output.shutil, "disk_usage", usage)],
     )
 
 

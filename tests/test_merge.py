@@ -95,8 +95,8 @@ def test_integer_tensors_copied_from_newest(make_run: Callable[..., Path], tmp_p
 def test_large_tensor_is_streamed_in_chunks(
     make_run: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(merge_mod, "CHUNK_ELEMS", 100)  # embed.weight (1024 elements) -> 11 chunks
-    monkeypatch.setattr(merge_mod, "N_BUFFERS", 2)
+    monkeypatch.setattr(merge_mod.plan, "CHUNK_ELEMS", 100)  # embed.weight (1024 elements) -> 11 chunks
+    monkeypatch.setattr(merge_mod.plan, "N_BUFFERS", 2)
     run = make_run(3)
     snaps = discover(run)
     plan = plan_merge(snaps, [1 / 3] * 3)

@@ -24,9 +24,9 @@ def test_blocks_and_workers_match_reference(
 ) -> None:
     # embed.weight (1024 elements) -> 11 chunks of 100, each folded in blocks of 7 (a ragged last block), by two
     # workers whose chunks must still reach the writer in order.
-    monkeypatch.setattr(merge_mod, "CHUNK_ELEMS", 100)
-    monkeypatch.setattr(merge_mod, "BLOCK_ELEMS", 7)
-    monkeypatch.setattr(merge_mod, "WORKERS", workers)
+    monkeypatch.setattr(merge_mod.plan, "CHUNK_ELEMS", 100)
+    monkeypatch.setattr(merge_mod.stream, "BLOCK_ELEMS", 7)
+    monkeypatch.setattr(merge_mod.stream, "WORKERS", workers)
     snaps = discover(make_run(3))
     weights = [0.2, 0.3, 0.5]
     merge(snaps, weights, tmp_path / "out", fsync=True)
@@ -41,8 +41,8 @@ def test_blocks_and_workers_match_reference(
 def test_nan_found_in_any_block(
     make_run: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(merge_mod, "CHUNK_ELEMS", 100)
-    monkeypatch.setattr(merge_mod, "BLOCK_ELEMS", 7)
+    monkeypatch.setattr(merge_mod.plan, "CHUNK_ELEMS", 100)
+    monkeypatch.setattr(merge_mod.stream, "BLOCK_ELEMS", 7)
     run = make_run(3)
     bad = state(2)
     bad["embed.weight"].view(-1)[1000] = float("nan")  # in the last chunk's last block

@@ -11,10 +11,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from pmakit.capacity import Bandwidth, layout_of, load_layout, plan_report, plan_scale
 from pmakit.cli import cli
 from pmakit.errors import PmakitError
 from pmakit.merge import CHUNK_ELEMS, N_BUFFERS, plan_merge
+from pmakit.merge.capacity import Bandwidth, layout_of, load_layout, plan_report, plan_scale
 from pmakit.snapshot import discover
 from pmakit.weights import get_weights
 

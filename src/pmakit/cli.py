@@ -423,7 +423,7 @@ def inspect(
     from pmakit.survey import inspect_inputs, render
 
     if plan or layout is not None:
-        from pmakit.capacity import plan_report, render_plan
+        from pmakit.merge.capacity import plan_report, render_plan
 
         chosen = (
             _select(inputs, last, every, until, tokens_per_step, exclude)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from pmakit.errors import PmakitError
+from pmakit.merge.plan import CHUNK_ELEMS, DTYPES, N_BUFFERS
 from pmakit.world import split_by_bytes
 
 
@@ -164,7 +165,6 @@ def plan_scale(
     buffers; the Python process with torch imported adds its own baseline (about 150 MB of anonymous memory).
     """
     from pmakit.formats import is_float
-    from pmakit.merge import CHUNK_ELEMS, N_BUFFERS
 
     if snapshots < 1 or ranks < 1 or nodes < 1:
         raise PmakitError("--snapshots, --ranks and --nodes must be at least 1")
@@ -226,7 +226,6 @@ def plan_report(
     Rates not given are measured here (a short disk probe in the inputs' directory, or the current one).
     """
     from pmakit.layouts import open_weights
-    from pmakit.merge import DTYPES
 
     unit_bytes = 0
     if layout is not None:

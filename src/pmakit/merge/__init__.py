@@ -1,0 +1,300 @@
+"""Stream-average snapshots into one model: validate headers, then fp32-accumulate chunk by chunk, write atomically.
+
+The shape of the work: inputs are memory-mapped and the kernel is asked to read a couple of chunks ahead; the
+calling thread converts each input chunk straight from the page cache to fp32 and folds it into an accumulator,
+checks the sum is finite, casts it once into an output buffer; a writer thread appends it to the output shard and
+checksums it. Peak memory is a few chunk-sized buffers (the mapped input pages belong to the page cache):
+independent of the number of snapshots and of the model's size.
+
+Output goes to a hidden sibling ``.OUT.pmakit-partial`` and is renamed into place only when every shard, the index,
+the copied config/tokenizer files and the manifest are on disk. Any failure removes the partial directory.
+
+At scale (issue #6): each finished shard is recorded with its sha256 in ``.pmakit-progress/`` inside the partial
+directory, so that a merge killed where it cannot clean up (SIGKILL, OOM, a lost node) resumes with ``resume=True``,
+writing only the shards it had not finished. Under torch.distributed every rank writes the shards it owns (tensors
+split by bytes, see ``pmakit.world``) and the ranks agree after each stage, so that one rank's failure fails all.
+``plan_increment`` turns a previous SMA/EMA merge plus the snapshots that entered and left the window into the merge
+of the new window (``keep_fp32`` keeps the fp32 sums it needs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pmakit.formats import Reader, is_float
+from pmakit.formats.safetensors_io import write_index
+from pmakit.guard import guard_output, output_lock
+from pmakit.layouts import native_format, open_weights, safetensors_format, writer
+from pmakit.merge.incremental import INCREMENTAL_METHODS, Increment, plan_increment
+from pmakit.merge.output import (
+    FP32_DIR,
+    KILL_ENV,
+    PROGRESS_DIR,
+    Killer,
+    Ledger,
+    finish_output,
+    manifest_record,
+    merge_fingerprint,
+    partial_dir,
+    prepare_output,
+    replace_dir,
+    run_stage,
+    window_inputs,
+    write_layout,
+    write_pass,
+)
+from pmakit.merge.plan import (
+    CHUNK_ELEMS,
+    DTYPES,
+    N_BUFFERS,
+    MergePlan,
+    MergeResult,
+    output_dtype,
+    plan_merge,
+)
+from pmakit.snapshot import Snapshot
+from pmakit.world import World
+
+__all__ = [
+    "CHUNK_ELEMS",
+    "DTYPES",
+    "FP32_DIR",
+    "INCREMENTAL_METHODS",
+    "KILL_ENV",
+    "N_BUFFERS",
+    "PROGRESS_DIR",
+    "Increment",
+    "MergePlan",
+    "MergeResult",
+    "average_states",
+    "merge",
+    "output_dtype",
+    "partial_dir",
+    "plan_increment",
+    "plan_merge",
+    "replace_dir",
+]
+
+log = logging.getLogger(__name__)
+
+
+def merge(
+    snapshots: Sequence[Snapshot],
+    weights: Sequence[float],
+    out: str | os.PathLike[str],
+    *,
+    dtype: str | torch.dtype | None = "same",
+    max_shard_size: int = 5 * 10**9,
+    force: bool = False,
+    progress: Callable[[int], None] | None = None,
+    manifest_extra: dict[str, Any] | None = None,
+    threads: int = 1,
+    fsync: bool = True,
+    resume: bool = False,
+    out_format: str | None = "safetensors",
+    keep_fp32: bool = False,
+    world: World | None = None,
+    window: tuple[Sequence[Snapshot], Sequence[float]] | None = None,
+) -> MergeResult:
+    """Merge ``snapshots`` (oldest first) with ``weights`` into a model directory ``out``.
+
+    Args:
+        dtype: ``same`` (each tensor keeps its input dtype), ``bf16``, ``fp16``, ``fp32`` or a torch dtype.
+        max_shard_size: bytes per output shard; a larger tensor gets a shard of its own.
+        force: replace an existing ``out`` (only once the new merge is complete), or a partial one.
+        progress: called with the number of input bytes consumed after each chunk.
+        manifest_extra: recorded in ``pmakit-merge.json`` (e.g. the method and the selection flags).
+        threads: torch intra-op threads for the accumulation (the reader thread runs beside them).
+        fsync: flush the output to disk before renaming it into place.
+        resume: continue an interrupted merge into ``out`` (same inputs and options) from its partial directory,
+            writing only the shards it had not finished; without one, start from the beginning.
+        out_format: ``safetensors`` (HF layout), a run layout that writes itself back (``dcp``: names at the top
+            level; ``olmo-core``, ...: see ``pmakit.layouts``), or None for the newest input's own layout.
+        keep_fp32: also keep the fp32 sums in ``out/pmakit-fp32/`` when the output is cast to a narrower dtype
+            (what ``incremental_terms`` needs to update this merge exactly).
+        world: this process's rank among the ranks sharing the merge (default: a single process).
+        window: for an incremental update (``snapshots``/``weights`` are then its terms), the merge's real
+            window and weights, recorded in the manifest as its inputs.
+    """
+    start = time.perf_counter()
+    out = Path(out)
+    world = world or World()
+    guard_output(out, [s.path for s in [*snapshots, *(window[0] if window else [])]], force)
+    plan = plan_merge(
+        snapshots,
+        weights,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        ranks=world.size,
+        cast=window is not None or None,
+    )
+    out_format = out_format or native_format(plan.snapshots[-1])
+    if out_format == "safetensors":  # HF names where the trainer ships a converter (torchtitan's adapter)
+        out_format = safetensors_format(plan.snapshots[-1])
+    if out_format != "safetensors":
+        writer(out_format)  # an unknown format fails before any work
+    narrow = any(is_float(d) and d != torch.float32 for _, d in plan.tensors.values())
+    sums = None
+    if keep_fp32 and narrow:
+        sums = plan_merge(
+            snapshots, weights, dtype="fp32", max_shard_size=max_shard_size, ranks=world.size, cast=True
+        )
+    job = _Job(
+        plan, sums, out, partial_dir(out), world, out_format, fsync, progress, Killer(), max_shard_size
+    )
+    previous_threads = torch.get_num_threads()
+    owned = False
+    try:
+        torch.set_num_threads(threads)
+        with contextlib.ExitStack() as stack:
+            readers = [stack.enter_context(open_weights(s.path)) for s in plan.snapshots]
+            run_stage(world, out, lambda: _take_output(job, readers, stack, force, resume), rank0=True)
+            owned = True
+            final, final_readers = _fp32_pass(job, readers, stack) if sums is not None else (plan, readers)
+            last_progress = None if sums is not None else progress
+            run_stage(
+                world,
+                out,
+                lambda: write_pass(
+                    final, final_readers, job.partial, "", world, last_progress, fsync, job.killer
+                ),
+            )
+            written = _layout_pass(job) if out_format != "safetensors" else None
+            record = _manifest_of(job, readers, dtype, manifest_extra or {}, narrow, window)
+            result = run_stage(
+                world,
+                out,
+                lambda: finish_output(plan, readers, job.partial, out, written, fsync, record, job.killer),
+                rank0=True,
+            )
+    except BaseException:
+        if owned and world.rank == 0:
+            shutil.rmtree(job.partial, ignore_errors=True)
+        raise
+    finally:
+        torch.set_num_threads(previous_threads)
+    return MergeResult(out, plan, time.perf_counter() - start, result or {})
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What every step of one ``merge`` call shares."""
+
+    plan: MergePlan
+    sums: MergePlan | None
+    """The fp32 sums' plan (``keep_fp32`` with a narrower output), written first and cast once."""
+    out: Path
+    partial: Path
+    world: World
+    out_format: str
+    fsync: bool
+    progress: Callable[[int], None] | None
+    killer: Killer
+    max_shard_size: int
+
+
+def _take_output(
+    job: _Job, readers: Sequence[Reader], stack: contextlib.ExitStack, force: bool, resume: bool
+) -> None:
+    """Rank 0: lock the output (held until the merge ends) and make or check its partial directory."""
+    options = {"format": job.out_format, "keep_fp32": job.sums is not None, "ranks": job.world.size}
+    fingerprint = merge_fingerprint(job.plan, readers, **options)
+    stack.enter_context(output_lock(job.out))
+    extra = job.sums.output_bytes if job.sums is not None else 0
+    prepare_output(job.out, job.partial, job.plan, fingerprint, force, resume, extra)
+
+
+def _fp32_pass(
+    job: _Job, readers: Sequence[Reader], stack: contextlib.ExitStack
+) -> tuple[MergePlan, list[Reader]]:
+    """Write the fp32 sums into ``pmakit-fp32/``; the output is then those sums cast once (the same bytes as
+    casting the accumulator directly). Returns the cast pass's plan and reader."""
+    fp32, world, out = job.sums, job.world, job.out
+    assert fp32 is not None
+    run_stage(
+        world,
+        out,
+        lambda: write_pass(fp32, readers, job.partial, FP32_DIR, world, job.progress, job.fsync, job.killer),
+    )
+    run_stage(world, out, lambda: write_index(job.partial / FP32_DIR, fp32.shards), rank0=True)
+    state = Snapshot(job.partial / FP32_DIR, tokens=job.plan.snapshots[-1].tokens, source="merge")
+    dtypes = {k: d for k, (_, d) in job.plan.tensors.items()}
+    shard_size = job.max_shard_size
+
+    def cast_plan() -> MergePlan:  # a stage of its own: it reads what rank 0 just wrote
+        casting = plan_merge(
+            [state], [1.0], dtype=dtypes, max_shard_size=shard_size, ranks=world.size, cast=True
+        )
+        if casting.shards != job.plan.shards:
+            raise RuntimeError("the cast pass planned other shards than the merge")
+        return casting
+
+    return run_stage(world, out, cast_plan), [stack.enter_context(open_weights(state.path))]
+
+
+def _layout_pass(job: _Job) -> Any:
+    """Write the merged weights in the chosen run layout (DCP, OLMo-core, ...) from the staged safetensors."""
+    run_stage(job.world, job.out, lambda: write_index(job.partial, job.plan.shards), rank0=True)
+    return run_stage(
+        job.world, job.out, lambda: write_layout(job.plan, job.partial, job.world, job.fsync, job.out_format)
+    )
+
+
+def _manifest_of(
+    job: _Job,
+    readers: Sequence[Reader],
+    dtype: str | torch.dtype | None,
+    extra: dict[str, Any],
+    narrow: bool,
+    window: tuple[Sequence[Snapshot], Sequence[float]] | None,
+) -> Callable[[list[dict[str, Any]], list[str]], dict[str, Any]]:
+    """The manifest, built once the output files exist: inputs, weights, how it was produced."""
+
+    def manifest(files: list[dict[str, Any]], copied: list[str]) -> dict[str, Any]:
+        record = manifest_record(job.plan, readers, files, copied, dtype, extra)
+        record["produced_by"] = {
+            "mode": "incremental" if window is not None else "full",
+            "ranks": job.world.size,
+            "format": job.out_format,
+            "fp32_sums": FP32_DIR if job.sums is not None else (None if narrow else "."),
+        }
+        if job.sums is not None:  # what --from-previous checks before trusting the sums
+            ledger = Ledger(job.partial)
+            record["output"]["fp32_files"] = [
+                ledger.recorded(f"{FP32_DIR}/{s.file}") for s in job.sums.shards
+            ]
+        if window is not None:
+            record["terms"] = record["inputs"]
+            record["inputs"] = window_inputs(*window)
+            record["weights"] = list(window[1])
+            record["tokens"] = window[0][-1].tokens
+        return record
+
+    return manifest
+
+
+def average_states(
+    states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]
+) -> dict[str, torch.Tensor]:
+    """The in-memory counterpart of ``merge`` for small models: fp32 weighted sum of float tensors, non-float
+    tensors from the newest state (``states`` oldest first)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, ref in states[-1].items():
+        if ref.is_floating_point():
+            acc = torch.zeros_like(ref, dtype=torch.float32)
+            for state, w in zip(states, weights):
+                acc.add_(state[name].float(), alpha=w)
+            out[name] = acc
+        else:
+            out[name] = ref
+    return out

@@ -1,0 +1,210 @@
+"""What a merge will do, from the inputs' headers alone: tensors, output dtypes, shards, who writes what, memory."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pmakit.errors import PmakitError
+from pmakit.formats import Reader, TensorInfo, is_float
+from pmakit.formats.safetensors_io import OutputTensor, Shard, plan_shards
+from pmakit.layouts import open_weights
+from pmakit.snapshot import Snapshot
+
+log = logging.getLogger(__name__)
+
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+}
+CHUNK_ELEMS = 8 * 2**20
+"""Elements per chunk: 16 MiB of bf16 input, 32 MiB of fp32 accumulator."""
+N_BUFFERS = 4
+"""Output chunks that may wait for the writer thread."""
+
+
+@dataclass(frozen=True)
+class MergePlan:
+    """Everything about a merge that the headers tell, before any weight is read."""
+
+    snapshots: list[Snapshot]
+    """Inputs, oldest first."""
+    weights: list[float]
+    """One weight per input, oldest first, summing to 1."""
+    tensors: dict[str, tuple[TensorInfo, torch.dtype]]
+    """name -> (the newest input's header entry, output dtype), in the newest input's on-disk order."""
+    shards: list[Shard]
+    skipped: list[str] = field(default_factory=list)
+    """Entries of the inputs that are not model weights (optimizer, RNG) and are not merged."""
+    owners: tuple[int, ...] = ()
+    """The rank that writes each shard (empty: rank 0 writes them all)."""
+
+    def owner(self, shard: int) -> int:
+        return self.owners[shard] if self.owners else 0
+
+    def shard_input_bytes(self, shard: int) -> int:
+        """Bytes read to write one shard."""
+        readers = sum(1 for w in self.weights if w != 0)
+        return sum(
+            self.tensors[t.name][0].nbytes * (readers if is_float(self.tensors[t.name][0].dtype) else 1)
+            for t in self.shards[shard].tensors
+        )
+
+    @property
+    def input_bytes(self) -> int:
+        """Bytes read: every averaged tensor from every input with a non-zero weight, copied ones once."""
+        readers = sum(1 for w in self.weights if w != 0)
+        return sum(i.nbytes * (readers if is_float(i.dtype) else 1) for i, _ in self.tensors.values())
+
+    @property
+    def output_bytes(self) -> int:
+        return sum(s.nbytes for s in self.shards)
+
+    @property
+    def chunk_elems(self) -> int:
+        return max(1, min(CHUNK_ELEMS, max((i.numel for i, _ in self.tensors.values()), default=1)))
+
+    @property
+    def n_buffers(self) -> int:
+        """Output buffers between the kernel and the writer thread."""
+        return N_BUFFERS
+
+    @property
+    def peak_memory(self) -> int:
+        """Bytes of work memory the merge allocates (buffers + accumulator + cast), whatever N and model size."""
+        return self.chunk_elems * 4 * (N_BUFFERS + 2)  # output buffers, accumulator, conversion buffer
+
+
+def output_dtype(dtype: str | torch.dtype | None, source: torch.dtype) -> torch.dtype:
+    """The dtype a tensor is written in: ``same`` keeps the input's; non-float tensors always keep theirs."""
+    if not is_float(source) or dtype in (None, "same"):
+        return source
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise PmakitError(f"unknown --dtype {dtype!r}; use same, bf16, fp16 or fp32")
+    return DTYPES[dtype]
+
+
+def _validate(readers: Sequence[Reader], snapshots: Sequence[Snapshot], cast: bool) -> None:
+    """Compare every input's keys, shapes and dtypes with the newest one's; raise listing every difference."""
+    ref, ref_snap = readers[-1].tensors, snapshots[-1]
+    problems: list[str] = []
+    for name, info in ref.items():
+        if info.dtype.is_floating_point and not is_float(info.dtype):
+            problems.append(
+                f"tensor {name!r} is {info.dtype}: averaging quantized weights needs their scales; "
+                "dequantize first"
+            )
+    for reader, snap in zip(readers[:-1], snapshots[:-1]):
+        keys = reader.tensors
+        missing = [k for k in ref if k not in keys]
+        extra = [k for k in keys if k not in ref]
+        if missing:
+            problems.append(
+                f"{snap.path} lacks {len(missing)} tensors of {ref_snap.path.name}: {_few(missing)}"
+            )
+        if extra:
+            problems.append(f"{snap.path} has {len(extra)} tensors {ref_snap.path.name} lacks: {_few(extra)}")
+        for name in ref.keys() & keys.keys():
+            a, b = keys[name], ref[name]
+            if a.shape != b.shape:
+                problems.append(
+                    f"tensor {name!r}: shape {list(a.shape)} in {snap.path} but {list(b.shape)} in "
+                    f"{ref_snap.path}"
+                )
+            elif a.dtype != b.dtype and not (cast and is_float(a.dtype) and is_float(b.dtype)):
+                problems.append(
+                    f"tensor {name!r}: {a.dtype} in {snap.path} but {b.dtype} in {ref_snap.path}"
+                    + ("" if cast else " (pass --dtype to cast)")
+                )
+    if problems:
+        head = f"the snapshots do not match ({len(problems)} differences):"
+        shown = problems[:50] + ([f"... and {len(problems) - 50} more"] if len(problems) > 50 else [])
+        raise PmakitError("\n  ".join([head, *shown]))
+
+
+def _few(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def plan_merge(
+    snapshots: Sequence[Snapshot],
+    weights: Sequence[float],
+    *,
+    dtype: str | torch.dtype | Mapping[str, torch.dtype] | None = "same",
+    max_shard_size: int = 5 * 10**9,
+    ranks: int = 1,
+    cast: bool | None = None,
+) -> MergePlan:
+    """Read every input's headers, check they match, and lay out the output. Reads no weights.
+
+    Args:
+        dtype: as for ``merge``, or a mapping of tensor name to output dtype.
+        ranks: split the output into shards owned by this many ranks, balanced by bytes.
+        cast: inputs may differ in float dtype (default: only when ``dtype`` is not ``same``).
+    """
+    if len(snapshots) != len(weights):
+        raise PmakitError(f"{len(weights)} weights for {len(snapshots)} snapshots")
+    if not snapshots:
+        raise PmakitError("no snapshots to merge")
+    with contextlib.ExitStack() as stack:
+        readers = [stack.enter_context(open_weights(s.path)) for s in snapshots]
+        _validate(readers, snapshots, cast=dtype not in (None, "same") if cast is None else cast)
+        newest = readers[-1]
+        if not newest.tensors:  # e.g. a torch file of trainer state only: one line, not a crash further down
+            raise PmakitError(
+                f"{snapshots[-1].path}: no model weights ({len(newest.skipped)} entries, none a model tensor)"
+            )
+        order = sorted(newest.tensors, key=lambda k: newest.tensors[k].order)
+        tensors = {
+            k: (
+                newest.tensors[k],
+                dtype[k] if isinstance(dtype, Mapping) else output_dtype(dtype, newest.tensors[k].dtype),
+            )
+            for k in order
+        }
+        out = [OutputTensor(k, tensors[k][1], tensors[k][0].shape) for k in order]
+        skipped = sorted({s for r in readers for s in r.skipped})
+    shards, owners = _plan_rank_shards(out, max_shard_size, ranks)
+    return MergePlan(list(snapshots), list(weights), tensors, shards, skipped, owners)
+
+
+def _plan_rank_shards(
+    out: Sequence[OutputTensor], max_shard_size: int, ranks: int
+) -> tuple[list[Shard], tuple[int, ...]]:
+    """Shards for ``ranks`` writers: the tensors split into contiguous groups by bytes, each group sharded."""
+    if ranks <= 1:
+        return plan_shards(out, max_shard_size), ()
+    from pmakit.world import split_by_bytes
+
+    groups = split_by_bytes([t.nbytes for t in out], ranks)
+    parts = [
+        (r, plan_shards([t for t, g in zip(out, groups) if g == r], max_shard_size)) for r in range(ranks)
+    ]
+    flat = [(r, s) for r, shards in parts for s in shards if s.tensors]
+    if len(flat) <= 1:
+        return [s for _, s in flat] or plan_shards(out, max_shard_size), ()
+    n = len(flat)
+    shards = [Shard(f"model-{i + 1:05d}-of-{n:05d}.safetensors", s.tensors) for i, (_, s) in enumerate(flat)]
+    return shards, tuple(r for r, _ in flat)
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    """A finished merge."""
+
+    path: Path
+    plan: MergePlan
+    seconds: float
+    manifest: dict[str, Any]

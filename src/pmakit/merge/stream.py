@@ -1,0 +1,309 @@
+"""The streaming kernel: fold each chunk of every input into an fp32 accumulator and hand it to a writer thread.
+
+Inputs are memory-mapped and the kernel is asked to read a couple of chunks ahead; the calling thread converts each
+input chunk straight from the page cache to fp32 and folds it into an accumulator, checks the sum is finite, casts it
+once into an output buffer; a writer thread appends it to the output shard and checksums it. Peak memory is a few
+chunk-sized buffers (the mapped input pages belong to the page cache): independent of the number of snapshots and of
+the model's size."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import gc
+import logging
+import math
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pmakit.errors import PmakitError
+from pmakit.formats import Reader, is_float
+from pmakit.formats.safetensors_io import ShardWriter
+from pmakit.merge.plan import MergePlan
+
+log = logging.getLogger(__name__)
+
+BLOCK_ELEMS = 128 * 2**10
+"""Elements folded at a time: a block's fp32 sum and conversion buffer (1 MiB) stay in a core's L2 cache."""
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    shard: int
+    name: str
+    start: int
+    stop: int
+    sources: tuple[int, ...]
+    average: bool
+
+
+def _chunks(plan: MergePlan) -> Iterator[_Chunk]:
+    averaged = tuple(i for i, w in enumerate(plan.weights) if w != 0)
+    newest = (len(plan.snapshots) - 1,)
+    step = plan.chunk_elems
+    for s, shard in enumerate(plan.shards):
+        for t in shard.tensors:
+            info = plan.tensors[t.name][0]
+            average = is_float(info.dtype)
+            for start in range(0, max(info.numel, 1), step):
+                yield _Chunk(
+                    s, t.name, start, min(start + step, info.numel), averaged if average else newest, average
+                )
+
+
+class _Writer:
+    """Writes (and checksums) output chunks on a background thread, so that the accumulation never waits on it.
+
+    Chunks are handed over in plan order with the buffer they live in; the buffer goes back to the pool once its
+    bytes are in the file. At most ``len(pool)`` chunks are in flight.
+    """
+
+    def __init__(
+        self, plan: MergePlan, directory: Path, buffer_bytes: int, n_buffers: int, fsync: bool
+    ) -> None:
+        self._plan = plan
+        self._directory = directory
+        self._fsync = fsync
+        self.free: queue.Queue[torch.Tensor] = queue.Queue()
+        for _ in range(n_buffers):
+            self.free.put(torch.empty(buffer_bytes, dtype=torch.uint8))
+        self._todo: queue.Queue[tuple[int, str, torch.Tensor, torch.Tensor | None] | None] = queue.Queue()
+        self.files: list[dict[str, Any]] = []
+        self._error: BaseException | None = None
+        self._aborted = False
+        self._thread = threading.Thread(target=self._run, name="pmakit-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        writer: ShardWriter | None = None
+        item: tuple[int, str, torch.Tensor, torch.Tensor | None] | None = None
+        try:
+            while (item := self._todo.get()) is not None:
+                if self._aborted:
+                    continue
+                shard_index, name, chunk, buf = item
+                shard = self._plan.shards[shard_index]
+                if writer is None or writer.shard is not shard:
+                    if writer is not None:
+                        self.files.append(_close(writer, self._fsync))
+                    writer = ShardWriter(self._directory / shard.file, shard, direct=True)
+                writer.write(name, chunk)
+                if buf is not None:
+                    self.free.put(buf)
+                if self._fsync:
+                    writer.start_writeback()  # overlap the disk writes with the merge, not after it
+            if writer is not None and self._aborted:
+                writer.abort()
+            elif writer is not None:
+                self.files.append(_close(writer, self._fsync))
+            writer = None
+        except BaseException as e:
+            self._error = e
+            if writer is not None:
+                writer.abort()
+            # The last shard's close (its staged tail, the fsync) fails after the end marker was taken: then
+            # nothing more comes, and waiting for another marker would hang finish() for good (disk full).
+            while (
+                item is not None
+            ):  # keep releasing buffers so that the producer never blocks on a dead writer
+                item = self._todo.get()
+                if item is None:
+                    return
+                if item[3] is not None:
+                    self.free.put(item[3])
+
+    def buffer(self) -> torch.Tensor:
+        """A free output buffer (waits for the writer to finish one); raises the writer's error if it failed."""
+        while True:
+            self.check()
+            with contextlib.suppress(queue.Empty):
+                return self.free.get(timeout=0.1)
+
+    def put(self, shard: int, name: str, chunk: torch.Tensor, buf: torch.Tensor | None) -> None:
+        self.check()
+        self._todo.put((shard, name, chunk, buf))
+
+    def check(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def finish(self) -> list[dict[str, Any]]:
+        """Wait for every chunk to be written; the output files' names, sizes and sha256."""
+        self._todo.put(None)
+        self._thread.join()
+        self.check()
+        return self.files
+
+    def abort(self) -> None:
+        """Stop writing: chunks still queued are dropped and the open shard is closed unfinished."""
+        self._aborted = True
+        self._todo.put(None)
+        self._thread.join(timeout=30)
+
+
+def _find_nonfinite(readers: Sequence[Reader], plan: MergePlan, chunk: _Chunk) -> None:
+    for src in chunk.sources:
+        values = readers[src].read(chunk.name, chunk.start, chunk.stop)
+        if not torch.isfinite(values).all():
+            snap = plan.snapshots[src]
+            raise PmakitError(
+                f"non-finite values (NaN/Inf) in tensor {chunk.name!r} of {snap.path} "
+                f"(step {snap.step}, {snap.tokens} tokens); pass --exclude {snap.path} to merge "
+                "without it"
+            )
+
+
+PREFETCH_AHEAD = 4
+"""Chunks ahead of the accumulator whose input ranges the kernel is asked to read (posix_fadvise WILLNEED)."""
+WORKERS = 2
+"""Threads that accumulate chunks side by side (at most the cores this process may run on)."""
+
+
+def _workers(n_buffers: int) -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    # Each worker holds one output buffer and the writer needs one: never more workers than that allows.
+    return max(1, min(WORKERS, cores, n_buffers - 1))
+
+
+def _fold(
+    views: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    out: torch.Tensor,
+    scratch: tuple[torch.Tensor, torch.Tensor],
+) -> bool:
+    """``out = sum(w * v)`` with fp32 accumulation, one cache-sized block at a time; False if it is not finite.
+
+    A block's accumulator and conversion buffer stay in the core's cache while all N inputs fold into it, so memory
+    traffic is just each input read once and the output written once (a whole chunk's fp32 sum would instead go to
+    memory and back N times). A NaN or Inf in any input makes the sum non-finite: summing each block while it is
+    in cache is one cheap reduction instead of N checks.
+    """
+    acc, tmp = scratch
+    fp32_out = out.dtype == torch.float32
+    total = 0.0
+    for start in range(0, out.numel(), BLOCK_ELEMS):
+        stop = min(start + BLOCK_ELEMS, out.numel())
+        a = out[start:stop] if fp32_out else acc[: stop - start]
+        for k, (view, weight) in enumerate(zip(views, weights)):
+            values = view[start:stop]
+            if values.dtype != torch.float32:
+                values = tmp[: stop - start].copy_(values)
+            if k == 0:
+                torch.mul(values, weight, out=a)
+            else:
+                a.add_(values, alpha=weight)
+        if fp32_out:
+            total += a.sum().item()
+        else:  # summed after the cast: a value beyond fp16's range becomes Inf there, not in the fp32 sum
+            total += out[start:stop].copy_(a).sum(dtype=torch.float32).item()
+    return math.isfinite(total)
+
+
+def _fold_on(device: str, views: Sequence[torch.Tensor], weights: Sequence[float], out: torch.Tensor) -> bool:
+    """``--device cuda``: the weighted fp32 sum on the accelerator (inputs copied over, the cast sum copied back);
+    whether it is finite. Tested here only with device="cpu" (no GPU on the development machine)."""
+    acc: torch.Tensor | None = None
+    for view, weight in zip(views, weights):
+        values = view.to(device=device, dtype=torch.float32, copy=True)
+        acc = values.mul_(weight) if acc is None else acc.add_(values, alpha=weight)
+    assert acc is not None
+    out.copy_(acc.to(out.dtype))
+    return bool(torch.isfinite(out).all())  # after the cast: fp16 overflows to Inf
+
+
+def stream_average(
+    plan: MergePlan,
+    readers: Sequence[Reader],
+    directory: Path,
+    progress: Callable[[int], None] | None,
+    fsync: bool,
+    device: str = "cpu",
+) -> list[dict[str, Any]]:
+    """Write every shard of ``plan`` into ``directory``; returns the output files' names, sizes and sha256.
+
+    Worker threads fold chunks side by side (torch releases the GIL in its kernels): every input's bytes (views of
+    the page cache) are converted to fp32 and added with their weight block by block, cast once into an output
+    buffer, and the chunk is checked for NaN/Inf. This thread asks the kernel to read ahead of the workers and hands
+    finished chunks, in order, to the writer thread. Threads of our own rather than torch's intra-op pool: its
+    threads wait for each other at every op and stall whenever another process holds a core.
+    """
+    chunks = list(_chunks(plan))
+    n = plan.chunk_elems
+    weights = plan.weights
+    itemsize = max([4] + [dtype.itemsize for _, dtype in plan.tensors.values()])
+    writer = _Writer(plan, directory, n * itemsize, plan.n_buffers, fsync)
+    local = threading.local()
+
+    def work(chunk: _Chunk, views: list[torch.Tensor], buf: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        if not hasattr(local, "scratch"):
+            local.scratch = (torch.empty(BLOCK_ELEMS), torch.empty(BLOCK_ELEMS))
+        out_dtype = plan.tensors[chunk.name][1]
+        out = buf[: (chunk.stop - chunk.start) * out_dtype.itemsize].view(out_dtype)
+        if device != "cpu":
+            return out, _fold_on(device, views, [weights[src] for src in chunk.sources], out)
+        return out, _fold(views, [weights[src] for src in chunk.sources], out, local.scratch)
+
+    workers = _workers(plan.n_buffers)
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="pmakit-fold")
+    pending: collections.deque[tuple[_Chunk, Future[tuple[torch.Tensor, bool]], torch.Tensor | None]]
+    pending = collections.deque()
+
+    def hand_over() -> None:
+        chunk, result, buf = pending.popleft()
+        values, finite = result.result()
+        if not finite:
+            _find_nonfinite(readers, plan, chunk)
+            dtype = str(plan.tensors[chunk.name][1]).replace("torch.", "")
+            raise PmakitError(
+                f"tensor {chunk.name!r}: the average exceeds the range of {dtype} (it would be written as Inf); "
+                "merge with --dtype fp32 or bf16"
+            )
+        writer.put(chunk.shard, chunk.name, values, buf)
+        if progress is not None:
+            readers_used = len(chunk.sources)
+            progress((chunk.stop - chunk.start) * plan.tensors[chunk.name][0].dtype.itemsize * readers_used)
+
+    # Each chunk makes thousands of short-lived tensor views; reference counting frees them, but their allocations
+    # would trigger collections that walk every object torch created at import (5% of a merge's CPU).
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for i, chunk in enumerate(chunks):
+            for ahead in chunks[: 1 + PREFETCH_AHEAD] if i == 0 else chunks[i + PREFETCH_AHEAD :][:1]:
+                for src in ahead.sources:  # keep the disk PREFETCH_AHEAD chunks ahead of the workers
+                    readers[src].prefetch(ahead.name, ahead.start, ahead.stop)
+            while len(pending) >= workers:
+                hand_over()
+            # Reads stay on this thread and in order: a reader may load (not map) and expect to move forward.
+            views = [readers[src].read(chunk.name, chunk.start, chunk.stop) for src in chunk.sources]
+            if not chunk.average:
+                done: Future[tuple[torch.Tensor, bool]] = Future()
+                done.set_result((views[0], True))
+                pending.append((chunk, done, None))
+            else:
+                buf = writer.buffer()
+                pending.append((chunk, pool.submit(work, chunk, views, buf), buf))
+        while pending:
+            hand_over()
+        return writer.finish()
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        writer.abort()
+        raise
+    finally:
+        pool.shutdown(wait=True)
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _close(writer: ShardWriter, fsync: bool) -> dict[str, Any]:
+    sha256 = writer.close(fsync)  # first: the size is only final once the file is flushed
+    return {"name": writer.path.name, "size": writer.path.stat().st_size, "sha256": sha256}
