@@ -386,33 +386,52 @@ def _merge_family(data: StudyData) -> str | None:
 
 
 def spike_blocks(data: StudyData) -> tuple[list[Block], list[Path]]:
-    exp, seeds = data.experiment, data.seeds
-    cfg = exp.get("config", {})
-    spec, train = cfg.get("spike", {}), cfg.get("train", {})
-    infos = exp.get("seeds", {})
+    """The spike study's section: the setup, the detected spikes, final losses, the paired merge-vs-latest
+    differences, optimizer reset vs kept, the findings, the figures and the run facts."""
+    spec = data.experiment.get("config", {}).get("spike", {})
     fam = _merge_family(data) or f"{spec.get('method', 'sma')}{spec.get('last', 3)}"
-    blocks: list[Block] = [Heading("Loss-spike recovery (paper E10)", 1)]
-    model = exp.get("model", {})
-    blocks.append(
-        Paragraph(
-            f"A {model.get('parameters', 0) / 1e6:.2f}M-parameter Llama ({model.get('layers')} layers, hidden "
-            f"{model.get('hidden')}) trained at a constant LR of {train.get('lr')} with a snapshot every "
-            f"{fmt.tokens(train.get('every_tokens'))} tokens. At {fmt.tokens(spec.get('push_at'))} tokens the LR is "
-            f"multiplied by {spec.get('push_factor')} for {fmt.tokens(spec.get('push_tokens'))} tokens (the induced "
-            f"instability), then set back to the stable LR: that run, continued to "
-            f"{fmt.tokens(train.get('total_tokens'))} tokens, is the **no-intervention** arm. The spike detector "
-            "reads its per-step training loss; the last "
-            f"{spec.get('last')} snapshots saved before the detected start are merged ({spec.get('method', '').upper()})"
-            " and the arms resume at the newest of them. "
-            f"**LR of the resumed arms: {exp.get('resume_lr', fmt.MISSING)}.** "
-            "Optimizer: `reset` = fresh AdamW moments; `keep` = the moments saved in the full checkpoint at the "
-            "resume point (the newest pre-spike snapshot). Seeds change the initialisation and the data order; "
-            f"every arm of every seed is scored on the same {exp.get('eval_batches', '?')} held-out batches."
-        )
+    blocks = [Heading("Loss-spike recovery (paper E10)", 1), _spike_setup(data), *_spike_detections(data)]
+    finals, final_findings = _spike_finals(data)
+    paired, (start_finding, *paired_findings) = _spike_paired(data, fam)
+    findings = [start_finding, *final_findings, *paired_findings]
+    blocks += [
+        *finals,
+        *paired,
+        *_reset_vs_keep(data, fam, findings),
+        Heading("What the numbers say"),
+        Bullets(findings),
+    ]
+    figures, drawn = _spike_figures(data)
+    return [*blocks, *figures, *_run_facts(data.experiment)], drawn
+
+
+def _spike_setup(data: StudyData) -> Paragraph:
+    exp = data.experiment
+    cfg = exp.get("config", {})
+    spec, train, model = cfg.get("spike", {}), cfg.get("train", {}), exp.get("model", {})
+    return Paragraph(
+        f"A {model.get('parameters', 0) / 1e6:.2f}M-parameter Llama ({model.get('layers')} layers, hidden "
+        f"{model.get('hidden')}) trained at a constant LR of {train.get('lr')} with a snapshot every "
+        f"{fmt.tokens(train.get('every_tokens'))} tokens. At {fmt.tokens(spec.get('push_at'))} tokens the LR is "
+        f"multiplied by {spec.get('push_factor')} for {fmt.tokens(spec.get('push_tokens'))} tokens (the induced "
+        f"instability), then set back to the stable LR: that run, continued to "
+        f"{fmt.tokens(train.get('total_tokens'))} tokens, is the **no-intervention** arm. The spike detector "
+        "reads its per-step training loss; the last "
+        f"{spec.get('last')} snapshots saved before the detected start are merged ({spec.get('method', '').upper()})"
+        " and the arms resume at the newest of them. "
+        f"**LR of the resumed arms: {exp.get('resume_lr', fmt.MISSING)}.** "
+        "Optimizer: `reset` = fresh AdamW moments; `keep` = the moments saved in the full checkpoint at the "
+        "resume point (the newest pre-spike snapshot). Seeds change the initialisation and the data order; "
+        f"every arm of every seed is scored on the same {exp.get('eval_batches', '?')} held-out batches."
     )
-    # detected spikes
+
+
+def _spike_detections(data: StudyData) -> list[Block]:
+    """One row per seed: where the spike started and was detected, the boundary, what was merged."""
+    spec = data.experiment.get("config", {}).get("spike", {})
+    infos = data.experiment.get("seeds", {})
     rows = []
-    for seed in seeds:
+    for seed in data.seeds:
         info = infos.get(str(seed), {})
         spike = info.get("spike")
         if not spike:
@@ -432,7 +451,8 @@ def spike_blocks(data: StudyData) -> tuple[list[Block], list[Path]]:
                 str(info.get("false_alarms", 0)),
             ]
         )
-    blocks += [
+    header = ["seed", "spike start", "detected at", "what", "boundary", "merged snapshots", "resume at"]
+    return [
         Heading("The detected spike and what was merged"),
         Paragraph(
             "Snapshots strictly before the boundary (the spike's first out-of-line step minus one step, since a "
@@ -440,44 +460,28 @@ def spike_blocks(data: StudyData) -> tuple[list[Block], list[Path]]:
             f"{spec.get('last')} of them and both families resume at the newest one. False alarms: spikes the "
             "detector reported before the push (none were acted on)."
         ),
-        Table(
-            [
-                "seed",
-                "spike start",
-                "detected at",
-                "what",
-                "boundary",
-                "merged snapshots",
-                "resume at",
-                "false alarms",
-            ],
-            rows,
-            "lllllllr",
-        ),
+        Table([*header, "false alarms"], rows, "lllllllr"),
     ]
-    # final losses
-    arms = _spike_arms(data)
-    header = ["arm", *[f"seed {s}" for s in seeds], "mean ± s.e. (seeds)", "Δ vs no intervention"]
+
+
+def _spike_finals(data: StudyData) -> tuple[list[Block], list[str]]:
+    """Every arm's final held-out loss per seed and over seeds; each arm against no intervention."""
+    seeds, arms = data.seeds, _spike_arms(data)
     table = []
-    finals: dict[str, Spread | None] = {}
     controls: dict[str, Spread | None] = {}
     for arm in arms:
-        cells = []
-        for s in seeds:
-            r = data.row(s, "final", arm)
-            cells.append(fmt.loss_se(r["val_loss"], r["val_loss_se"]) if r else fmt.MISSING)
-        finals[arm] = spread([(data.row(s, "final", arm) or {}).get("val_loss") for s in seeds])
-        controls[arm] = spread([(data.row(s, "final", arm) or {}).get("delta_vs_control") for s in seeds])
-        table.append(
-            [
-                arm,
-                *cells,
-                spread_text(finals[arm]),
-                spread_text(controls[arm], signed=True) if arm != NO_INTERVENTION else "",
-            ]
-        )
-    tokens = train.get("total_tokens")
-    blocks += [
+        rows = [data.row(s, "final", arm) for s in seeds]
+        cells = [fmt.loss_se(r["val_loss"], r["val_loss_se"]) if r else fmt.MISSING for r in rows]
+        final = spread([(r or {}).get("val_loss") for r in rows])
+        controls[arm] = spread([(r or {}).get("delta_vs_control") for r in rows])
+        delta = spread_text(controls[arm], signed=True) if arm != NO_INTERVENTION else ""
+        table.append([arm, *cells, spread_text(final), delta])
+    findings = []
+    if NO_INTERVENTION in arms:
+        findings = [judge_lower(controls[arm], f"`{arm}`", "no intervention") + "." for arm in arms[1:]]
+    tokens = data.experiment.get("config", {}).get("train", {}).get("total_tokens")
+    header = ["arm", *[f"seed {s}" for s in seeds], "mean ± s.e. (seeds)", "Δ vs no intervention"]
+    blocks: list[Block] = [
         Heading("Final validation loss"),
         Paragraph(
             f"Held-out loss at {fmt.tokens(tokens)} tokens (per seed: ± s.e. over batches; mean: ± s.e. over "
@@ -485,34 +489,41 @@ def spike_blocks(data: StudyData) -> tuple[list[Block], list[Path]]:
         ),
         Table(header, table),
     ]
-    findings = []
-    if NO_INTERVENTION in finals:
-        for arm in arms[1:]:
-            findings.append(judge_lower(controls[arm], f"`{arm}`", "no intervention") + ".")
-    # paired SMA vs latest
+    return blocks, findings
+
+
+def _paired_row(data: StudyData, kind: str, arm: str, label: str) -> tuple[list[str], Spread | None]:
+    """``arm`` minus the latest arm per seed (paired over batches), over seeds, and the seeds it wins."""
+    seeds = data.seeds
+    deltas = [(data.row(s, kind, arm) or {}).get("delta_vs_latest") for s in seeds]
+    sp = spread(deltas)
+    wins = sum(1 for d in deltas if (d or 0) < 0)
+    cells = [_paired_cell(data.row(s, kind, arm)) for s in seeds]
+    return [label, *cells, spread_text(sp, signed=True), f"{wins}/{len(seeds)}"], sp
+
+
+def _spike_paired(data: StudyData, fam: str) -> tuple[list[Block], list[str]]:
+    """The merge family minus the latest-snapshot family: at the start, at the end, and along the way. The first
+    finding is the one about the starting weights."""
+    arms, seeds = _spike_arms(data), data.seeds
     opts = sorted({a.split("/")[1] for a in arms if "/" in a})
-    prow = []
+    rows, findings = [], []
     for opt in opts:
-        arm = f"{fam}/{opt}"
-        cells = [_paired_cell(data.row(s, "final", arm)) for s in seeds]
-        sp = spread([(data.row(s, "final", arm) or {}).get("delta_vs_latest") for s in seeds])
-        wins = sum(1 for s in seeds if ((data.row(s, "final", arm) or {}).get("delta_vs_latest") or 0) < 0)
-        prow.append(
-            [f"{fam} − latest, optimizer {opt}", *cells, spread_text(sp, signed=True), f"{wins}/{len(seeds)}"]
-        )
-        findings.append(judge_lower(sp, f"`{arm}`", f"`latest/{opt}`") + ".")
-    start_cells = [_paired_cell(data.row(s, "start", fam)) for s in seeds]
-    start_sp = spread([(data.row(s, "start", fam) or {}).get("delta_vs_latest") for s in seeds])
-    prow.append([f"{fam} − latest: the starting weights", *start_cells, spread_text(start_sp, signed=True),
-                 f"{sum(1 for s in seeds if ((data.row(s, 'start', fam) or {}).get('delta_vs_latest') or 0) < 0)}"
-                 f"/{len(seeds)}"])  # fmt: skip
-    findings.insert(0, judge_lower(start_sp, f"the {fam} weights", "the latest pre-spike snapshot") +
-                    " (at the resume point, before any training).")  # fmt: skip
-    way_rows = []
-    for opt in opts:
-        for t, sp in gap_along_the_way(data, f"{fam}/{opt}", f"latest/{opt}"):
-            way_rows.append([f"optimizer {opt}", fmt.tokens(t), spread_text(sp, signed=True),
-                             fmt.MISSING if sp is None or not sp.se else f"{sp.mean / sp.se:+.1f}"])  # fmt: skip
+        row, sp = _paired_row(data, "final", f"{fam}/{opt}", f"{fam} − latest, optimizer {opt}")
+        rows.append(row)
+        findings.append(judge_lower(sp, f"`{fam}/{opt}`", f"`latest/{opt}`") + ".")
+    row, start = _paired_row(data, "start", fam, f"{fam} − latest: the starting weights")
+    rows.append(row)
+    findings.insert(
+        0,
+        judge_lower(start, f"the {fam} weights", "the latest pre-spike snapshot")
+        + " (at the resume point, before any training).",
+    )
+    way_rows = [
+        [f"optimizer {opt}", fmt.tokens(t), spread_text(sp, signed=True), _t_cell(sp)]
+        for opt in opts
+        for t, sp in gap_along_the_way(data, f"{fam}/{opt}", f"latest/{opt}")
+    ]
     way: list[Block] = []
     if way_rows:
         way = [
@@ -524,19 +535,24 @@ def spike_blocks(data: StudyData) -> tuple[list[Block], list[Path]]:
             ),
             Table(["optimizer", "tokens", "mean ± s.e. (seeds)", "t"], way_rows),
         ]
-    blocks += [
+    blocks: list[Block] = [
         Heading(f"Paired difference: {fam} vs the latest pre-spike snapshot"),
         Paragraph(
             "Per seed: merge arm minus latest arm with the same optimizer policy, at the same tokens, paired over "
             "the held-out batches (± paired s.e., z = Δ/s.e.). Mean: over seeds ± s.e. over seeds. Negative = "
             "the merge is better. 'wins' counts the seeds where the merge arm ended lower."
         ),
-        Table(["comparison", *[f"seed {s}" for s in seeds], "mean ± s.e. (seeds)", "wins"], prow),
+        Table(["comparison", *[f"seed {s}" for s in seeds], "mean ± s.e. (seeds)", "wins"], rows),
         *way,
-        *_reset_vs_keep(data, fam, findings),
-        Heading("What the numbers say"),
-        Bullets(findings),
     ]
+    return blocks, findings
+
+
+def _t_cell(sp: Spread | None) -> str:
+    return fmt.MISSING if sp is None or not sp.se else f"{sp.mean / sp.se:+.1f}"
+
+
+def _spike_figures(data: StudyData) -> tuple[list[Block], list[Path]]:
     figs, failures = _draw(
         data,
         {
@@ -544,27 +560,25 @@ def spike_blocks(data: StudyData) -> tuple[list[Block], list[Path]]:
             "spike_train": lambda p: plot_spike(data, "train", p),
         },
     )
-    caption_marks = (
+    marks = (
         "Shaded: the LR push; dotted: the detected spike start; dash-dot: the resume point (newest merged "
         "snapshot). Blue: the merge arms, black: the latest-snapshot arms, vermillion: no intervention; solid = "
         "optimizer reset, dashed = optimizer kept."
     )
+    blocks: list[Block] = []
     if "spike_val" in figs:
         blocks.append(
             FigureBlock(
                 figs["spike_val"],
                 "Held-out loss of every arm, per seed",
-                ["Top: the whole run; bottom: the resumed arms only, on their own scale.", caption_marks],
+                ["Top: the whole run; bottom: the resumed arms only, on their own scale.", marks],
             )
         )
     if "spike_train" in figs:
         blocks.append(
-            FigureBlock(
-                figs["spike_train"], "Training loss per step around the spike, per seed", [caption_marks]
-            )
+            FigureBlock(figs["spike_train"], "Training loss per step around the spike, per seed", [marks])
         )
     blocks += [Paragraph(f, note=True) for f in failures]
-    blocks += _run_facts(exp)
     return blocks, [data.run_dir / p for p in figs.values()]
 
 
@@ -574,8 +588,7 @@ def _reset_vs_keep(data: StudyData, fam: str, findings: list[str]) -> list[Block
     for family in ("latest", fam):
         gaps = gap_along_the_way(data, f"{family}/reset", f"{family}/keep")
         for t, sp in gaps:
-            rows.append([family, fmt.tokens(t), spread_text(sp, signed=True),
-                         fmt.MISSING if sp is None or not sp.se else f"{sp.mean / sp.se:+.1f}"])  # fmt: skip
+            rows.append([family, fmt.tokens(t), spread_text(sp, signed=True), _t_cell(sp)])
         if gaps:
             t, sp = gaps[-1]
             findings.append(
