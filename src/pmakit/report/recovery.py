@@ -611,9 +611,10 @@ def _reset_vs_keep(data: StudyData, fam: str, findings: list[str]) -> list[Block
 
 
 def init_blocks(data: StudyData) -> tuple[list[Block], list[Path]]:
-    exp, seeds = data.experiment, data.seeds
-    cfg = exp.get("config", {})
-    spec, train = cfg.get("init", {}), cfg.get("train", {})
+    """The PMA-init study's section: the setup, held-out losses at each stage, the gap along the way, the
+    findings, gradient norms, the figures and the run facts."""
+    exp = data.experiment
+    spec, train = exp.get("config", {}).get("init", {}), exp.get("config", {}).get("train", {})
     fam = next(
         (r["model"] for r in data.rows if r["model"] != "latest"), f"{spec.get('method')}{spec.get('n')}"
     )
@@ -631,74 +632,17 @@ def init_blocks(data: StudyData) -> tuple[list[Block], list[Path]]:
             f"{spec.get('n')} snapshots. Both see the same data. 'early' = after the first "
             f"{fmt.tokens(spec.get('early_tokens'))} tokens."
         ),
-    ]
-    header = ["stage", "arm", *[f"seed {s}" for s in seeds], "mean ± s.e. (seeds)", "Δ vs latest (paired, per seed)",
-              "Δ mean ± s.e. (seeds)"]  # fmt: skip
-    table, findings = [], []
-    for stage in ("start", "early", "final"):
-        for arm in ("latest", fam):
-            cells = []
-            for s in seeds:
-                r = data.row(s, stage, arm)
-                cells.append(fmt.loss_se(r["val_loss"], r["val_loss_se"]) if r else fmt.MISSING)
-            sp = spread([(data.row(s, stage, arm) or {}).get("val_loss") for s in seeds])
-            dsp = spread([(data.row(s, stage, arm) or {}).get("delta_vs_latest") for s in seeds])
-            paired = (
-                "; ".join(_paired_cell(data.row(s, stage, arm)) for s in seeds) if arm != "latest" else ""
-            )
-            table.append([stage, arm, *cells, spread_text(sp), paired,
-                          spread_text(dsp, signed=True) if arm != "latest" else ""])  # fmt: skip
-            if arm != "latest":
-                findings.append(f"{stage}: " + judge_lower(dsp, f"`{fam}`", "`latest`") + ".")
-    way_rows = [
-        [fmt.tokens(t), fmt.tokens(t - (spec.get("init_at") or 0)), spread_text(sp, signed=True),
-         fmt.MISSING if sp is None or not sp.se else f"{sp.mean / sp.se:+.1f}"]
-        for t, sp in gap_along_the_way(data, fam, "latest")
-    ]  # fmt: skip
-    blocks += [Heading("Held-out loss"), Table(header, table)]
-    if way_rows:
-        blocks += [
-            Heading(f"{fam} − latest along the way", 3),
-            Paragraph(
-                "Held-out loss of the merge arm minus the latest arm at every evaluation point of the continued "
-                "training (mean over seeds ± s.e. over seeds; t = mean / s.e.): how long the merge's head start lasts."
-            ),
-            Table(["tokens", "into continued training", "mean ± s.e. (seeds)", "t"], way_rows),
-        ]
-    blocks += [Heading("What the numbers say"), Bullets(findings)]
-    # gradient norms
-    grows = []
-    for arm in ("latest", fam):
-        for stage in ("early", "final"):
-            cells = []
-            for key in ("grad_norm_mean", "grad_norm_max", "grad_norm_tv"):
-                cells.append(spread_text(spread([(data.row(s, stage, arm) or {}).get(key) for s in seeds])))
-            grows.append(
-                [arm, "first " + fmt.tokens(spec.get("early_tokens")) if stage == "early" else "all", *cells]
-            )
-    gfind = []
-    for key, what in (("grad_norm_mean", "mean gradient norm"), ("grad_norm_tv", "step-to-step change")):
-        diffs = []
-        for s in seeds:
-            a, b = data.row(s, "early", fam), data.row(s, "early", "latest")
-            if a and b and a.get(key) is not None and b.get(key) is not None:
-                diffs.append(a[key] - b[key])
-        gfind.append(judge_lower(spread(diffs), f"the {what} of `{fam}` (early)", "`latest`", unit="") + ".")
-    blocks += [
-        Heading("Gradient norm"),
-        Paragraph(
-            "Per-step gradient norm before clipping: mean, maximum, and mean absolute step-to-step change (a "
-            "roughness measure), averaged over seeds ± s.e. over seeds."
-        ),
-        Table(["arm", "steps", "mean", "max", "step-to-step change"], grows),
-        Bullets(gfind),
+        *_init_losses(data, fam, spec.get("init_at") or 0),
+        *_init_gradients(data, fam, spec.get("early_tokens")),
     ]
     figs, failures = _draw(
         data,
         {"init_val": lambda p: plot_init(data, "val", p), "init_grad": lambda p: plot_init(data, "grad", p)},
     )
-    cap = "Dash-dot: the start of continued training. Grey: the constant-LR run before it; black: from the " \
-          f"latest snapshot; blue: from {fam}."  # fmt: skip
+    cap = (
+        "Dash-dot: the start of continued training. Grey: the constant-LR run before it; black: from the "
+        f"latest snapshot; blue: from {fam}."
+    )
     if "init_val" in figs:
         blocks.append(
             FigureBlock(figs["init_val"], "Held-out loss during continued training, per seed", [cap])
@@ -708,6 +652,74 @@ def init_blocks(data: StudyData) -> tuple[list[Block], list[Path]]:
     blocks += [Paragraph(f, note=True) for f in failures]
     blocks += _run_facts(exp)
     return blocks, [data.run_dir / p for p in figs.values()]
+
+
+def _init_losses(data: StudyData, fam: str, init_at: int) -> list[Block]:
+    """Held-out loss of both arms at the start, early and at the end; the gap along the way; the findings."""
+    seeds = data.seeds
+    header = ["stage", "arm", *[f"seed {s}" for s in seeds], "mean ± s.e. (seeds)", "Δ vs latest (paired, per seed)",
+              "Δ mean ± s.e. (seeds)"]  # fmt: skip
+    table, findings = [], []
+    for stage in ("start", "early", "final"):
+        for arm in ("latest", fam):
+            rows = [data.row(s, stage, arm) for s in seeds]
+            cells = [fmt.loss_se(r["val_loss"], r["val_loss_se"]) if r else fmt.MISSING for r in rows]
+            sp = spread([(r or {}).get("val_loss") for r in rows])
+            dsp = spread([(r or {}).get("delta_vs_latest") for r in rows])
+            merged = arm != "latest"
+            paired = "; ".join(_paired_cell(r) for r in rows) if merged else ""
+            table.append(
+                [stage, arm, *cells, spread_text(sp), paired, spread_text(dsp, signed=True) if merged else ""]
+            )
+            if merged:
+                findings.append(f"{stage}: " + judge_lower(dsp, f"`{fam}`", "`latest`") + ".")
+    way_rows = [
+        [fmt.tokens(t), fmt.tokens(t - init_at), spread_text(sp, signed=True), _t_cell(sp)]
+        for t, sp in gap_along_the_way(data, fam, "latest")
+    ]
+    blocks: list[Block] = [Heading("Held-out loss"), Table(header, table)]
+    if way_rows:
+        blocks += [
+            Heading(f"{fam} − latest along the way", 3),
+            Paragraph(
+                "Held-out loss of the merge arm minus the latest arm at every evaluation point of the continued "
+                "training (mean over seeds ± s.e. over seeds; t = mean / s.e.): how long the merge's head start lasts."
+            ),
+            Table(["tokens", "into continued training", "mean ± s.e. (seeds)", "t"], way_rows),
+        ]
+    return [*blocks, Heading("What the numbers say"), Bullets(findings)]
+
+
+def _init_gradients(data: StudyData, fam: str, early_tokens: int | None) -> list[Block]:
+    """Gradient-norm mean, max and roughness per arm, early and over the whole continued training."""
+    seeds = data.seeds
+    rows = []
+    for arm in ("latest", fam):
+        for stage in ("early", "final"):
+            cells = [
+                spread_text(spread([(data.row(s, stage, arm) or {}).get(key) for s in seeds]))
+                for key in ("grad_norm_mean", "grad_norm_max", "grad_norm_tv")
+            ]
+            rows.append([arm, "first " + fmt.tokens(early_tokens) if stage == "early" else "all", *cells])
+    findings = []
+    for key, what in (("grad_norm_mean", "mean gradient norm"), ("grad_norm_tv", "step-to-step change")):
+        diffs = []
+        for s in seeds:
+            a, b = data.row(s, "early", fam), data.row(s, "early", "latest")
+            if a and b and a.get(key) is not None and b.get(key) is not None:
+                diffs.append(a[key] - b[key])
+        findings.append(
+            judge_lower(spread(diffs), f"the {what} of `{fam}` (early)", "`latest`", unit="") + "."
+        )
+    return [
+        Heading("Gradient norm"),
+        Paragraph(
+            "Per-step gradient norm before clipping: mean, maximum, and mean absolute step-to-step change (a "
+            "roughness measure), averaged over seeds ± s.e. over seeds."
+        ),
+        Table(["arm", "steps", "mean", "max", "step-to-step change"], rows),
+        Bullets(findings),
+    ]
 
 
 def _total_seconds(exp: dict[str, Any]) -> float | None:
