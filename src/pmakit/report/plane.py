@@ -175,62 +175,10 @@ def blocks(run_dir: Path, figure: Path | None) -> list[Block]:
     window = result.get("window", {})
     if isinstance(window, dict) and window.get("reason"):
         out.append(Paragraph(f"Window: {window['reason']}."))
-    span = float(result.get("window_span") or 1.0)
-
-    def coord(v: float) -> str:
-        return "0" if abs(v) < 1e-9 * span else f"{v:.4g}"  # float64 round-off of the defining points
-
-    rows = [
-        [str(s["index"]), fmt.tokens(s.get("tokens")), coord(s["x"]), coord(s["y"]), coord(s["distance"]),
-         f"{s['loss']:.4f}"]
-        for s in result["snapshots"]
-    ]  # fmt: skip
-    m = result["merge"]
-    rows.append(["SMA merge", "", coord(m["x"]), coord(m["y"]), coord(m["distance"]), f"{m['loss']:.4f}"])
-    out.append(Table(["snapshot", "tokens", "x", "y", "off-plane", "loss"], rows, align="rrrrrr"))
-    out.append(Bullets(summary_lines(result)[1:4]))
+    out += [_points_table(result), Bullets(summary_lines(result)[1:4])]
     e11 = result.get("e11")
     if isinstance(e11, dict):
-        mr, er = e11["merge_reference"], e11["end_reference"]
-        out.append(Heading("Cross terms (paper finding 9)", 3))
-        out.append(
-            Paragraph(
-                "With deviations d_i from a reference and Hessian H, the merge beats the mean of its k members iff "
-                "C = Σ_{i≠j} d_iᵀHd_j < (k−1) D, D = Σ_i d_iᵀHd_i. For a quadratic loss C − (k−1)D = "
-                "2k²·(L(merge) − mean L(members)) for any reference, so the gap below decides the condition. Each "
-                "dᵀHd is a central second difference of held-out losses, L(ref+d) + L(ref−d) − 2L(ref): exact for "
-                "a quadratic, the segment-averaged curvature otherwise. Reference 'merge': the SMA itself "
-                "(Σd_i = 0, so C = −D by construction). Reference 'newest': the window's newest snapshot. "
-                "Values are means ± s.e. over held-out batches."
-            )
-        )
-        out.append(
-            Table(
-                ["quantity", "value"],
-                [
-                    ["L(merge) − mean L(members)", _fmt_se(e11["gap"])],
-                    ["C − (k−1)D (any reference)", _fmt_se(e11["invariant"], 3)],
-                    ["D, reference merge", _fmt_se(mr["D"], 3)],
-                    [
-                        "quadratic prediction −D/(2k) of the gap, reference merge",
-                        _fmt_se(mr["predicted_gap"]),
-                    ],
-                    ["D, reference newest", _fmt_se(er["D"], 3)],
-                    ["C, reference newest", _fmt_se(er["C"], 3)],
-                    ["C / ((k−1)D), reference newest", "–" if er["ratio"] is None else f"{er['ratio']:.2f}"],
-                    [
-                        "mean cosine of deviations from the newest",
-                        "–" if er["mean_cosine"] is None else f"{er['mean_cosine']:+.3f}",
-                    ],
-                    [
-                        "mean cosine of successive steps",
-                        "–" if e11["mean_step_cosine"] is None else f"{e11['mean_step_cosine']:+.3f}",
-                    ],
-                ],
-                align="lr",
-            )
-        )
-        out.append(Bullets(e11_lines(e11)))
+        out += _cross_terms(e11)
     if figure is not None:
         out.append(
             FigureBlock(
@@ -246,6 +194,57 @@ def blocks(run_dir: Path, figure: Path | None) -> list[Block]:
             )
         )
     return out
+
+
+def _points_table(result: dict[str, Any]) -> Table:
+    """Every snapshot of the window and the merge: plane coordinates, distance off the plane, loss."""
+    span = float(result.get("window_span") or 1.0)
+
+    def coord(v: float) -> str:
+        return "0" if abs(v) < 1e-9 * span else f"{v:.4g}"  # float64 round-off of the defining points
+
+    rows = [
+        [str(s["index"]), fmt.tokens(s.get("tokens")), coord(s["x"]), coord(s["y"]), coord(s["distance"]),
+         f"{s['loss']:.4f}"]
+        for s in result["snapshots"]
+    ]  # fmt: skip
+    m = result["merge"]
+    rows.append(["SMA merge", "", coord(m["x"]), coord(m["y"]), coord(m["distance"]), f"{m['loss']:.4f}"])
+    return Table(["snapshot", "tokens", "x", "y", "off-plane", "loss"], rows, align="rrrrrr")
+
+
+def _cross_terms(e11: dict[str, Any]) -> list[Block]:
+    """Paper finding 9: C against (k-1)D around the merge and around the newest snapshot."""
+    mr, er = e11["merge_reference"], e11["end_reference"]
+
+    def signed(x: float | None) -> str:
+        return "–" if x is None else f"{x:+.3f}"
+
+    rows = [
+        ["L(merge) − mean L(members)", _fmt_se(e11["gap"])],
+        ["C − (k−1)D (any reference)", _fmt_se(e11["invariant"], 3)],
+        ["D, reference merge", _fmt_se(mr["D"], 3)],
+        ["quadratic prediction −D/(2k) of the gap, reference merge", _fmt_se(mr["predicted_gap"])],
+        ["D, reference newest", _fmt_se(er["D"], 3)],
+        ["C, reference newest", _fmt_se(er["C"], 3)],
+        ["C / ((k−1)D), reference newest", "–" if er["ratio"] is None else f"{er['ratio']:.2f}"],
+        ["mean cosine of deviations from the newest", signed(er["mean_cosine"])],
+        ["mean cosine of successive steps", signed(e11["mean_step_cosine"])],
+    ]
+    return [
+        Heading("Cross terms (paper finding 9)", 3),
+        Paragraph(
+            "With deviations d_i from a reference and Hessian H, the merge beats the mean of its k members iff "
+            "C = Σ_{i≠j} d_iᵀHd_j < (k−1) D, D = Σ_i d_iᵀHd_i. For a quadratic loss C − (k−1)D = "
+            "2k²·(L(merge) − mean L(members)) for any reference, so the gap below decides the condition. Each "
+            "dᵀHd is a central second difference of held-out losses, L(ref+d) + L(ref−d) − 2L(ref): exact for "
+            "a quadratic, the segment-averaged curvature otherwise. Reference 'merge': the SMA itself "
+            "(Σd_i = 0, so C = −D by construction). Reference 'newest': the window's newest snapshot. "
+            "Values are means ± s.e. over held-out batches."
+        ),
+        Table(["quantity", "value"], rows, align="lr"),
+        Bullets(e11_lines(e11)),
+    ]
 
 
 def draw(run_dir: Path, path: Path) -> Path | None:
