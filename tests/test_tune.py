@@ -224,3 +224,36 @@ def test_cli_refuses_a_missing_run_and_an_existing_output(tiny: dict[str, Path],
     assert r.exit_code != 0 and "exists" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert (tmp_path / "taken" / "notes.txt").read_text() == "mine"
     assert os.listdir(tmp_path / "taken") == ["notes.txt"]
+
+
+# --- the experiment's headline uses the same machinery
+
+
+def test_experiment_headline_chosen_on_selection_reported_on_test(smoke_experiment: tuple[Path, str]) -> None:
+    from pmakit.lab.results import read_rows
+
+    run, _ = smoke_experiment
+    rows = read_rows(run / "results.jsonl")
+    exp = json.loads((run / "experiment.json").read_text())
+    assert exp["heldout"]["mode"] == "by-file" and min(exp["heldout"]["batches"].values()) >= 2
+    assert {r["split"] for r in rows} == {"selection", "test"}
+    cell = ("method", "n", "v_tokens", "alpha")
+    for fork in exp["forks"]:
+        at = [r for r in rows if r["fork_tokens"] == fork["fork_tokens"]]
+        grid = [r for r in at if r["split"] == "selection" and r["model"] == "merged"]
+        test = {r["role"] or r["model"]: r for r in at if r["split"] == "test"}
+        assert {"latest", "annealed", "best", "fixed", "tuned"} <= set(test)
+        chosen = min(grid, key=lambda r: r["val_loss"])
+        assert [test["best"][k] for k in cell] == [chosen[k] for k in cell]  # the selection split's pick
+        assert test["best"]["val_loss"] != chosen["val_loss"]  # ... scored again, on other files
+        assert test["fixed"]["method"] == "sma" and test["fixed"]["n"] == 10
+        assert test["fixed"]["v_tokens"] == exp["base_every_tokens"]
+        assert test["tuned"]["tune"]["trials"] == exp["config"]["experiment"]["tune_evals"]
+        latest = test["latest"]["batch_losses"]
+        assert len(latest) == exp["heldout"]["batches"]["test"]
+        for role in ("best", "fixed", "tuned"):
+            diffs = [a - b for a, b in zip(test[role]["batch_losses"], latest)]
+            assert test[role]["delta_vs_latest"] == pytest.approx(sum(diffs) / len(diffs))
+    report = (run / "report.md").read_text()
+    assert "on the TEST split" in report and "fixed recipe, no selection" in report
+    assert "chosen on selection" in report

@@ -485,7 +485,10 @@ def _best_sma(run: Path) -> dict[str, Any] | None:
     rows = [
         r
         for r in iter_rows(run)
-        if r.get("model") == "merged" and r.get("method") == "sma" and (r.get("n") or 0) >= 3
+        if r.get("model") == "merged"
+        and r.get("method") == "sma"
+        and (r.get("n") or 0) >= 3
+        and r.get("split") != "test"  # the choice is made on the selection split, never on the test split
     ]
     forks = [r["fork_tokens"] for r in rows if r.get("fork_tokens") is not None]
     if not forks:
@@ -643,7 +646,11 @@ def experiment_plane(grid: Any, run_dir: Path, *, size: int, batches: int) -> di
     rows = [
         r
         for r in grid.rows
-        if r["model"] == "merged" and r["method"] == "sma" and r["fork_tokens"] == last and r["n"] >= 3
+        if r["model"] == "merged"
+        and r["method"] == "sma"
+        and r["fork_tokens"] == last
+        and r["n"] >= 3
+        and r.get("split") != "test"
     ]
     if not rows:
         log.info("loss plane: no SMA of 3 or more snapshots at the last fork; skipped")

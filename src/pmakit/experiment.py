@@ -4,10 +4,14 @@
    full state at each fork point F.
 2. At each fork, an anneal branch: the same run continued for D tokens with the LR decayed to 0 (the thing PMA
    predicts without paying for it). The constant-LR run continues over the same D tokens.
-3. At each fork's end E = F + D, evaluate on the same held-out batches: the latest snapshot, the anneal, and merges
-   of snapshots ending at E over a grid of N (count), V (spacing) and weightings. Also latest vs SMA at a few points
-   of the stable phase.
-4. Write results.csv/jsonl, curves.csv, experiment.json, the merged model of the headline comparison (written by
+3. At each fork's end E = F + D, evaluate on the SELECTION split of the held-out files: the latest snapshot, the
+   anneal, and merges of snapshots ending at E over a grid of N (count), V (spacing) and weightings (descriptive
+   tables). Also latest vs SMA at a few points of the stable phase.
+4. The headline, on the disjoint TEST split (other held-out files, ``pmakit.train.data.heldout_splits``): the latest
+   snapshot, the anneal, the best merge and the best SMA (both chosen on the selection split), the fixed recipe
+   (SMA of the last 10 snapshots at the configured V: no selection at all) and, with ``tune_evals``, the merge
+   ``pmakit tune``'s search picks on the selection split. Every headline number has a paired s.e. on the test split.
+5. Write results.csv/jsonl, curves.csv, experiment.json, the merged model of the headline comparison (written by
    the real ``pmakit merge`` engine, so it loads with ``from_pretrained``) and the report.
 
 Re-running into the same directory resumes: finished training and finished evaluations are not redone.
@@ -40,11 +44,14 @@ from pmakit.train.loop import TrainConfig, Trainer
 from pmakit.units import format_tokens, parse_tokens
 from pmakit.weights import get_weights
 
+FIXED_N = 10
+"""N of the fixed recipe row (the paper's default SMA at the configured V): no selection at all."""
+
 log = logging.getLogger(__name__)
 
 RESULT_COLUMNS = [
     "fork_tokens", "model", "method", "n", "v_tokens", "alpha", "tokens", "window_start_tokens",
-    "val_loss", "val_loss_se", "bpb", "delta_vs_latest", "delta_se", "label",
+    "val_loss", "val_loss_se", "bpb", "delta_vs_latest", "delta_se", "label", "split", "role",
 ]  # fmt: skip
 EMA_METHODS = ("ema", "ema-normalized")
 
@@ -72,7 +79,9 @@ class ExperimentConfig:
     points: int = 6
     """Extra points of the stable phase where latest vs SMA(method_n) is evaluated (paper E1)."""
     eval_batches: int = 32
-    """Held-out batches every model of the grid is scored on."""
+    """Held-out batches per split: the grid is scored on the selection split, the headline on the test split."""
+    tune_evals: int = 0
+    """Trials of ``pmakit tune``'s search (selection split) for a tuned merge at each fork (0: none)."""
     plane_grid: int = 0
     """Loss plane (E11, E12) at the final fork for the best SMA window: grid points per axis (0: skip it)."""
     plane_batches: int = 4
@@ -87,6 +96,8 @@ class ExperimentConfig:
             raise PmakitError("experiment.ns and experiment.v_multiples must be positive integers")
         for m in self.methods:
             get_weights(m, 2)  # an unknown name fails here, listing the known ones
+        if self.tune_evals == 1 or self.tune_evals < 0:
+            raise PmakitError("experiment.tune_evals must be 0 (no tuned merge) or at least 2")
         if self.plane_grid == 1 or self.plane_grid < 0 or self.plane_batches < 1:
             raise PmakitError("experiment.plane_grid must be 0 (off) or at least 2, plane_batches at least 1")
 
@@ -160,7 +171,7 @@ def run_experiment(
     data: Mapping[str, Any], run_dir: str | Path, *, fresh: bool = False, progress: bool = True
 ) -> Path:
     """Run (or resume) the study into ``run_dir``; returns the report's path."""
-    from pmakit.train.data import val_batches
+    from pmakit.train.data import corpus_heldout, split_batches
     from pmakit.train.loop import load_corpus
 
     if data.get("study") == "replicas":  # model copies (pmakit.lab.replicas)
@@ -206,11 +217,13 @@ def run_experiment(
     seconds["anneal"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    batches = val_batches(
-        corpus.val, batch_size=cfg.batch_size, seq_len=cfg.model.seq_len, max_batches=study.exp.eval_batches
+    held = corpus_heldout(corpus)
+    batches = split_batches(
+        held, batch_size=cfg.batch_size, seq_len=cfg.model.seq_len, max_batches=study.exp.eval_batches
     )
     grid = _Grid(study, run_dir, main, batches, corpus.bytes_per_token)
     grid.run(progress)
+    grid.run(progress, grid.test_plan())
     seconds["merge_eval"] = time.perf_counter() - t
     if study.exp.plane_grid:
         from pmakit.analysis import experiment_plane
@@ -223,7 +236,8 @@ def run_experiment(
     _write_curves(run_dir, study)
     headline = grid.write_headline_merge()
     seconds["total"] = sum(seconds.values())
-    _write_experiment_json(run_dir, study, main, corpus, seconds, started, headline)
+    heldout = {**held.describe(), "batches": {k: len(v) for k, v in batches.items()}}
+    _write_experiment_json(run_dir, study, main, corpus, seconds, started, headline, heldout)
     from pmakit.report import write_report
 
     paths = write_report(run_dir)
@@ -271,26 +285,31 @@ def _anneal(study: Study, fork: Fork, run_dir: Path, corpus: Any, progress: bool
 
 
 class _Grid:
-    """Evaluates latest, annealed and merged models at each fork's end, appending rows as they finish."""
+    """Evaluates latest, annealed and merged models at each fork's end, appending rows as they finish.
+
+    The grid (``plan``) is scored on the selection split; the headline (``test_plan``) on the test split, its
+    choices read from the selection rows only.
+    """
 
     def __init__(
         self,
         study: Study,
         run_dir: Path,
         trainer: Trainer,
-        batches: Sequence[Any],
+        batches: Mapping[str, Sequence[Any]],
         bytes_per_token: float | None,
     ) -> None:
         self.study = study
         self.run_dir = run_dir
         self.trainer = trainer
-        self.batches = batches
+        self.batches = batches["selection"]
+        self.test_batches = batches["test"]
         self.bytes_per_token = bytes_per_token
         self.snapshots = {s.tokens: s for s in discover(run_dir / "main" / "snapshots")}
         self._states: dict[int, dict[str, torch.Tensor]] = {}
-        self.rows = read_rows(run_dir / "results.jsonl")
+        self.rows = _current_rows(run_dir)
         self._done = {_key(r) for r in self.rows}
-        self._latest: dict[int, EvalResult] = {}
+        self._latest: dict[tuple[int, str], EvalResult] = {}
 
     # -- what to evaluate
 
@@ -334,15 +353,44 @@ class _Grid:
                 }
             )
         # the latest row at each point first: merges are compared with it
+        items = [{**i, "split": "selection", "role": ""} for i in items]
         return [i for i in items if i["model"] == "latest"] + [i for i in items if i["model"] != "latest"]
 
-    def run(self, progress: bool) -> None:
-        todo = [i for i in self.plan() if _key(i) not in self._done]
+    def test_plan(self) -> list[dict[str, Any]]:
+        """The headline models at each fork, on the test split: the choices come from the selection rows only."""
+        v0, items = self.study.train.every_tokens, []
+        for fork in self.study.forks:
+            base = {"fork_tokens": fork.fork_tokens, "tokens": fork.eval_tokens, "split": "test"}
+            items += [{**base, "model": "latest", "role": ""}, {**base, "model": "annealed", "role": ""}]
+            chosen = [
+                r
+                for r in self.rows
+                if r["model"] == "merged"
+                and r["fork_tokens"] == fork.fork_tokens
+                and r["split"] == "selection"
+            ]
+            cells: list[dict[str, Any]] = []
+            for role, pool in (("best", chosen), ("best-sma", [r for r in chosen if r["method"] == "sma"])):
+                cell = {k: min(pool, key=lambda r: r["val_loss"]).get(k) for k in _CELL} if pool else None
+                if cell is not None and cell not in cells:  # best-sma is the best merge: scored once
+                    cells.append(cell)
+                    items.append({**base, **cell, "model": "merged", "role": role})
+            n = min(FIXED_N, fork.eval_tokens // v0)  # the paper's default, as far as the run has snapshots
+            fixed = {"model": "merged", "method": "sma", "n": n, "v_tokens": v0, "role": "fixed"}
+            items.append({**base, **fixed})
+            if self.study.exp.tune_evals:
+                items.append({**base, "model": "merged", "method": "tuned", "role": "tuned"})
+        return items
+
+    def run(self, progress: bool, plan: list[dict[str, Any]] | None = None) -> None:
+        plan = self.plan() if plan is None else plan
+        todo = [i for i in plan if _key(i) not in self._done]
+        split = plan[0]["split"] if plan else "selection"
         if not todo:
-            log.info("evaluations: already done")
+            log.info("evaluations on the %s split: already done", split)
             return
-        log.info("evaluating %d models on %d held-out batches", len(todo), len(self.batches))
-        with _bar(len(todo), progress, "evaluating") as advance:
+        log.info("evaluating %d models on %d %s batches", len(todo), len(self._batches(split)), split)
+        with _bar(len(todo), progress, f"evaluating ({split} split)") as advance:
             for item in todo:
                 row = self._evaluate(item)
                 if row is not None:
@@ -352,24 +400,27 @@ class _Grid:
     # -- evaluation
 
     def _evaluate(self, item: dict[str, Any]) -> dict[str, Any] | None:
-        tokens = item["tokens"]
+        tokens, split = item["tokens"], item["split"]
         if item["model"] == "latest":
             snap = self._snapshot_at(tokens)
-            result = self._score(self._state(snap))
-            self._latest[tokens] = result
+            result = self._score(self._state(snap), split)
+            self._latest[tokens, split] = result
             row = {**item, "label": f"latest snapshot ({format_tokens(tokens)})"}
         elif item["model"] == "annealed":
             branch = self.run_dir / f"anneal-{item['fork_tokens']}" / "checkpoint"
-            result = self._score(read_state(branch))
+            result = self._score(read_state(branch), split)
             row = {**item, "label": f"anneal from {format_tokens(item['fork_tokens'])}"}
+        elif item["method"] == "tuned":
+            chosen, weights, row = self._tune(item)
+            result = self._score(self._average(chosen, weights), split)
         else:
-            chosen = self._window(tokens, item["n"], item["v_tokens"])
-            if chosen is None:
+            found = self._window(tokens, item["n"], item["v_tokens"])
+            if found is None:
                 return None  # the window reaches back before the first snapshot: not evaluated
-            weights = get_weights(item["method"], len(chosen), alpha=item.get("alpha") or 0.2)
-            result = self._score(self._average(chosen, weights))
+            chosen, weights = found, get_weights(item["method"], len(found), alpha=item.get("alpha") or 0.2)
+            result = self._score(self._average(chosen, weights), split)
             row = {**item, "window_start_tokens": chosen[0].tokens, "label": _label(item, self.study.train)}
-        latest = self._latest_result(tokens)
+        latest = self._latest_result(tokens, split)
         delta, se = paired_difference(result, latest) if item["model"] != "latest" else (0.0, 0.0)
         return {
             **{c: None for c in RESULT_COLUMNS},
@@ -382,21 +433,68 @@ class _Grid:
             "batch_losses": result.batch_losses,
         }
 
-    def _score(self, state: Mapping[str, torch.Tensor]) -> EvalResult:
+    def _batches(self, split: str) -> Sequence[Any]:
+        return self.test_batches if split == "test" else self.batches
+
+    def _score(self, state: Mapping[str, torch.Tensor], split: str) -> EvalResult:
         from pmakit.train.loop import swapped
 
         with swapped(self.trainer.model, state):
-            return evaluate(self.trainer.model, self.batches, bytes_per_token=self.bytes_per_token)
+            return evaluate(self.trainer.model, self._batches(split), bytes_per_token=self.bytes_per_token)
 
-    def _latest_result(self, tokens: int) -> EvalResult:
-        if tokens not in self._latest:
-            row = next((r for r in self.rows if r["model"] == "latest" and r["tokens"] == tokens), None)
+    def _tune(self, item: Mapping[str, Any]) -> tuple[list[Snapshot], list[float], dict[str, Any]]:
+        """``pmakit tune``'s search over the snapshots up to the fork's end, scored on the selection split."""
+        from pmakit.lab.tune import Scorer, Space, TuneConfig, chosen_candidate, search
+
+        exp = self.study.exp
+        config = TuneConfig(
+            budget_evals=exp.tune_evals,
+            seed=self.study.train.seed,
+            max_n=max((*exp.ns, FIXED_N)),
+            v_multiples=tuple(sorted({1, *exp.v_multiples})),
+        )
+        pool = [s for t, s in sorted(self.snapshots.items()) if t <= item["tokens"]]
+        space = Space.of(pool, config)
+        scorer = Scorer(lambda c, split: self._score(self._average(c.snapshots, c.weights), split))
+        trials = search(space, scorer, config)
+        c = chosen_candidate(space, trials)
+        chosen, p = list(c.snapshots), c.params
+        alpha = f"({p['alpha']:.2g})" if p.get("alpha") else ""
+        label = (
+            f"{p['family']}{alpha} N={p['n']} V={format_tokens(p['v_tokens'])} ending at "
+            f"{format_tokens(p['end_tokens'])} (best of {len(trials)} trials)"
+        )
+        row = {
+            **item,
+            "n": len(chosen),
+            "v_tokens": p["v_tokens"],
+            "alpha": p.get("alpha"),
+            "window_start_tokens": chosen[0].tokens,
+            "label": label,
+            "tune": {
+                **c.record(),
+                "trials": len(trials),
+                "selection_loss": min(t["selection_loss"] for t in trials),
+            },
+        }
+        return chosen, list(c.weights), row
+
+    def _latest_result(self, tokens: int, split: str) -> EvalResult:
+        if (tokens, split) not in self._latest:
+            row = next(
+                (
+                    r
+                    for r in self.rows
+                    if r["model"] == "latest" and r["tokens"] == tokens and r["split"] == split
+                ),
+                None,
+            )
             if row is None:
-                raise PmakitError(f"internal: no latest evaluation at {tokens} tokens")
-            self._latest[tokens] = EvalResult(
+                raise PmakitError(f"internal: no latest evaluation at {tokens} tokens on the {split} split")
+            self._latest[tokens, split] = EvalResult(
                 row["val_loss"], row["val_loss_se"], row["bpb"], row["batch_losses"]
             )
-        return self._latest[tokens]
+        return self._latest[tokens, split]
 
     def _snapshot_at(self, tokens: int) -> Snapshot:
         if tokens not in self.snapshots:
@@ -434,7 +532,10 @@ class _Grid:
         rows = [
             r
             for r in self.rows
-            if r["model"] == "merged" and r["fork_tokens"] == last.fork_tokens and r["method"] == "sma"
+            if r["model"] == "merged"
+            and r["fork_tokens"] == last.fork_tokens
+            and r["method"] == "sma"
+            and r["split"] == "selection"  # a choice: never made on the test split
         ]
         if not rows:
             return None
@@ -456,8 +557,45 @@ class _Grid:
         return {"path": str(out), "label": best["label"], "val_loss": best["val_loss"]}
 
 
+_CELL = ("method", "n", "v_tokens", "alpha")
+"""What defines a merge of the grid (with the fork and its tokens)."""
+
+
 def _key(row: Mapping[str, Any]) -> tuple[Any, ...]:
-    return tuple(row.get(k) for k in ("fork_tokens", "model", "method", "n", "v_tokens", "alpha", "tokens"))
+    keys: tuple[str, ...] = (
+        "fork_tokens",
+        "model",
+        "method",
+        "n",
+        "v_tokens",
+        "alpha",
+        "tokens",
+        "split",
+        "role",
+    )
+    if row.get("role") in (
+        "best",
+        "best-sma",
+        "tuned",
+    ):  # chosen from rows that may still change: one per role
+        keys = ("fork_tokens", "model", "tokens", "split", "role")
+    return tuple(row.get(k) for k in keys)
+
+
+def _current_rows(run_dir: Path) -> list[dict[str, Any]]:
+    """results.jsonl, unless an older pmakit scored it on the whole held-out set (no ``split``): that file is set
+    aside as results-whole-val.jsonl and every model is evaluated again (training is kept)."""
+    path = run_dir / "results.jsonl"
+    rows = read_rows(path)
+    if rows and any("split" not in r for r in rows):
+        log.warning(
+            "%s was scored on the whole held-out set (an older pmakit); kept as results-whole-val.jsonl, "
+            "evaluating again on the selection and test splits",
+            path,
+        )
+        path.replace(run_dir / "results-whole-val.jsonl")
+        return []
+    return rows
 
 
 def _label(item: Mapping[str, Any], cfg: TrainConfig) -> str:
@@ -508,6 +646,7 @@ def _write_experiment_json(
     seconds: dict[str, float],
     started: str,
     headline: dict[str, Any] | None,
+    heldout: dict[str, Any],
 ) -> None:
     previous = {}
     path = run_dir / "experiment.json"
@@ -526,6 +665,8 @@ def _write_experiment_json(
         "base_every_tokens": study.train.every_tokens,
         "tokens_per_step": study.train.tokens_per_step,
         "headline_merge": headline,
+        # grid and choices on the selection split, the headline on the test split: disjoint held-out files
+        "heldout": heldout,
         "pmakit_version": pmakit.__version__,
         "torch_version": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -549,6 +690,12 @@ def _check_same_config(run_dir: Path, study: Study) -> None:
         for key in _ANALYSIS_ONLY:  # they change no result row, so a resumed study may turn them on or off
             for d in (saved.get("experiment", {}), current["experiment"]):
                 d.pop(key, None)
+        defaults = asdict(ExperimentConfig())
+        for key, value in list(
+            current["experiment"].items()
+        ):  # a key newer than the saved run, at its default
+            if key not in saved.get("experiment", {}) and value == _jsonable(defaults.get(key)):
+                saved.setdefault("experiment", {})[key] = value
         if saved != current:
             changed = sorted(
                 f"{section}.{k}"

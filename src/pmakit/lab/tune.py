@@ -355,7 +355,7 @@ def tune(run: str | Path, out: str | Path, *, data: str | None = None, config: T
     evaluator, source, scratch = _evaluator(run, out, snapshots[-1], data, config)
     try:
         scorer = Scorer(evaluator)
-        trials = _search(space, scorer, config)
+        trials = search(space, scorer, config)
         record = _confirm(space, scorer, trials, config)
     finally:
         if scratch is not None:
@@ -398,7 +398,7 @@ def _evaluator(
     return InMemory(newest.path, batches), source, None
 
 
-def _search(space: Space, scorer: Scorer, config: TuneConfig) -> list[dict[str, Any]]:
+def search(space: Space, scorer: Scorer, config: TuneConfig) -> list[dict[str, Any]]:
     """Run the TPE study on the selection split; every trial's record, in order."""
     import optuna
 
@@ -440,18 +440,23 @@ def _search(space: Space, scorer: Scorer, config: TuneConfig) -> list[dict[str, 
     return records
 
 
+def chosen_candidate(space: Space, trials: Sequence[Mapping[str, Any]]) -> Candidate:
+    """The trial with the lowest selection loss, as a candidate (the first of equals: the baselines come first)."""
+    merge = min(trials, key=lambda r: r["selection_loss"])["merge"]
+    by_tokens = {s.tokens: s for s in space.snapshots}
+    return Candidate(
+        tuple(by_tokens[t] for t in merge["tokens"]),
+        tuple(merge["weights"]),
+        {k: v for k, v in merge.items() if k not in ("tokens", "weights")},
+    )
+
+
 def _confirm(
     space: Space, scorer: Scorer, trials: list[dict[str, Any]], config: TuneConfig
 ) -> dict[str, Any]:
     """The best trial on selection, scored with both baselines on the test split (paired s.e.)."""
     best = min(trials, key=lambda r: r["selection_loss"])
-    merge = best["merge"]
-    by_tokens = {s.tokens: s for s in space.snapshots}
-    chosen = Candidate(
-        tuple(by_tokens[t] for t in merge["tokens"]),
-        tuple(merge["weights"]),
-        {k: v for k, v in merge.items() if k not in ("tokens", "weights")},
-    )
+    chosen = chosen_candidate(space, trials)
     models = {"tuned": chosen, **space.baselines()}
     results = {name: {s: scorer(c, s) for s in SPLITS} for name, c in models.items()}
     comparisons = {}

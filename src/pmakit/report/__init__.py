@@ -82,11 +82,14 @@ def draw_figures(data: RunData, forks: list[ForkSummary], base: int | None) -> d
     final = (config.get("experiment") or {}).get("eval_batches")
     figs.weightings_v = v_for_weightings(forks)
     figs.sweep_v, figs.sweep_n = v_for_n_sweep(forks), n_for_v_sweep(forks)
+    # the headline's models (test split, chosen on selection) where the figure shows the tables' numbers; the
+    # grid figures (heatmap, weightings, sweeps) describe the selection split
+    heads = [f.headline for f in forks]
     jobs = {
         "curves": lambda p: plots.plot_curves(
-            data.curves, forks, p, online_batches=online, final_batches=final
+            data.curves, heads, p, online_batches=online, final_batches=final
         ),
-        "fork_gains": lambda p: plots.plot_fork_gains(forks, base, p),
+        "fork_gains": lambda p: plots.plot_fork_gains(heads, base, p),
         "heatmap": lambda p: plots.plot_heatmaps(forks, base, p),
         "weightings": lambda p: plots.plot_weightings(forks, figs.weightings_v, base, p),
         "sweeps": lambda p: plots.plot_sweeps(
@@ -175,10 +178,11 @@ def summary_text(run_dir: str | Path) -> str:
     extras.append(f"total {fmt.seconds(total)}" if isinstance(total, int | float) else "")
     lines = [head + (f" ({', '.join(e for e in extras if e)})" if any(extras) else "")]
     if forks:
-        f = forks[-1]
+        f = forks[-1].headline
+        split = "test split; merges chosen on the selection split" if forks[-1].test else "one held-out split"
         lines.append(
             f"Final fork F{len(forks)}: forked at {fmt.tokens(f.fork_tokens)}, anneal {fmt.tokens(f.anneal_tokens)}, "
-            f"evaluated at {fmt.tokens(f.eval_tokens)} tokens"
+            f"evaluated at {fmt.tokens(f.eval_tokens)} tokens ({split})"
         )
         lines.append(_row_line("model", "val loss ± s.e.", "Δ vs latest ± s.e.", "Δ/s.e."))
         shown = [
@@ -187,6 +191,10 @@ def summary_text(run_dir: str | Path) -> str:
         ]
         if f.best_sma is not None and f.best_sma is not f.best_merge:
             shown.append(("best SMA: " + document.describe(f.best_sma, base), f.best_sma))
+        for role, name in (("fixed", "fixed recipe: "), ("tuned", "tuned: ")):
+            row = f.role(role)
+            if row is not None:
+                shown.append((name + (document.describe(row, base) if role == "fixed" else row.label), row))
         shown.append(("annealed branch", f.annealed))
         for name, row in shown:
             if row is None:
@@ -213,7 +221,9 @@ def summary_text(run_dir: str | Path) -> str:
             lines.append("  No annealed branch in the results: nothing to compare the merge with.")
         if len(forks) > 1:
             lines.append("Each fork: best merge Δ ± s.e. (Δ/s.e.), share of the anneal's gain recovered")
-            for i, fk in enumerate(forks[-6:], start=len(forks) - min(6, len(forks)) + 1):
+            for i, fk in enumerate(
+                (f.headline for f in forks[-6:]), start=len(forks) - min(6, len(forks)) + 1
+            ):
                 g = fk.gain(fk.best_merge)
                 lines.append(
                     f"  F{i} at {fmt.tokens(fk.fork_tokens):>7}: {document.delta_text(g)} ({document.z_text(g)}), "

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pmakit.report.load import Row, RunData
@@ -130,16 +130,31 @@ class ForkSummary:
     """Every merge evaluated at eval_tokens."""
     annealed: Row | None
     """The anneal branch after D tokens."""
+    test: ForkSummary | None = None
+    """The same fork's headline rows on the test split (None for a run without them); its best merges are the
+    ones chosen on the selection split, never the minimum over the test split."""
 
     @property
     def best_merge(self) -> Row | None:
-        """The merge with the lowest val_loss (any weighting, N, V)."""
-        return min(self.merges, key=_loss, default=None)
+        """The merge chosen on the selection split (the row with role 'best'), else the lowest val_loss here."""
+        return self.role("best") or min((r for r in self.merges if not r.role), key=_loss, default=None)
 
     @property
     def best_sma(self) -> Row | None:
-        """The SMA merge with the lowest val_loss."""
-        return min((r for r in self.merges if r.method == "sma"), key=_loss, default=None)
+        """The SMA chosen on the selection split (role 'best-sma'), else the SMA merge with the lowest val_loss."""
+        best = self.role("best")
+        if self.role("best-sma") or (best is not None and best.method == "sma"):
+            return self.role("best-sma") or best  # the experiment scores one row when the two choices agree
+        return min((r for r in self.merges if r.method == "sma" and not r.role), key=_loss, default=None)
+
+    def role(self, role: str) -> Row | None:
+        """The merge of a headline role ('best', 'best-sma', 'fixed', 'tuned'), if evaluated."""
+        return next((r for r in self.merges if r.role == role), None)
+
+    @property
+    def headline(self) -> ForkSummary:
+        """What the headline reports: the test-split rows when the run has them, else these rows."""
+        return self.test or self
 
     def gain(self, row: Row | None) -> Gain | None:
         """``row``'s gain over the latest snapshot of this fork."""
@@ -252,9 +267,14 @@ def fork_points(data: RunData) -> list[int]:
     return sorted({r.fork_tokens for r in data.rows if r.fork_tokens is not None})
 
 
-def summarize_fork(data: RunData, fork: int) -> ForkSummary:
-    """Collect the rows compared at ``fork``: all at the fork's evaluation tokens F + D."""
-    rows = [r for r in data.rows if r.fork_tokens == fork]
+def summarize_fork(data: RunData, fork: int, split: str | None = None) -> ForkSummary:
+    """Collect the rows compared at ``fork``: all at the fork's evaluation tokens F + D. The grid rows (selection
+    split, or the whole held-out set of an older run) make the summary; the test rows its ``test`` part."""
+    if split is None:
+        test = summarize_fork(data, fork, "test")
+        grid = summarize_fork(data, fork, "grid")
+        return grid if not (test.latest or test.merges) else replace(grid, test=test)
+    rows = [r for r in data.rows if r.fork_tokens == fork and (r.split == "test") == (split == "test")]
     info = experiment_forks(data.experiment).get(fork, {})
     eval_tokens = info.get("eval_tokens")
     if eval_tokens is None:

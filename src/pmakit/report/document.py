@@ -101,29 +101,30 @@ def recovered_text(r: Ratio | None) -> str:
 
 
 def headline(fork: ForkSummary, index: int, base: int | None) -> list[Block]:
-    """Latest vs best merge vs annealed at the final fork, with sentences computed from the z-scores."""
+    """Latest vs the chosen merges vs the fixed recipe vs annealed at the final fork, with sentences computed from
+    the z-scores; on the test split when the run has one."""
+    t = fork.headline
+    where = (
+        "on the TEST split (held-out files disjoint from the selection split on which every choice below was "
+        "made)"
+        if fork.test is not None
+        else "on the same held-out batches, which also chose the best merges (an older run: no test split)"
+    )
     blocks: list[Block] = [
         Heading(f"Headline: final fork F{index}"),
         Paragraph(
             f"The constant-LR run was forked at {fmt.tokens(fork.fork_tokens)} tokens: one branch kept the LR, "
             f"one annealed it for {fmt.tokens(fork.anneal_tokens)} tokens. Every model below is evaluated at "
-            f"{fmt.tokens(fork.eval_tokens)} tokens on the same held-out batches; Δ = model − latest snapshot "
-            "(negative = better), with the paired standard error of that difference."
+            f"{fmt.tokens(fork.eval_tokens)} tokens {where}; Δ = model − latest snapshot (negative = better), "
+            "with the paired standard error of that difference over the same batches."
         ),
     ]
-    candidates: list[tuple[str, Row | None]] = [("latest snapshot", fork.latest)]
-    best, best_sma = fork.best_merge, fork.best_sma
-    if best is not None:
-        candidates.append((f"best merge: {describe(best, base)}", best))
-    if best_sma is not None and best_sma is not best:
-        candidates.append((f"best SMA: {describe(best_sma, base)}", best_sma))
-    candidates.append(("annealed branch", fork.annealed))
     rows = []
-    for name, row in candidates:
+    for name, row in headline_models(t, base):
         if row is None:
-            rows.append([name, "not in results", "", "", "", ""])
+            rows.append([name, "not in results", "", "", "", "", ""])
             continue
-        g = None if row is fork.latest else fork.gain(row)
+        g = None if row is t.latest else t.gain(row)
         rows.append(
             [
                 name,
@@ -132,42 +133,87 @@ def headline(fork: ForkSummary, index: int, base: int | None) -> list[Block]:
                 fmt.loss(row.bpb),
                 delta_text(g),
                 z_text(g),
+                recovered_text(t.recovered(row)) if row is not t.latest and row is not t.annealed else "",
             ]
         )
-    blocks.append(
-        Table(
-            ["model", "tokens", "val loss ± s.e.", "bits/byte", "Δ vs latest ± paired s.e.", "Δ / s.e."], rows
-        )
-    )
+    header = [
+        "model",
+        "tokens",
+        "loss ± s.e.",
+        "bits/byte",
+        "Δ vs latest ± paired s.e.",
+        "Δ / s.e.",
+        "recovered",
+    ]
+    blocks.append(Table(header, rows))
     blocks.append(Bullets(headline_sentences(fork, base)))
     return blocks
+
+
+def headline_models(t: ForkSummary, base: int | None) -> list[tuple[str, Row | None]]:
+    """The headline's rows: latest, the chosen merges, the fixed recipe, the tuned merge, the anneal."""
+    chosen = " (chosen on selection)" if t.role("best") is not None else ""  # else: the lowest of these rows
+    out: list[tuple[str, Row | None]] = [("latest snapshot", t.latest)]
+    best, best_sma = t.best_merge, t.best_sma
+    if best is not None:
+        out.append((f"best merge{chosen}: {describe(best, base)}", best))
+    if best_sma is not None and best_sma is not best:
+        out.append((f"best SMA{chosen}: {describe(best_sma, base)}", best_sma))
+    for role, name in (
+        ("fixed", "fixed recipe, no selection"),
+        ("tuned", "pmakit tune, chosen on selection"),
+    ):
+        row = t.role(role)
+        if row is not None:
+            out.append((f"{name}: {describe(row, base) if role == 'fixed' else row.label}", row))
+    out.append(("annealed branch", t.annealed))
+    return out
 
 
 def headline_sentences(fork: ForkSummary, base: int | None) -> list[str]:
     """The computed verdicts under the headline table."""
     out: list[str] = []
-    best, anneal = fork.best_merge, fork.annealed
-    g_best, g_anneal = fork.gain(best), fork.gain(anneal)
-    if fork.latest is None:
+    t = fork.headline
+    best, anneal = t.best_merge, t.annealed
+    g_best, g_anneal = t.gain(best), t.gain(anneal)
+    if t.latest is None:
         out.append("The latest snapshot at this fork is not in results.csv, so no gain can be shown.")
     if best is not None and g_best is not None:
+        if fork.test is not None:
+            how = (
+                f"It was chosen as the lowest of {len(fork.merges)} merges on the selection split and is scored "
+                "here on the disjoint test split, so the choice does not flatter it."
+            )
+        else:
+            how = (
+                f"It is the lowest of {len(fork.merges)} merges evaluated here; picking the minimum after the "
+                "fact flatters it slightly when many merges are within noise of each other."
+            )
         out.append(
             f"The best merge ({describe(best, base)}) changes the loss by {delta_text(g_best)} (paired s.e.): "
             + verdict(g_best.z, "it")
-            + f". It is the lowest of {len(fork.merges)} merges evaluated here; picking the minimum after the "
-            "fact flatters it slightly when many merges are within noise of each other."
+            + f". {how}"
         )
     elif best is None:
         out.append("No merged model was evaluated at this fork.")
-    sma = fork.best_sma
+    sma = t.best_sma
     if sma is not None and sma is not best:
-        g = fork.gain(sma)
+        g = t.gain(sma)
         if g is not None:
             text = f"The best SMA ({describe(sma, base)}): Δ {delta_text(g)}; " + verdict(g.z, "it")
-            rec = fork.recovered(sma)
-            g_ann = fork.gain(fork.annealed)
+            rec = t.recovered(sma)
+            g_ann = t.gain(t.annealed)
             if rec is not None and g_ann is not None and g_ann.z is not None and g_ann.z >= NOISE_Z:
                 text += f"; it recovers {recovered_text(rec)} of the anneal's gain"
+            out.append(text + ".")
+    for role, subject in (("fixed", "The fixed recipe (no selection)"), ("tuned", "The tuned merge")):
+        row = t.role(role)
+        g = t.gain(row)
+        if row is not None and g is not None:
+            text = f"{subject}: Δ {delta_text(g)}; " + verdict(g.z, "it")
+            gap = t.gap_to_anneal(row)
+            if gap is not None and anneal is not None:
+                text += f"; − annealed: {gap_text(gap)} ({gap_verdict(gap)})"
             out.append(text + ".")
     if anneal is None:
         out.append(
@@ -176,7 +222,7 @@ def headline_sentences(fork: ForkSummary, base: int | None) -> list[str]:
         return out
     if g_anneal is not None:
         out.append(f"The annealed branch: Δ {delta_text(g_anneal)}; " + verdict(g_anneal.z, "it") + ".")
-    out.extend(_anneal_sentences(fork, best, g_anneal))
+    out.extend(_anneal_sentences(t, best, g_anneal))
     return out
 
 
@@ -213,7 +259,9 @@ def gap_verdict(g: Ratio) -> str:
 def fork_table(forks: Sequence[ForkSummary], base: int | None) -> list[Block]:
     """One row per fork: gain of the best merge over latest and its gap to the anneal."""
     rows = []
+    tested = all(f.test is not None for f in forks)
     for i, f in enumerate(forks, start=1):
+        f = f.headline  # the test split's rows and the merges chosen on the selection split, when there are
         best = f.best_merge
         latest = f.latest
         rows.append(
@@ -243,7 +291,12 @@ def fork_table(forks: Sequence[ForkSummary], base: int | None) -> list[Block]:
     blocks: list[Block] = [
         Heading("At each fork"),
         Paragraph(
-            "Δ is the model's val loss minus the latest snapshot's at the same tokens, ± its paired s.e. over the "
+            (
+                "Every number is on the TEST split; the best merge was chosen on the selection split. "
+                if tested
+                else ""
+            )
+            + "Δ is the model's val loss minus the latest snapshot's at the same tokens, ± its paired s.e. over the "
             "same validation batches. 'recovered' = (latest − merged) / (latest − annealed), with its "
             "first-order s.e. The s.e. of merge − anneal and of 'recovered' are paired over the batches when "
             "results.jsonl has the per-batch losses; otherwise only an upper bound is known (shown as ≤, valid "
@@ -253,7 +306,7 @@ def fork_table(forks: Sequence[ForkSummary], base: int | None) -> list[Block]:
     ]
     sentences = []
     for i, f in enumerate(forks, start=1):
-        g = f.gain(f.best_merge)
+        g = f.headline.gain(f.headline.best_merge)
         if g is not None:
             sentences.append(f"F{i}: " + verdict(g.z, "the best merge") + ".")
     if sentences:
@@ -346,6 +399,7 @@ def figure_blocks(forks: Sequence[ForkSummary], figs: Figures, base: int | None)
 
 
 def _fork_gap_sentence(i: int, f: ForkSummary) -> str:
+    f = f.headline
     g = f.gap_to_anneal(f.best_merge)
     if g is None:
         return ""
@@ -567,6 +621,23 @@ def build(
     )
     if isinstance(exp.get("preset"), str):
         intro += f" Preset: `{exp['preset']}`."
+    if any(f.test is not None for f in forks):
+        held: dict[str, Any] = exp["heldout"] if isinstance(exp.get("heldout"), dict) else {}
+        split_files = (
+            f" ({held.get('selection_documents')} and {held.get('test_documents')} files)"
+            if held.get("mode") == "by-file"
+            else ""
+        )
+        intro += (
+            " The held-out files are divided into a selection split and a disjoint test split"
+            + split_files
+            + ": "
+            "every choice (best merge, best SMA, tuned weights) is made on the selection split; the headline, "
+            "the per-fork table, the gain bars and the final markers of the loss-vs-tokens figure are on the "
+            "test split; the grid figures (N × V heatmap, weightings, sweeps) and the stable-phase table "
+            "describe the selection split. The fixed recipe (SMA of 10 snapshots at the configured V) involves "
+            "no choice at all."
+        )
     blocks.append(Paragraph(intro))
     for note in [*data.notes, *figs.failures]:
         blocks.append(Paragraph(note, note=True))

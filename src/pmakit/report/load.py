@@ -28,6 +28,8 @@ RESULT_COLUMNS = (
     "delta_vs_latest",
     "delta_se",
     "label",
+    "split",
+    "role",
 )
 
 
@@ -65,11 +67,20 @@ class Row:
     """Short human description written by the experiment."""
     batch_losses: tuple[float, ...] | None = None
     """Per-batch losses (results.jsonl only): pairs any two models on the same batches."""
+    split: str = ""
+    """Held-out split scored: 'selection' (the grid, where choices are made), 'test' (the headline), '' (the
+    whole held-out set, a run of an older pmakit)."""
+    role: str = ""
+    """On the test split: 'best' / 'best-sma' (chosen on the selection split), 'fixed' (SMA N=10, no choice),
+    'tuned' (pmakit tune's search on the selection split); '' otherwise."""
 
     @property
     def key(self) -> tuple[object, ...]:
         """What identifies one evaluation (the CSV and JSONL rows of one model share it)."""
-        return (self.fork_tokens, self.model, self.method, self.n, self.v_tokens, self.alpha, self.tokens)
+        return (
+            self.fork_tokens, self.model, self.method, self.n, self.v_tokens, self.alpha, self.tokens,
+            self.split, self.role,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -145,6 +156,8 @@ def parse_row(record: dict[str, Any]) -> Row:
         delta_vs_latest=_float(record.get("delta_vs_latest")),
         delta_se=_float(record.get("delta_se")),
         label=_text(record.get("label")),
+        split=_text(record.get("split")).lower(),
+        role=_text(record.get("role")).lower(),
     )
 
 
