@@ -504,14 +504,52 @@ def _load(directory: Path) -> dict[str, torch.Tensor]:
 
 def _spike_seed(ctx: _Ctx, seed: int) -> dict[str, Any]:
     """Train the pushed run, find its spike, train every arm from the chosen snapshots; returns the seed's record."""
-    from pmakit.recover import choose_rollback, find_spikes, loss_lag_tokens, merged_state, spike_boundary
+    from pmakit.recover import choose_rollback, loss_lag_tokens, merged_state, spike_boundary
     from pmakit.snapshot import discover
 
     spec = ctx.study.spec
     assert isinstance(spec, SpikeStudyConfig)
     cfg = _seed_config(ctx, seed)
+    run = _no_intervention(ctx, seed, cfg, spec)
+    records, spikes, info = _detect_spikes(run, cfg, spec)
+    chosen_spike = next((s for s in spikes if s.start_tokens > spec.push_at), None)
+    if chosen_spike is None:
+        info["error"] = "no spike detected at or after the push: no arms were trained"
+        log.warning(
+            "seed %d: the detector found no spike after the push (%d spikes before it)", seed, len(spikes)
+        )
+        return info
+    lag = loss_lag_tokens(records)
+    boundary = spike_boundary(chosen_spike, lag)
+    chosen = choose_rollback(discover(run / "snapshots"), boundary, spec.last)
+    start = chosen[-1].tokens
+    checkpoint = run / "checkpoints" / f"tokens-{start}"
+    if not (checkpoint / "trainer.pt").exists():
+        raise PmakitError(
+            f"no full checkpoint at {format_tokens(start)} tokens in {run / 'checkpoints'}: the spike started "
+            "outside the range kept around the push; move spike.push_at or lengthen the run"
+        )
+    sma_state, weights = merged_state(chosen, spec.method, 0.2, run)
+    info.update(
+        spike=chosen_spike.to_dict(),
+        spike_text=chosen_spike.describe(),
+        false_alarms=sum(1 for s in spikes if s.start_tokens <= spec.push_at),
+        loss_lag_tokens=lag,
+        boundary_tokens=boundary,
+        merged=[{"tokens": s.tokens, "step": s.step, "weight": w} for s, w in zip(chosen, weights)],
+        resume_tokens=start,
+        optimizer_from_tokens=start,
+        resume_lr=describe_resume_lr(cfg, spec),
+    )
+    states = {"latest": _load(chosen[-1].path), spec.merge_arm: sma_state}
+    _score_starts(ctx, seed, spec, chosen, states)
+    _train_arms(ctx, seed, cfg, spec, chosen, states, checkpoint, info)
+    return info
+
+
+def _no_intervention(ctx: _Ctx, seed: int, cfg: TrainConfig, spec: SpikeStudyConfig) -> Path:
+    """Train (or resume) the pushed run and score it as the no-intervention arm; returns its run directory."""
     trainer = _train_run(ctx, seed, push_schedule(cfg, spec))
-    run = trainer.run_dir
     try:
         if ctx.done(seed, "final", NO_INTERVENTION) is None:
             result = trainer.score()
@@ -532,55 +570,35 @@ def _spike_seed(ctx: _Ctx, seed: int) -> dict[str, Any]:
             )
     finally:
         trainer.close()
+    return trainer.run_dir
 
+
+def _detect_spikes(
+    run: Path, cfg: TrainConfig, spec: SpikeStudyConfig
+) -> tuple[list[dict[str, Any]], list[Any], dict[str, Any]]:
+    """The pushed run's per-step training records, the spikes the detector finds in them, the seed's record."""
     from pmakit.metrics import read_metrics
+    from pmakit.recover import find_spikes
 
     records = [r for r in read_metrics(run) if r.get("kind") == "train"]
     records = list({r["step"]: r for r in records}.values())  # a resumed run may log a step twice
     records.sort(key=lambda r: r["step"])
     detector = spec.spike_config(cfg.warmup_tokens)
     spikes = find_spikes(records, detector)
-    chosen_spike = next((s for s in spikes if s.start_tokens > spec.push_at), None)
     info: dict[str, Any] = {
         "spikes": [s.to_dict() for s in spikes],
         "detector": _jsonable(asdict(detector)),
         "push": {"at": spec.push_at, "tokens": spec.push_tokens, "factor": spec.push_factor},
     }
-    if chosen_spike is None:
-        info["error"] = "no spike detected at or after the push: no arms were trained"
-        log.warning(
-            "seed %d: the detector found no spike after the push (%d spikes before it)", seed, len(spikes)
-        )
-        return info
-    lag = loss_lag_tokens(records)
-    boundary = spike_boundary(chosen_spike, lag)
-    snapshots = discover(run / "snapshots")
-    chosen = choose_rollback(snapshots, boundary, spec.last)
-    latest = chosen[-1]
-    start = latest.tokens
-    checkpoint = run / "checkpoints" / f"tokens-{start}"
-    if not (checkpoint / "trainer.pt").exists():
-        raise PmakitError(
-            f"no full checkpoint at {format_tokens(start)} tokens in {run / 'checkpoints'}: the spike started "
-            "outside the range kept around the push; move spike.push_at or lengthen the run"
-        )
-    sma_state, weights = merged_state(chosen, spec.method, 0.2, run)
-    latest_state = _load(latest.path)
-    info.update(
-        spike=chosen_spike.to_dict(),
-        spike_text=chosen_spike.describe(),
-        false_alarms=sum(1 for s in spikes if s.start_tokens <= spec.push_at),
-        loss_lag_tokens=lag,
-        boundary_tokens=boundary,
-        merged=[{"tokens": s.tokens, "step": s.step, "weight": w} for s, w in zip(chosen, weights)],
-        resume_tokens=start,
-        optimizer_from_tokens=start,
-        resume_lr=describe_resume_lr(cfg, spec),
-    )
-    sma = spec.merge_arm
-    # The starting weights of the two families, before any training (same batches, paired).
-    starts = {"latest": latest_state, sma: sma_state}
-    for name, state in starts.items():
+    return records, spikes, info
+
+
+def _score_starts(
+    ctx: _Ctx, seed: int, spec: SpikeStudyConfig, chosen: list[Any], states: dict[str, Any]
+) -> None:
+    """The starting weights of the two families, before any training (same batches, paired)."""
+    start = chosen[-1].tokens
+    for name, state in states.items():
         if ctx.done(seed, "start", name) is None:
             res = ctx.scorer(state)
             ctx.append(
@@ -597,23 +615,35 @@ def _spike_seed(ctx: _Ctx, seed: int) -> dict[str, Any]:
                     "label": f"{name} weights at the resume point ({format_tokens(start)})",
                 }
             )
-    _paired_start(ctx, seed, sma)
+    _paired_start(ctx, seed, spec.merge_arm)
 
+
+def _train_arms(
+    ctx: _Ctx,
+    seed: int,
+    cfg: TrainConfig,
+    spec: SpikeStudyConfig,
+    chosen: list[Any],
+    states: dict[str, Any],
+    checkpoint: Path,
+    info: dict[str, Any],
+) -> None:
+    """Each family (latest, merge) x each optimizer policy, resumed at the newest chosen snapshot and scored."""
+    sma, start = spec.merge_arm, chosen[-1].tokens
     schedule = resume_schedule(cfg, spec, start)
     for opt in spec.optimizers:
-        for family, state in (("latest", latest_state), (sma, sma_state)):
+        for family, state in states.items():
             arm = f"{family}/{opt}"
             if ctx.done(seed, "final", arm) is not None:
                 continue
             log.info("seed %d: arm %s from %s tokens", seed, arm, format_tokens(start))
             reason = {
                 "arm": arm,
-                "spike": chosen_spike.to_dict(),
+                "spike": info["spike"],
                 "merged": info["merged"] if family == sma else [{"tokens": start, "weight": 1.0}],
             }
             # keep: the optimizer state loaded with the checkpoint at the resume point is kept as it is.
-            tr = _fork_arm(ctx, seed, arm, checkpoint, schedule, state, opt, reason)
-            result = _finish(tr)
+            result = _finish(_fork_arm(ctx, seed, arm, checkpoint, schedule, state, opt, reason))
             ctx.append(
                 {
                     "seed": seed,
@@ -632,7 +662,6 @@ def _spike_seed(ctx: _Ctx, seed: int) -> dict[str, Any]:
                 }
             )
     _paired_final(ctx, seed, sma, spec.optimizers)
-    return info
 
 
 def _scores(result: EvalResult) -> dict[str, Any]:
