@@ -299,11 +299,7 @@ def _merge(
             raise PmakitError("--from-previous updates sma/ema merges; custom --weights need a full merge")
         inc = plan_increment(from_previous, chosen, weights, method=method, alpha=alpha)
         terms, term_weights, window, keep_fp32 = inc.terms, inc.weights, (chosen, weights), True
-        extra["incremental"] = {
-            "from": str(from_previous.resolve()),
-            "scale": inc.weights[0],
-            "reads": inc.reads,
-        }
+        extra["incremental"] = inc.record(from_previous)
         if not quiet:
             click.echo(f"incremental update of {from_previous}: {inc.reads} reads instead of {len(chosen)}")
     plan = plan_merge(
@@ -343,11 +339,15 @@ def _merge(
             window=window,
         )
     if not quiet:
-        rate = plan.input_bytes / max(result.seconds, 1e-9)
-        click.echo(
-            f"wrote {output} ({format_bytes(plan.output_bytes)} in {len(plan.shards)} file(s)) in "
-            f"{result.seconds:.1f} s, reading {format_bytes(rate)}/s"
-        )
+        _print_result(plan, result, output)
+
+
+def _print_result(plan: Any, result: Any, output: Path) -> None:
+    rate = plan.input_bytes / max(result.seconds, 1e-9)
+    click.echo(
+        f"wrote {output} ({format_bytes(plan.output_bytes)} in {len(plan.shards)} file(s)) in "
+        f"{result.seconds:.1f} s, reading {format_bytes(rate)}/s"
+    )
 
 
 def _print_plan(plan: Any) -> None:

@@ -40,6 +40,10 @@ class Increment:
     def reads(self) -> int:
         return sum(1 for w in self.weights if w != 0)
 
+    def record(self, given: Path) -> dict[str, Any]:
+        """What the merge manifest says of the update (``given``: the path as the user named it)."""
+        return {"from": str(given.resolve()), "scale": self.weights[0], "reads": self.reads}
+
 
 def _same_files(snapshot: Path, recorded: Any) -> bool:
     """The snapshot's header checksums still match what the previous merge recorded."""
