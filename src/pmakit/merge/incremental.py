@@ -101,6 +101,31 @@ def plan_increment(
     (``--keep-fp32``), or every update would add that rounding for good.
     """
     previous = Path(previous)
+    manifest, prior = _read_previous(previous, method, alpha)
+    state = _fp32_sums(previous)
+    _verify_previous(previous, state, manifest)
+    new = {str(s.path.resolve()): w for s, w in zip(window, weights)}
+    old = {p: w for p, (w, _) in prior.items()}
+    if not new.keys() & old.keys():
+        raise PmakitError(
+            f"the new window shares no snapshot with {previous}: nothing to reuse, run a full merge"
+        )
+    scale = _scale(old, new)
+    terms = _terms(previous, window, prior, new, old, scale)
+    if len(terms) + 1 > len(window):
+        log.warning(
+            "this update reads %d inputs, a full merge of the window %d: the window moved too far to save reads",
+            len(terms) + 1,
+            len(window),
+        )
+    sums = Snapshot(state, tokens=int(manifest.get("tokens", 0)), source="merge")
+    return Increment([sums, *(s for s, _ in terms)], [scale, *(w for _, w in terms)], previous)
+
+
+def _read_previous(
+    previous: Path, method: str, alpha: float
+) -> tuple[dict[str, Any], dict[str, tuple[float, dict[str, Any]]]]:
+    """The previous merge's manifest and its inputs by path, checked to be an update ``method`` can make."""
     manifest_file = previous / MERGE_MANIFEST
     try:
         manifest = json.loads(manifest_file.read_text())
@@ -118,31 +143,35 @@ def plan_increment(
         )
     if method.startswith("ema") and manifest.get("alpha") != alpha:
         raise PmakitError(f"{previous} used --alpha {manifest.get('alpha')}, not {alpha}; run a full merge")
-    state = previous / FP32_DIR
-    if not state.is_dir():
-        state = previous
-        with open_weights(previous) as reader:
-            narrow = sorted(
-                {
-                    str(i.dtype)
-                    for i in reader.tensors.values()
-                    if is_float(i.dtype) and i.dtype != torch.float32
-                }
-            )
-        if narrow:
-            raise PmakitError(
-                f"{previous} holds {', '.join(narrow).replace('torch.', '')} weights and no fp32 sums ({FP32_DIR}/): "
-                "updating it would keep that rounding in every later merge; run the full merge once with "
-                "--keep-fp32 (or --dtype fp32)"
-            )
-    _verify_previous(previous, state, manifest)
-    new = {str(s.path.resolve()): w for s, w in zip(window, weights)}
-    old = {p: w for p, (w, _) in prior.items()}
-    if not new.keys() & old.keys():
-        raise PmakitError(
-            f"the new window shares no snapshot with {previous}: nothing to reuse, run a full merge"
+    return manifest, prior
+
+
+def _fp32_sums(previous: Path) -> Path:
+    """Where the previous merge's fp32 sums are: its ``FP32_DIR``, or itself when it was written in fp32."""
+    if (previous / FP32_DIR).is_dir():
+        return previous / FP32_DIR
+    with open_weights(previous) as reader:
+        narrow = sorted(
+            {str(i.dtype) for i in reader.tensors.values() if is_float(i.dtype) and i.dtype != torch.float32}
         )
-    scale = _scale(old, new)
+    if narrow:
+        raise PmakitError(
+            f"{previous} holds {', '.join(narrow).replace('torch.', '')} weights and no fp32 sums ({FP32_DIR}/): "
+            "updating it would keep that rounding in every later merge; run the full merge once with "
+            "--keep-fp32 (or --dtype fp32)"
+        )
+    return previous
+
+
+def _terms(
+    previous: Path,
+    window: Sequence[Snapshot],
+    prior: dict[str, tuple[float, dict[str, Any]]],
+    new: dict[str, float],
+    old: dict[str, float],
+    scale: float,
+) -> list[tuple[Snapshot, float]]:
+    """The snapshots to add or subtract (weight new - scale * old), oldest first, the window's newest last."""
     biggest = max(abs(w) for w in [*old.values(), *new.values()])
     by_path = {str(s.path.resolve()): s for s in window}
     terms: list[tuple[Snapshot, float]] = []
@@ -171,12 +200,4 @@ def plan_increment(
         terms.append(
             (newest, 0.0)
         )  # read only for its integer tensors and config files, as a full merge would
-    if len(terms) + 1 > len(window):
-        log.warning(
-            "this update reads %d inputs, a full merge of the window %d: the window moved too far to save reads",
-            len(terms) + 1,
-            len(window),
-        )
-    previous_tokens = int(manifest.get("tokens", 0))
-    sums = Snapshot(state, tokens=previous_tokens, source="merge")
-    return Increment([sums, *(s for s, _ in terms)], [scale, *(w for _, w in terms)], previous)
+    return terms
