@@ -258,6 +258,21 @@ def _analyze(root: Path, smoke_run: Path) -> dict[str, str]:
     return {"RUN_DIR": str(demo), "SNAP1 SNAP2 SNAP3 ...": " ".join(map(str, snaps))}
 
 
+def _tune(root: Path, smoke_run: Path) -> dict[str, str]:
+    """runs/demo (the smoke study), a token file, two text files and an eval command for the tune block."""
+    import numpy as np
+
+    _analyze(root, smoke_run)
+    np.save(root / "tokens.npy", np.random.default_rng(0).integers(0, 512, 40_000))
+    (root / "docs").mkdir(exist_ok=True)
+    (root / "docs" / "a.txt").write_text(Path(shutil.__file__).read_text())
+    (root / "docs" / "b.txt").write_text(Path(argparse.__file__).read_text())
+    (root / "my_eval.py").write_text(  # a stand-in for a real harness: any command that prints a loss
+        "import os, sys\nprint('loss', os.path.getsize(os.path.join(sys.argv[1], 'model.safetensors')) / 1e9)\n"
+    )
+    return {}
+
+
 LONG = "a study of several minutes; its smoke preset runs in tests/test_studies.py / test_scaling.py"
 RECIPES: dict[str, Recipe] = {
     "make demo    # the main job: train a small model on real text, merge its snapshots, write a report": Recipe(
@@ -295,6 +310,9 @@ RECIPES: dict[str, Recipe] = {
     "pmakit analyze runs/demo -o analysis/                  # the experiment's best SMA window at its last fork": (
         Recipe()
     ),
+    "pmakit tune runs/demo -o tuned/ --budget-evals 12                      # the run's own held-out split (corpus cache)": (
+        Recipe()
+    ),
     "make bench          # merge: pmakit vs the I/O floor (cat), a naive load-all average and mergekit 0.1.5, warm and cold": (
         Recipe(skip="benchmarks: `make bench` is its own target, with ratios measured in the same run")
     ),
@@ -326,6 +344,8 @@ def test_readme_example_runs_as_written(block: Block, scratch: Path, request: py
     recipe = RECIPES[block.key]
     if block.key.startswith("pmakit analyze"):
         subs = _analyze(scratch, request.getfixturevalue("smoke_experiment")[0])
+    elif block.key.startswith("pmakit tune"):
+        subs = _tune(scratch, request.getfixturevalue("smoke_experiment")[0])
     elif not block.key.startswith("pmakit experiment --preset scaling"):
         subs = recipe.setup(scratch)
     if block.lang == "python":

@@ -257,3 +257,9 @@ def test_experiment_headline_chosen_on_selection_reported_on_test(smoke_experime
     report = (run / "report.md").read_text()
     assert "on the TEST split" in report and "fixed recipe, no selection" in report
     assert "chosen on selection" in report
+    from pmakit.units import format_tokens
+
+    compute = report.split("## Compute: anneal vs merge")[1].split("\n## ")[0]
+    per_eval = exp["heldout"]["batches"]["selection"] * 16 * 128  # batches x batch size x seq_len (smoke)
+    trials = exp["config"]["experiment"]["tune_evals"]
+    assert f"{trials} x {format_tokens(per_eval)} = {format_tokens(trials * per_eval / 3)}" in compute

@@ -558,6 +558,69 @@ def _headline_merge(info: Any, run_dir: Path) -> list[Block]:
     return [Paragraph(f"Merged model written by the experiment{label}: `{shown.as_posix()}`.")]
 
 
+def compute_blocks(experiment: dict[str, Any]) -> list[Block]:
+    """What each way to the annealed quality costs: the anneal's extra training tokens against reading N snapshots
+    and the tuner's forward-only evaluations, in training-token equivalents (a forward pass is about a third of a
+    training step's compute, 2N vs 6N FLOPs per token)."""
+    forks = [f for f in experiment.get("forks") or [] if isinstance(f, dict)]
+    config = experiment.get("config") or {}
+    train, exp = config.get("train") or {}, config.get("experiment") or {}
+    params = (experiment.get("model") or {}).get("parameters")
+    seq = (train.get("model") or {}).get("seq_len")
+    held = experiment.get("heldout") if isinstance(experiment.get("heldout"), dict) else None
+    batches = (held or {}).get("batches", {}).get("selection") or exp.get(
+        "eval_batches"
+    )  # as scored, else asked
+    per_eval = _product(batches, train.get("batch_size"), seq)
+    if not forks or not params or per_eval is None:
+        return []
+    trials = int(exp.get("tune_evals") or 0)
+    rows = []
+    for i, f in enumerate(forks, start=1):
+        d, e = f.get("anneal_tokens"), f.get("eval_tokens")
+        if not isinstance(d, int) or not isinstance(e, int) or d <= 0:
+            continue
+        tuner = trials * per_eval / 3  # forward-only tokens, in training-token equivalents
+        rows.append(
+            [
+                f"F{i}",
+                fmt.tokens(d),
+                f"{100 * d / e:.1f}%",
+                f"{10 * params * 4 / 1e6:.1f} MB",
+                f"{trials} x {fmt.tokens(per_eval)} = {fmt.tokens(tuner)} ({100 * tuner / d:.0f}% of D)"
+                if trials
+                else "–",
+            ]
+        )
+    seconds: dict[str, Any] = experiment["seconds"] if isinstance(experiment.get("seconds"), dict) else {}
+    timing = (
+        f" Measured here: the anneal branches took {fmt.seconds(seconds['anneal'])} of training; every merge "
+        f"evaluation of the study (grid, test split and tuner) {fmt.seconds(seconds['merge_eval'])}."
+        if isinstance(seconds.get("anneal"), int | float)
+        and isinstance(seconds.get("merge_eval"), int | float)
+        else ""
+    )
+    return [
+        Heading("Compute: anneal vs merge"),
+        Paragraph(
+            "The anneal costs D more training tokens per fork point (its share of the run at F + D below). The "
+            "fixed recipe costs reading 10 snapshots (fp32 size shown) and no training; the tuner costs its "
+            "trials' forward-only evaluations on the selection split, counted in training-token equivalents "
+            "(a forward pass is about a third of a training step)." + timing
+        ),
+        Table(["fork", "anneal D", "D / run", "fixed recipe reads", "tuner evaluations"], rows, "lrrrr"),
+    ]
+
+
+def _product(*xs: Any) -> int | None:
+    if not all(isinstance(x, int) and x > 0 for x in xs):
+        return None
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
 def run_blocks(experiment: dict[str, Any], run_dir: Path) -> list[Block]:
     """Model, corpus, timings, fork plan and every configuration knob, from experiment.json as written."""
     if not experiment:
@@ -644,6 +707,7 @@ def build(
     if forks:
         blocks += headline(forks[-1], len(forks), base)
         blocks += fork_table(forks, base)
+        blocks += compute_blocks(exp)
     elif data.rows:
         blocks.append(Paragraph("No result row has a fork point, so there is no fork comparison.", note=True))
     if stable:
