@@ -263,3 +263,16 @@ def test_experiment_headline_chosen_on_selection_reported_on_test(smoke_experime
     per_eval = exp["heldout"]["batches"]["selection"] * 16 * 128  # batches x batch size x seq_len (smoke)
     trials = exp["config"]["experiment"]["tune_evals"]
     assert f"{trials} x {format_tokens(per_eval)} = {format_tokens(trials * per_eval / 3)}" in compute
+
+
+def test_rows_of_an_older_run_are_set_aside_not_mixed(tmp_path: Path) -> None:
+    """Rows scored on the whole held-out set (no split) would mix with selection/test rows: re-evaluated instead."""
+    from pmakit.experiment import _current_rows
+
+    old = {"fork_tokens": 1, "model": "latest", "tokens": 2, "val_loss": 3.0}
+    (tmp_path / "results.jsonl").write_text(json.dumps(old) + "\n")
+    assert _current_rows(tmp_path) == []
+    assert not (tmp_path / "results.jsonl").exists()
+    assert json.loads((tmp_path / "results-whole-val.jsonl").read_text()) == old
+    (tmp_path / "results.jsonl").write_text(json.dumps({**old, "split": "test"}) + "\n")
+    assert _current_rows(tmp_path) == [{**old, "split": "test"}]

@@ -231,6 +231,11 @@ def run_experiment(
         t = time.perf_counter()
         experiment_plane(grid, run_dir, size=study.exp.plane_grid, batches=study.exp.plane_batches)
         seconds["plane"] = time.perf_counter() - t
+    from pmakit.lab.spectrum import experiment_spectrum
+
+    t = time.perf_counter()
+    experiment_spectrum(run_dir, cfg.warmup_tokens, study.exp.method_n)
+    seconds["spectrum"] = time.perf_counter() - t
     main.close()
 
     _write_curves(run_dir, study)

@@ -40,6 +40,7 @@ PLOT_FILES = {
     "weightings": "weightings.png",
     "sweeps": "n_v_sweeps.png",
     "plane": "loss_plane.png",
+    "spectrum": "spectrum.png",
 }
 
 
@@ -73,7 +74,7 @@ def draw_figures(data: RunData, forks: list[ForkSummary], base: int | None) -> d
     figs = document.Figures()
     out = data.run_dir / "plots"
     try:
-        from pmakit.report import plane, plots
+        from pmakit.report import plane, plots, spectrum
     except ImportError as e:
         figs.failures.append(f"matplotlib is not available ({e}); install `pmakit[report]` for the plots.")
         return figs
@@ -96,6 +97,7 @@ def draw_figures(data: RunData, forks: list[ForkSummary], base: int | None) -> d
             forks, v_fixed=figs.sweep_v, n_fixed=figs.sweep_n, base=base, path=p
         ),
         "plane": lambda p: plane.draw(data.run_dir, p),
+        "spectrum": lambda p: spectrum.draw(data.run_dir, p),
     }
     for name, job in jobs.items():
         path = out / PLOT_FILES[name]
@@ -136,7 +138,15 @@ def write_report(run_dir: str | Path) -> ReportPaths:
     blocks = document.build(data, forks, stable_points(data), figs, base)
     drawn = [
         run_dir / p
-        for p in (figs.curves, figs.fork_gains, figs.heatmap, figs.weightings, figs.sweeps, figs.plane)
+        for p in (
+            figs.curves,
+            figs.fork_gains,
+            figs.heatmap,
+            figs.weightings,
+            figs.sweeps,
+            figs.plane,
+            figs.spectrum,
+        )
         if p
     ]
     return _render(run_dir, blocks, drawn)

@@ -51,6 +51,8 @@ class Figures:
     """N and V sweeps."""
     plane: Path | None = None
     """Loss on a plane through the snapshots (report/plane.py)."""
+    spectrum: Path | None = None
+    """Power spectrum of the snapshot trajectory with the merge windows' gains (report/spectrum.py)."""
     weightings_v: int | None = None
     """The interval V of the weightings plot."""
     sweep_v: int | None = None
@@ -719,6 +721,9 @@ def build(
     from pmakit.report import plane
 
     blocks += plane.blocks(data.run_dir, figs.plane)
+    from pmakit.report import spectrum
+
+    blocks += spectrum.blocks(data.run_dir, figs.spectrum)
     blocks += run_blocks(exp, data.run_dir)
     blocks.append(Heading("Files"))
     files = [

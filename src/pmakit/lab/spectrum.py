@@ -1,0 +1,127 @@
+"""The paper's low-pass reading made measurable: the power spectrum of the snapshot trajectory, and what each merge
+window lets through.
+
+Along the stable phase the weights drift slowly and jitter fast. Projected on K fixed random unit directions
+(seeded; the same for every snapshot), the snapshots give K time series sampled every V tokens; their periodograms
+(scipy.signal, mean removed), averaged over directions, are the trajectory's power spectrum in cycles per snapshot
+interval (0 to 0.5). A merge with weights w_0..w_{N-1} (oldest first) is a linear filter of that series with
+gain |H(f)|^2 = |sum_k w_k exp(-2 pi i f k)|^2: SMA is a sinc-like low-pass with its first zero at f = 1/N, EMA a
+one-pole low-pass, the WSM shapes smoother windows. The share of the trajectory's power above the drift that a
+filter removes says how much jitter one merge averages out.
+
+Writes RUN/spectrum.json; the report draws plots/spectrum.png from it (``pmakit.report.spectrum``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pmakit.errors import PmakitError
+from pmakit.snapshot import Snapshot
+from pmakit.weights import get_weights
+
+log = logging.getLogger(__name__)
+
+DIRECTIONS = 16
+"""Random directions the deviations are projected on."""
+
+
+def trajectory(snapshots: Sequence[Snapshot], *, directions: int = DIRECTIONS, seed: int = 0) -> np.ndarray:
+    """(T, K) projections of each snapshot's float weights on K seeded random unit directions.
+
+    One snapshot is read at a time; the directions are drawn tensor by tensor in a fixed key order, so memory is
+    K x (largest tensor) beyond one state.
+    """
+    from pmakit.formats import is_float, read_state
+
+    out = np.zeros((len(snapshots), directions))
+    for t, snap in enumerate(snapshots):
+        state = read_state(snap.path)
+        g = torch.Generator().manual_seed(seed)
+        total = 0
+        for name in sorted(state):
+            tensor = state[name]
+            if not is_float(tensor.dtype):
+                continue
+            flat = tensor.detach().reshape(-1).float()
+            direction = torch.randn((directions, flat.numel()), generator=g)
+            out[t] += (direction @ flat).double().numpy()
+            total += flat.numel()
+        out[t] /= np.sqrt(max(total, 1))  # unit directions: E|d|^2 = total
+    return out
+
+
+def power_spectrum(series: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Frequencies (cycles per snapshot) and the periodogram averaged over the columns of ``series`` (T, K)."""
+    from scipy.signal import periodogram
+
+    if series.shape[0] < 4:
+        raise PmakitError(f"a spectrum needs at least 4 snapshots, got {series.shape[0]}")
+    f, p = periodogram(series, axis=0, detrend="constant", scaling="spectrum")
+    return f, p.mean(axis=1)
+
+
+def gain(weights: Sequence[float], freqs: np.ndarray) -> np.ndarray:
+    """|H(f)|^2 of a merge with ``weights`` (oldest first) as a filter of the snapshot series."""
+    w = np.asarray(weights, dtype=float)[::-1]  # k = 0 is the newest snapshot
+    k = np.arange(len(w))
+    response = (w[None, :] * np.exp(-2j * np.pi * freqs[:, None] * k[None, :])).sum(axis=1)
+    return np.abs(response) ** 2
+
+
+def filters(n: int, alpha: float = 0.2) -> dict[str, list[float]]:
+    """The windows drawn on the spectrum: SMA, EMA and WSM 1-sqrt over N snapshots."""
+    return {
+        f"SMA N={n}": get_weights("sma", n),
+        f"EMA α={alpha:g} N={n}": get_weights("ema", n, alpha=alpha),
+        f"WSM 1-sqrt N={n}": get_weights("wsm-1sqrt", n),
+    }
+
+
+def spectrum(snapshots: Sequence[Snapshot], n: int, *, seed: int = 0) -> dict[str, Any]:
+    """The record spectrum.json holds: frequencies, power, each filter's gain and the power share it removes."""
+    freqs, power = power_spectrum(trajectory(snapshots, seed=seed))
+    above = freqs > 0  # the mean (f = 0) is what a merge keeps by construction
+    total = float(power[above].sum())
+    record: dict[str, Any] = {
+        "frequencies": freqs.tolist(),
+        "power": power.tolist(),
+        "snapshots": [s.tokens for s in snapshots],
+        "directions": DIRECTIONS,
+        "filters": {},
+    }
+    for label, weights in filters(n).items():
+        g = gain(weights, freqs)
+        removed = float((power[above] * (1 - g[above])).sum() / total) if total > 0 else None
+        record["filters"][label] = {"weights": weights, "gain": g.tolist(), "removed_power": removed}
+    return record
+
+
+def experiment_spectrum(run_dir: Path, warmup_tokens: int, n: int) -> dict[str, Any] | None:
+    """RUN/spectrum.json from the constant-LR run's stable-phase snapshots (after warmup); None if too few."""
+    from pmakit.snapshot import discover
+
+    snaps = [s for s in discover(run_dir / "main" / "snapshots") if s.tokens > warmup_tokens]
+    if len(snaps) < max(8, 2 * n):
+        log.info("spectrum: %d stable-phase snapshots, too few for a spectrum; skipped", len(snaps))
+        return None
+    path = run_dir / "spectrum.json"
+    with contextlib.suppress(OSError, ValueError):
+        previous = json.loads(path.read_text())
+        if previous.get("snapshots") == [s.tokens for s in snaps] and f"SMA N={n}" in previous["filters"]:
+            log.info("spectrum: already done")
+            return dict(previous)
+    record = spectrum(snaps, n)
+    tmp = run_dir / ".spectrum.json.tmp"
+    tmp.write_text(json.dumps(record) + "\n")
+    os.replace(tmp, run_dir / "spectrum.json")
+    return record

@@ -1,0 +1,65 @@
+"""pmakit.lab.spectrum: window gains against closed forms, the spectrum of a known trajectory, the report section."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import write_snapshot
+from pmakit.lab.spectrum import experiment_spectrum, gain, power_spectrum, trajectory
+from pmakit.snapshot import discover
+from pmakit.weights import get_weights
+
+
+def test_sma_gain_is_the_dirichlet_kernel_and_ema_the_one_pole_filter() -> None:
+    f = np.linspace(0.01, 0.5, 50)
+    n = 8
+    expected = (np.sin(np.pi * f * n) / (n * np.sin(np.pi * f))) ** 2
+    np.testing.assert_allclose(gain(get_weights("sma", n), f), expected, atol=1e-12)
+    assert gain(get_weights("sma", n), np.array([0.0]))[0] == pytest.approx(1.0)
+    # EMA over many snapshots -> the infinite one-pole filter alpha / (1 - (1 - alpha) e^{-2 pi i f})
+    a = 0.2
+    one_pole = a**2 / (1 - 2 * (1 - a) * np.cos(2 * np.pi * f) + (1 - a) ** 2)
+    np.testing.assert_allclose(gain(get_weights("ema", 200, alpha=a), f), one_pole, rtol=1e-6)
+
+
+def _run(root: Path, t: int = 40) -> Path:
+    """Snapshots theta_t = slow drift + white jitter along a fixed direction, in an experiment-shaped run."""
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(4096, generator=g)
+    direction = torch.randn(4096, generator=g)
+    for i in range(t):
+        drift = np.sin(2 * np.pi * i / (4 * t))  # far below one cycle per window
+        jitter = float(torch.randn((), generator=g))
+        state = {"w": base + (5 * drift + 0.5 * jitter) * direction}
+        write_snapshot(
+            root / "main" / "snapshots" / f"step-{i + 1:04d}", state, step=i + 1, tokens=100 * (i + 1)
+        )
+    return root
+
+
+def test_drift_sits_low_and_jitter_spreads_flat(tmp_path: Path) -> None:
+    run = _run(tmp_path)
+    snaps = discover(run / "main" / "snapshots")
+    _, p = power_spectrum(trajectory(snaps))
+    assert p[1:3].sum() > 10 * p[len(p) // 2 :].mean()  # the drift's power sits in the lowest bins
+    record = experiment_spectrum(run, 0, 8)
+    assert record is not None and (run / "spectrum.json").is_file()
+    saved = json.loads((run / "spectrum.json").read_text())
+    assert saved["snapshots"] == [s.tokens for s in snaps]
+    sma = saved["filters"]["SMA N=8"]
+    # what SMA keeps of the high band is its gain there: the jitter floor is cut, the drift is kept
+    high = np.asarray(saved["frequencies"]) > 1 / 8
+    assert np.asarray(sma["gain"])[high].max() < 0.06 and 0 < sma["removed_power"] < 1
+
+
+def test_experiment_report_has_the_spectrum(smoke_experiment: tuple[Path, str]) -> None:
+    run, _ = smoke_experiment
+    saved = json.loads((run / "spectrum.json").read_text())
+    assert len(saved["power"]) == len(saved["frequencies"]) and saved["directions"] == 16
+    report = (run / "report.md").read_text()
+    assert "power spectrum" in report and (run / "plots" / "spectrum.png").is_file()
