@@ -120,6 +120,20 @@ def verdicts(t: Mapping[str, Any], holdout_n: float | None) -> list[str]:
         )
     elif holdout_n is not None:
         out.append("No annealed loss at the held-out size: the prediction target cannot be checked.")
+    anneal = t.get("anneal_fit_within")
+    if anneal:
+        word = "misses it too" if not anneal["met"] else "meets it"
+        out.append(
+            f"For comparison, the anneal-based fit (what the merges stand in for) predicts the same losses within "
+            f"{anneal['max_abs_rel_error']:.2%}: it {word}."
+        )
+    agree = t.get("fits_agree_within")
+    if agree:
+        word = "within" if agree["met"] else "NOT within"
+        out.append(
+            f"The two fits' predictions for the held-out size differ by at most {agree['max_abs_rel_gap']:.2%} at any "
+            f"budget: {word} {TOLERANCE:.0%} of each other."
+        )
     for kind, names in t.get("at_bound", {}).items():
         out.append(
             f"The {kind} fit puts {', '.join(names)} on the bound of the search box: the points do not determine "
