@@ -676,6 +676,14 @@ def train(
 )
 @click.option("--fresh", is_flag=True, help="Start over instead of resuming what OUTPUT already holds.")
 @click.option(
+    "--seeds",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Repeat the whole study with train.seed + 1, + 2, ... into OUTPUT/seeds/ and report merge - anneal "
+    "across seeds (mean, s.d.); costs K studies.",
+)
+@click.option(
     "--print-config", is_flag=True, help="Print the preset's config file (to start your own) and stop."
 )
 def experiment(
@@ -685,6 +693,7 @@ def experiment(
     output: Path | None,
     fresh: bool,
     print_config: bool,
+    seeds: int,
 ) -> None:
     """Train a small model, fork annealed baselines, merge its snapshots over N, V and weightings, and report.
 
@@ -702,7 +711,7 @@ def experiment(
     from pmakit.report import summary_text
 
     run_dir = output or Path("runs") / f"experiment-{data['preset']}"
-    run_experiment(data, run_dir, fresh=fresh)
+    run_experiment(data, run_dir, fresh=fresh, seeds=seeds)
     click.echo(summary_text(run_dir))
 
 
@@ -825,11 +834,15 @@ def analyze(
     default=None,
     help="Start no new trial after this many seconds (with --budget-evals: whichever comes first).",
 )
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the TPE sampler and file order.")
+@click.option(
+    "--seed", type=int, default=0, show_default=True, help="Seed of the TPE sampler and file order."
+)
 @click.option(
     "--batches", type=int, default=16, show_default=True, help="Held-out batches per split (selection, test)."
 )
-@click.option("--max-n", type=int, default=16, show_default=True, help="Largest number of snapshots N searched.")
+@click.option(
+    "--max-n", type=int, default=16, show_default=True, help="Largest number of snapshots N searched."
+)
 @click.option(
     "--eval-cmd",
     type=str,

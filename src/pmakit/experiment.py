@@ -168,10 +168,22 @@ def resolve(data: Mapping[str, Any]) -> Study:
 
 
 def run_experiment(
-    data: Mapping[str, Any], run_dir: str | Path, *, fresh: bool = False, progress: bool = True
+    data: Mapping[str, Any],
+    run_dir: str | Path,
+    *,
+    fresh: bool = False,
+    progress: bool = True,
+    seeds: int = 1,
 ) -> Path:
-    """Run (or resume) the study into ``run_dir``; returns the report's path."""
-    from pmakit.train.data import corpus_heldout, split_batches
+    """Run (or resume) the study into ``run_dir``; returns the report's path.
+
+    ``seeds`` > 1 repeats the whole study with ``train.seed`` + 1, + 2, ... into RUN/seeds/seed-S/ and gathers
+    merge - anneal across seeds into RUN/seeds.json (``pmakit.lab.seeds``).
+    """
+    if seeds < 1:
+        raise PmakitError(f"--seeds must be at least 1, got {seeds}")
+    if seeds > 1:
+        return _run_seeds(data, Path(run_dir), seeds, fresh=fresh, progress=progress)
     from pmakit.train.loop import load_corpus
 
     if data.get("study") == "replicas":  # model copies (pmakit.lab.replicas)
@@ -216,6 +228,27 @@ def run_experiment(
         _anneal(study, fork, run_dir, corpus, progress)
     seconds["anneal"] = time.perf_counter() - t
 
+    grid, heldout = _evaluate(study, run_dir, main, corpus, progress, seconds)
+    main.close()
+
+    _write_curves(run_dir, study)
+    headline = grid.write_headline_merge()
+    seconds["total"] = sum(seconds.values())
+    _write_experiment_json(run_dir, study, main, corpus, seconds, started, headline, heldout)
+    from pmakit.report import write_report
+
+    paths = write_report(run_dir)
+    return Path(getattr(paths, "html", run_dir / "report.html"))
+
+
+def _evaluate(
+    study: Study, run_dir: Path, main: Trainer, corpus: Any, progress: bool, seconds: dict[str, float]
+) -> tuple[_Grid, dict[str, Any]]:
+    """The grid on the selection split, the headline on the test split, then the plane and the spectrum."""
+    from pmakit.lab.spectrum import experiment_spectrum
+    from pmakit.train.data import corpus_heldout, split_batches
+
+    cfg = study.train
     t = time.perf_counter()
     held = corpus_heldout(corpus)
     batches = split_batches(
@@ -223,7 +256,7 @@ def run_experiment(
     )
     grid = _Grid(study, run_dir, main, batches, corpus.bytes_per_token)
     grid.run(progress)
-    grid.run(progress, grid.test_plan())
+    grid.run(progress, grid.test_plan())  # after the grid: its choices are read from the selection rows
     seconds["merge_eval"] = time.perf_counter() - t
     if study.exp.plane_grid:
         from pmakit.analysis import experiment_plane
@@ -231,22 +264,34 @@ def run_experiment(
         t = time.perf_counter()
         experiment_plane(grid, run_dir, size=study.exp.plane_grid, batches=study.exp.plane_batches)
         seconds["plane"] = time.perf_counter() - t
-    from pmakit.lab.spectrum import experiment_spectrum
-
     t = time.perf_counter()
     experiment_spectrum(run_dir, cfg.warmup_tokens, study.exp.method_n)
     seconds["spectrum"] = time.perf_counter() - t
-    main.close()
+    return grid, {**held.describe(), "batches": {k: len(v) for k, v in batches.items()}}
 
-    _write_curves(run_dir, study)
-    headline = grid.write_headline_merge()
-    seconds["total"] = sum(seconds.values())
-    heldout = {**held.describe(), "batches": {k: len(v) for k, v in batches.items()}}
-    _write_experiment_json(run_dir, study, main, corpus, seconds, started, headline, heldout)
+
+def _run_seeds(data: Mapping[str, Any], run_dir: Path, seeds: int, *, fresh: bool, progress: bool) -> Path:
+    """The study at the config's seed into RUN, then at the next seeds into RUN/seeds/seed-S, then seeds.json."""
+    from pmakit.analysis import write_json
+    from pmakit.lab.seeds import seed_summary
+
+    if data.get("study"):
+        raise PmakitError(
+            "--seeds repeats the PMA study; the spike, init, replicas and scaling studies have their own"
+        )
+    run_experiment(data, run_dir, fresh=fresh, progress=progress)
+    base = int((data.get("train") or {}).get("seed", 0) or 0)
+    runs = [(base, run_dir)]
+    for k in range(1, seeds):
+        seed = base + k
+        log.info("seed %d of %d (train.seed = %d)", k + 1, seeds, seed)
+        again = {**data, "train": {**(data.get("train") or {}), "seed": seed}}
+        run_experiment(again, run_dir / "seeds" / f"seed-{seed}", fresh=fresh, progress=progress)
+        runs.append((seed, run_dir / "seeds" / f"seed-{seed}"))
+    write_json(run_dir / "seeds.json", seed_summary(runs))
     from pmakit.report import write_report
 
-    paths = write_report(run_dir)
-    return Path(getattr(paths, "html", run_dir / "report.html"))
+    return Path(getattr(write_report(run_dir), "html", run_dir / "report.html"))
 
 
 def _log_phase(what: str, done: int, total: int) -> None:

@@ -166,6 +166,37 @@ def _row_line(name: str, loss: str, delta: str, z: str) -> str:
     return f"  {name[:38]:<38} {loss:>17}  {delta:>17}  {z:>6}"
 
 
+def _headline_rows(f: ForkSummary, base: int | None) -> list[str]:
+    """The final fork's models as summary lines: latest, chosen merges, fixed recipe, tuned merge, anneal."""
+    lines: list[str] = []
+    lines.append(_row_line("model", "val loss ± s.e.", "Δ vs latest ± s.e.", "Δ/s.e."))
+    shown = [
+        ("latest snapshot", f.latest),
+        ("best merge: " + document.describe(f.best_merge, base), f.best_merge),
+    ]
+    if f.best_sma is not None and f.best_sma is not f.best_merge:
+        shown.append(("best SMA: " + document.describe(f.best_sma, base), f.best_sma))
+    for role, name in (("fixed", "fixed recipe: "), ("tuned", "tuned: ")):
+        row = f.role(role)
+        if row is not None:
+            shown.append((name + (document.describe(row, base) if role == "fixed" else row.label), row))
+    shown.append(("annealed branch", f.annealed))
+    for name, row in shown:
+        if row is None:
+            lines.append(_row_line(name, "not in results", "", ""))
+            continue
+        g = None if row is f.latest else f.gain(row)
+        lines.append(
+            _row_line(
+                name,
+                fmt.loss_se(row.val_loss, row.val_loss_se),
+                document.delta_text(g),
+                document.z_text(g),
+            )
+        )
+    return lines
+
+
 def summary_text(run_dir: str | Path) -> str:
     """The headline numbers and the report's paths, in one terminal screen (about 25 lines at most)."""
     run_dir = Path(run_dir)
@@ -194,31 +225,7 @@ def summary_text(run_dir: str | Path) -> str:
             f"Final fork F{len(forks)}: forked at {fmt.tokens(f.fork_tokens)}, anneal {fmt.tokens(f.anneal_tokens)}, "
             f"evaluated at {fmt.tokens(f.eval_tokens)} tokens ({split})"
         )
-        lines.append(_row_line("model", "val loss ± s.e.", "Δ vs latest ± s.e.", "Δ/s.e."))
-        shown = [
-            ("latest snapshot", f.latest),
-            ("best merge: " + document.describe(f.best_merge, base), f.best_merge),
-        ]
-        if f.best_sma is not None and f.best_sma is not f.best_merge:
-            shown.append(("best SMA: " + document.describe(f.best_sma, base), f.best_sma))
-        for role, name in (("fixed", "fixed recipe: "), ("tuned", "tuned: ")):
-            row = f.role(role)
-            if row is not None:
-                shown.append((name + (document.describe(row, base) if role == "fixed" else row.label), row))
-        shown.append(("annealed branch", f.annealed))
-        for name, row in shown:
-            if row is None:
-                lines.append(_row_line(name, "not in results", "", ""))
-                continue
-            g = None if row is f.latest else f.gain(row)
-            lines.append(
-                _row_line(
-                    name,
-                    fmt.loss_se(row.val_loss, row.val_loss_se),
-                    document.delta_text(g),
-                    document.z_text(g),
-                )
-            )
+        lines += _headline_rows(f, base)
         g_best = f.gain(f.best_merge)
         if g_best is not None:
             lines.append("  " + verdict(g_best.z, "The best merge") + ".")

@@ -709,6 +709,9 @@ def build(
     if forks:
         blocks += headline(forks[-1], len(forks), base)
         blocks += fork_table(forks, base)
+        from pmakit.report import seeds
+
+        blocks += seeds.blocks(data.run_dir)
         blocks += compute_blocks(exp)
     elif data.rows:
         blocks.append(Paragraph("No result row has a fork point, so there is no fork comparison.", note=True))
