@@ -276,3 +276,17 @@ def test_rows_of_an_older_run_are_set_aside_not_mixed(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "results-whole-val.jsonl").read_text()) == old
     (tmp_path / "results.jsonl").write_text(json.dumps({**old, "split": "test"}) + "\n")
     assert _current_rows(tmp_path) == [{**old, "split": "test"}]
+
+
+def test_a_run_too_big_for_memory_asks_for_eval_cmd(
+    tiny: dict[str, Path], cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import psutil
+
+    class Tiny:
+        available = 1000  # bytes: less than two snapshots of the 1-layer model
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Tiny())
+    with pytest.raises(PmakitError, match="--eval-cmd"):
+        _tune(tiny, tmp_path / "big")
+    assert not (tmp_path / "big").exists()

@@ -352,7 +352,7 @@ def tune(run: str | Path, out: str | Path, *, data: str | None = None, config: T
     snapshots = _run_snapshots(run)
     guard_output(out, [s.path for s in snapshots], config.force)
     space = Space.of(snapshots, config)
-    evaluator, source, scratch = _evaluator(run, out, snapshots[-1], data, config)
+    evaluator, source, scratch = _evaluator(run, out, snapshots, data, config)
     try:
         scorer = Scorer(evaluator)
         trials = search(space, scorer, config)
@@ -376,10 +376,11 @@ def _run_snapshots(run: Path) -> list[Snapshot]:
 
 
 def _evaluator(
-    run: Path, out: Path, newest: Snapshot, data: str | None, config: TuneConfig
+    run: Path, out: Path, snapshots: Sequence[Snapshot], data: str | None, config: TuneConfig
 ) -> tuple[Callable[[Candidate, str], EvalResult], dict[str, Any], Path | None]:
     from pmakit.train.data import split_batches
 
+    newest = snapshots[-1]
     if config.eval_cmd is not None:
         scratch = out.parent / f".{out.name}.tune-scratch"
         scratch.mkdir(parents=True, exist_ok=True)
@@ -395,7 +396,28 @@ def _evaluator(
         "batch_size": found.batch_size,
         "seq_len": found.seq_len,
     }
+    _check_memory(snapshots)
     return InMemory(newest.path, batches), source, None
+
+
+def _check_memory(snapshots: Sequence[Snapshot]) -> None:
+    """In-memory search keeps every snapshot's weights: refuse when that would not fit (use --eval-cmd)."""
+    import psutil
+
+    weight_files = (".safetensors", ".pt", ".bin", ".pth", ".distcp")
+    need = sum(
+        f.stat().st_size
+        for s in snapshots
+        for f in s.path.rglob("*")
+        if f.suffix in weight_files and f.is_file()
+    )
+    available = psutil.virtual_memory().available
+    if need > available // 2:
+        raise PmakitError(
+            f"evaluating in memory would hold {len(snapshots)} snapshots ({need / 1e9:.1f} GB) with "
+            f"{available / 1e9:.1f} GB available; pass --eval-cmd 'CMD {{model}} {{split}}' to evaluate merges "
+            "written to disk instead"
+        )
 
 
 def search(space: Space, scorer: Scorer, config: TuneConfig) -> list[dict[str, Any]]:
