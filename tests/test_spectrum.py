@@ -63,3 +63,15 @@ def test_experiment_report_has_the_spectrum(smoke_experiment: tuple[Path, str]) 
     assert len(saved["power"]) == len(saved["frequencies"]) and saved["directions"] == 16
     report = (run / "report.md").read_text()
     assert "power spectrum" in report and (run / "plots" / "spectrum.png").is_file()
+
+
+def test_the_window_suggested_cuts_at_the_knee_of_drift_and_floor() -> None:
+    from pmakit.lab.spectrum import window_from_spectrum
+
+    f = np.linspace(0, 0.5, 201)
+    # drift 1/f^2 over a floor of 100
+    power = np.where(f > 0, 1 / np.maximum(f, 1e-9) ** 2, 0) + 100
+    found = window_from_spectrum(f, power, max_n=16)
+    # floor = median of the upper half ~ 107; knee: 1/f^2 + 100 <= 214 -> f >= 0.094, the grid's 0.095 -> N = 11
+    assert found["knee_frequency"] == pytest.approx(0.095) and found["n"] == 11
+    assert window_from_spectrum(f, power, max_n=4)["n"] == 4

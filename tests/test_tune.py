@@ -109,6 +109,10 @@ def test_tune_record_is_complete_and_the_merge_loads(
         assert {"number", "params", "merge", "selection_loss"} <= set(t)
         assert abs(sum(t["merge"]["weights"]) - 1) < 1e-5
     assert saved["trials"][0]["merge"]["tokens"] == [3840]  # the newest snapshot, enqueued first
+    hint = saved[
+        "spectrum_hint"
+    ]  # the SMA the trajectory's spectrum suggests, tried right after the baselines
+    assert 2 <= hint["n"] <= 15 and hint["params"] in [t["params"] for t in saved["trials"][:3]]
     assert len(saved["trials"][1]["merge"]["tokens"]) == 10  # the fixed recipe, SMA of the last 10
     best = min(saved["trials"], key=lambda t: t["selection_loss"])
     models = saved["models"]

@@ -106,6 +106,20 @@ def spectrum(snapshots: Sequence[Snapshot], n: int, *, seed: int = 0) -> dict[st
     return record
 
 
+def window_from_spectrum(freqs: np.ndarray, power: np.ndarray, max_n: int) -> dict[str, float | int]:
+    """The SMA window the spectrum suggests: its first zero 1/N at the knee where the power meets the jitter floor.
+
+    The floor is the median power of the upper half of the frequencies; the knee the lowest frequency whose power is
+    within 2x of it. Below the knee is drift (kept), above it jitter (cut). N is clipped to [2, max_n].
+    """
+    positive = freqs > 0
+    f, p = freqs[positive], power[positive]
+    floor = float(np.median(p[len(p) // 2 :]))
+    knee = float(f[np.argmax(p <= 2 * floor)]) if np.any(p <= 2 * floor) else float(f[-1])
+    n = int(min(max(2, round(1 / knee)), max_n))
+    return {"knee_frequency": knee, "floor": floor, "n": n}
+
+
 def experiment_spectrum(run_dir: Path, warmup_tokens: int, n: int) -> dict[str, Any] | None:
     """RUN/spectrum.json from the constant-LR run's stable-phase snapshots (after warmup); None if too few."""
     from pmakit.snapshot import discover

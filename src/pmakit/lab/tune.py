@@ -355,14 +355,27 @@ def tune(run: str | Path, out: str | Path, *, data: str | None = None, config: T
     evaluator, source, scratch = _evaluator(run, out, snapshots, data, config)
     try:
         scorer = Scorer(evaluator)
-        trials = search(space, scorer, config)
+        hint = _spectrum_hint(snapshots, config) if config.eval_cmd is None else None
+        trials = search(space, scorer, config, [hint["params"]] if hint else [])
         record = _confirm(space, scorer, trials, config)
+        record["spectrum_hint"] = hint
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
     record.update(run=str(run), data=source, seconds=round(time.perf_counter() - t0, 2))
     _write(out, record, config.force)
     return record
+
+
+def _spectrum_hint(snapshots: Sequence[Snapshot], config: TuneConfig) -> dict[str, Any] | None:
+    """The SMA window the trajectory's power spectrum suggests (``pmakit.lab.spectrum``), as a first guess."""
+    from pmakit.lab.spectrum import power_spectrum, trajectory, window_from_spectrum
+
+    if len(snapshots) < 8 or "sma" not in config.families or 1 not in config.v_multiples:
+        return None
+    freqs, power = power_spectrum(trajectory(snapshots, seed=config.seed))
+    found = window_from_spectrum(freqs, power, min(config.max_n, len(snapshots)))
+    return {**found, "params": {"end_back": 0, "v_mult": 1, "n": found["n"], "family": "sma"}}
 
 
 def _run_snapshots(run: Path) -> list[Snapshot]:
@@ -420,8 +433,11 @@ def _check_memory(snapshots: Sequence[Snapshot]) -> None:
         )
 
 
-def search(space: Space, scorer: Scorer, config: TuneConfig) -> list[dict[str, Any]]:
-    """Run the TPE study on the selection split; every trial's record, in order."""
+def search(
+    space: Space, scorer: Scorer, config: TuneConfig, hints: Sequence[Mapping[str, Any]] = ()
+) -> list[dict[str, Any]]:
+    """Run the TPE study on the selection split; every trial's record, in order. ``hints`` are parameter sets
+    tried right after the baselines (e.g. the window the trajectory's spectrum suggests)."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -433,6 +449,8 @@ def search(space: Space, scorer: Scorer, config: TuneConfig) -> list[dict[str, A
         for base in space.baselines().values():
             n = min(base.params["n"], config.max_n)
             study.enqueue_trial({"end_back": 0, "v_mult": 1, "n": n, "family": "sma"}, skip_if_exists=True)
+    for hint in hints:
+        study.enqueue_trial(dict(hint), skip_if_exists=True)
     records: list[dict[str, Any]] = []
 
     def objective(trial: Any) -> float:
