@@ -494,7 +494,7 @@ class _Grid:
 
     def _tune(self, item: Mapping[str, Any]) -> tuple[list[Snapshot], list[float], dict[str, Any]]:
         """``pmakit tune``'s search over the snapshots up to the fork's end, scored on the selection split."""
-        from pmakit.lab.tune import Scorer, Space, TuneConfig, chosen_candidate, search
+        from pmakit.lab.tune import Scorer, Space, TuneConfig, chosen_candidate, search, spectrum_hint
 
         exp = self.study.exp
         config = TuneConfig(
@@ -506,7 +506,8 @@ class _Grid:
         pool = [s for t, s in sorted(self.snapshots.items()) if t <= item["tokens"]]
         space = Space.of(pool, config)
         scorer = Scorer(lambda c, split: self._score(self._average(c.snapshots, c.weights), split))
-        trials = search(space, scorer, config)
+        hint = spectrum_hint(pool, config)  # the same first guess as `pmakit tune`
+        trials = search(space, scorer, config, [hint["params"]] if hint else [])
         c = chosen_candidate(space, trials)
         chosen, p = list(c.snapshots), c.params
         alpha = f"({p['alpha']:.2g})" if p.get("alpha") else ""

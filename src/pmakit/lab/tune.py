@@ -355,7 +355,7 @@ def tune(run: str | Path, out: str | Path, *, data: str | None = None, config: T
     evaluator, source, scratch = _evaluator(run, out, snapshots, data, config)
     try:
         scorer = Scorer(evaluator)
-        hint = _spectrum_hint(snapshots, config) if config.eval_cmd is None else None
+        hint = spectrum_hint(snapshots, config) if config.eval_cmd is None else None
         trials = search(space, scorer, config, [hint["params"]] if hint else [])
         record = _confirm(space, scorer, trials, config)
         record["spectrum_hint"] = hint
@@ -367,7 +367,7 @@ def tune(run: str | Path, out: str | Path, *, data: str | None = None, config: T
     return record
 
 
-def _spectrum_hint(snapshots: Sequence[Snapshot], config: TuneConfig) -> dict[str, Any] | None:
+def spectrum_hint(snapshots: Sequence[Snapshot], config: TuneConfig) -> dict[str, Any] | None:
     """The SMA window the trajectory's power spectrum suggests (``pmakit.lab.spectrum``), as a first guess."""
     from pmakit.lab.spectrum import power_spectrum, trajectory, window_from_spectrum
 
