@@ -1,4 +1,4 @@
-"""pmakit.analysis: plane geometry checked exactly, finding 9's terms on quadratics with known H, the CLI on a tiny run."""
+"""pmakit.lab.plane: plane geometry checked exactly, finding 9's terms on quadratics with known H, the CLI on a tiny run."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from conftest import run_cli
-from pmakit.analysis import Flattener, cross_terms, loss_plane, plane_through
 from pmakit.errors import PmakitError
+from pmakit.lab.plane import Flattener, cross_terms, loss_plane, plane_through
 
 # --- geometry
 
@@ -280,7 +280,7 @@ def test_cli_without_a_run_config_uses_corpus_with_the_snapshot_tokenizer(tmp_pa
 
 
 class _FakeGrid:
-    """The parts of pmakit.experiment._Grid that the plane step uses."""
+    """The parts of pmakit.lab.pma._Grid that the plane step uses."""
 
     def __init__(self, run: Path) -> None:
         from types import SimpleNamespace
@@ -315,7 +315,7 @@ class _FakeGrid:
 
 
 def test_experiment_step_uses_the_best_sma_window_and_feeds_the_report(tmp_path: Path, text: Path) -> None:
-    from pmakit.analysis import experiment_plane
+    from pmakit.lab.plane import experiment_plane
     from pmakit.report import plane as section
 
     run = _tiny_run(tmp_path, text)

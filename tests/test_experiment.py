@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import run_cli
-from pmakit.experiment import RESULT_COLUMNS, ExperimentConfig, resolve
+from pmakit.lab.pma import RESULT_COLUMNS, ExperimentConfig, resolve
 from pmakit.snapshot import discover
 from pmakit.weights import get_weights
 

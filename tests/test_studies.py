@@ -15,15 +15,15 @@ import yaml
 
 from conftest import run_cli
 from pmakit.errors import PmakitError
-from pmakit.recover import choose_rollback, find_spikes, loss_lag_tokens, spike_boundary
-from pmakit.snapshot import discover
-from pmakit.studies import (
+from pmakit.lab.recovery import (
     STUDY_COLUMNS,
     continue_schedule,
     push_schedule,
     resolve_study,
     resume_schedule,
 )
+from pmakit.recover import choose_rollback, find_spikes, loss_lag_tokens, spike_boundary
+from pmakit.snapshot import discover
 
 TINY_TRAIN = {
     "max_corpus_bytes": 600_000,

@@ -271,7 +271,7 @@ def test_experiment_headline_chosen_on_selection_reported_on_test(smoke_experime
 
 def test_rows_of_an_older_run_are_set_aside_not_mixed(tmp_path: Path) -> None:
     """Rows scored on the whole held-out set (no split) would mix with selection/test rows: re-evaluated instead."""
-    from pmakit.experiment import _current_rows
+    from pmakit.lab.pma import _current_rows
 
     old = {"fork_tokens": 1, "model": "latest", "tokens": 2, "val_loss": 3.0}
     (tmp_path / "results.jsonl").write_text(json.dumps(old) + "\n")

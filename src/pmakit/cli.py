@@ -707,7 +707,7 @@ def experiment(
         return
     if corpus is not None:
         data.setdefault("train", {})["corpus"] = corpus
-    from pmakit.experiment import run_experiment
+    from pmakit.lab.runner import run_experiment
     from pmakit.report import summary_text
 
     run_dir = output or Path("runs") / f"experiment-{data['preset']}"
@@ -800,7 +800,7 @@ def analyze(
     Writes OUTPUT/plane.json, OUTPUT/plane.png and OUTPUT/summary.txt. Costs grid² + 3k evaluations of
     BATCHES held-out batches for k snapshots.
     """
-    from pmakit.analysis import analyze as run_analysis
+    from pmakit.lab.plane import analyze as run_analysis
 
     run_analysis(inputs, output, last=last, grid=grid, batches=batches, corpus=corpus)
     click.echo((output / "summary.txt").read_text().rstrip())

@@ -1,7 +1,7 @@
 """A study's result rows (RUN/results.jsonl): read them back, torn last line tolerated, and clear a study's run.
 
-One copy shared by the main study (``pmakit.experiment``), the spike and init studies (``pmakit.studies``) and the
-loss-plane analysis (``pmakit.analysis``).
+One copy shared by the main study (``pmakit.lab.pma``), the spike and init studies (``pmakit.lab.recovery``) and the
+loss-plane analysis (``pmakit.lab.plane``).
 """
 
 from __future__ import annotations

@@ -278,7 +278,7 @@ class EvalData:
 
 def load_eval_data(data: str | None, run: Path, newest: Snapshot, config: TuneConfig) -> EvalData:
     """The selection/test splits of ``data``: None or ``corpus`` for the run's own corpus, a token file, or text."""
-    from pmakit.analysis import find_train_config
+    from pmakit.lab.plane import find_train_config
     from pmakit.train.data import corpus_heldout, heldout_splits, read_token_file
     from pmakit.train.loop import TrainConfig, load_corpus
 

@@ -1,6 +1,6 @@
 """Report section and figure of the loss plane and cross terms (paper findings 9 and 10, experiments E11, E12).
 
-Reads RUN/plane.json (written by ``pmakit.analysis.loss_plane``, from ``pmakit experiment`` when
+Reads RUN/plane.json (written by ``pmakit.lab.plane.loss_plane``, from ``pmakit experiment`` when
 ``experiment.plane_grid`` > 0, or by ``pmakit analyze``) and draws plots/loss_plane.png. Sentences that judge are
 computed from the numbers in the file.
 """

@@ -1,4 +1,4 @@
-"""Report sections of the spike-recovery (E10) and PMA-init (E9) studies (``pmakit.studies``).
+"""Report sections of the spike-recovery (E10) and PMA-init (E9) studies (``pmakit.lab.recovery``).
 
 Reads RUN/experiment.json (``"study": "spike" | "init"``), RUN/results.jsonl (rows with the batch losses),
 RUN/curves.csv and RUN/train_curves.csv; draws RUN/plots/*.png and returns the report's blocks, rendered by the

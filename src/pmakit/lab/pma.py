@@ -167,37 +167,12 @@ def resolve(data: Mapping[str, Any]) -> Study:
 # Running
 
 
-def run_experiment(
-    data: Mapping[str, Any],
-    run_dir: str | Path,
-    *,
-    fresh: bool = False,
-    progress: bool = True,
-    seeds: int = 1,
+def run_pma_study(
+    data: Mapping[str, Any], run_dir: str | Path, *, fresh: bool = False, progress: bool = True
 ) -> Path:
-    """Run (or resume) the study into ``run_dir``; returns the report's path.
-
-    ``seeds`` > 1 repeats the whole study with ``train.seed`` + 1, + 2, ... into RUN/seeds/seed-S/ and gathers
-    merge - anneal across seeds into RUN/seeds.json (``pmakit.lab.seeds``).
-    """
-    if seeds < 1:
-        raise PmakitError(f"--seeds must be at least 1, got {seeds}")
-    if seeds > 1:
-        return _run_seeds(data, Path(run_dir), seeds, fresh=fresh, progress=progress)
+    """Run (or resume) the PMA study into ``run_dir``; returns the report's path."""
     from pmakit.train.loop import load_corpus
 
-    if data.get("study") == "replicas":  # model copies (pmakit.lab.replicas)
-        from pmakit.lab.replicas import run_replica_study
-
-        return run_replica_study(data, run_dir, fresh=fresh, progress=progress)
-    if data.get("study") == "scaling":  # scaling laws from merges (pmakit.lab.scaling)
-        from pmakit.lab.scaling import run_scaling_study
-
-        return run_scaling_study(data, run_dir, fresh=fresh, progress=progress)
-    if data.get("study"):  # the spike / init presets (pmakit.studies)
-        from pmakit.studies import run_study
-
-        return run_study(data, run_dir, fresh=fresh, progress=progress)
     study = resolve(data)
     run_dir = Path(run_dir)
     if fresh and run_dir.exists():
@@ -259,7 +234,7 @@ def _evaluate(
     grid.run(progress, grid.test_plan())  # after the grid: its choices are read from the selection rows
     seconds["merge_eval"] = time.perf_counter() - t
     if study.exp.plane_grid:
-        from pmakit.analysis import experiment_plane
+        from pmakit.lab.plane import experiment_plane
 
         t = time.perf_counter()
         experiment_plane(grid, run_dir, size=study.exp.plane_grid, batches=study.exp.plane_batches)
@@ -268,30 +243,6 @@ def _evaluate(
     experiment_spectrum(run_dir, cfg.warmup_tokens, study.exp.method_n)
     seconds["spectrum"] = time.perf_counter() - t
     return grid, {**held.describe(), "batches": {k: len(v) for k, v in batches.items()}}
-
-
-def _run_seeds(data: Mapping[str, Any], run_dir: Path, seeds: int, *, fresh: bool, progress: bool) -> Path:
-    """The study at the config's seed into RUN, then at the next seeds into RUN/seeds/seed-S, then seeds.json."""
-    from pmakit.analysis import write_json
-    from pmakit.lab.seeds import seed_summary
-
-    if data.get("study"):
-        raise PmakitError(
-            "--seeds repeats the PMA study; the spike, init, replicas and scaling studies have their own"
-        )
-    run_experiment(data, run_dir, fresh=fresh, progress=progress)
-    base = int((data.get("train") or {}).get("seed", 0) or 0)
-    runs = [(base, run_dir)]
-    for k in range(1, seeds):
-        seed = base + k
-        log.info("seed %d of %d (train.seed = %d)", k + 1, seeds, seed)
-        again = {**data, "train": {**(data.get("train") or {}), "seed": seed}}
-        run_experiment(again, run_dir / "seeds" / f"seed-{seed}", fresh=fresh, progress=progress)
-        runs.append((seed, run_dir / "seeds" / f"seed-{seed}"))
-    write_json(run_dir / "seeds.json", seed_summary(runs))
-    from pmakit.report import write_report
-
-    return Path(getattr(write_report(run_dir), "html", run_dir / "report.html"))
 
 
 def _log_phase(what: str, done: int, total: int) -> None:

@@ -263,7 +263,7 @@ def cross_terms(
     dm, de, ce = float(d_merge.mean()), float(d_end.mean()), float(c_end.mean())
     return {
         "k": k,
-        "method": "central second differences of held-out losses (forward passes only); see pmakit.analysis",
+        "method": "central second differences of held-out losses (forward passes only); see pmakit.lab.plane",
         "batches": int(gap.size),
         "member_loss_mean": _mean_se(members.mean(0)),
         "merge_loss": _mean_se(lbar),

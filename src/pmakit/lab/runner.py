@@ -1,0 +1,75 @@
+"""``pmakit experiment``: which study a config asks for, run (or resumed) into a run directory.
+
+A config's ``study`` key picks the study: none is the paper's PMA study (``pma``), ``spike`` and ``init`` the
+recovery studies (``recovery``), ``replicas`` model copies (``replicas``), ``scaling`` scaling laws from merges
+(``scaling``). ``--seeds K`` repeats the PMA study over K training seeds (``seeds``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pmakit.errors import PmakitError
+
+log = logging.getLogger(__name__)
+
+
+def run_experiment(
+    data: Mapping[str, Any],
+    run_dir: str | Path,
+    *,
+    fresh: bool = False,
+    progress: bool = True,
+    seeds: int = 1,
+) -> Path:
+    """Run (or resume) the study ``data`` asks for into ``run_dir``; returns the report's path.
+
+    ``seeds`` > 1 repeats the whole study with ``train.seed`` + 1, + 2, ... into RUN/seeds/seed-S/ and gathers
+    merge - anneal across seeds into RUN/seeds.json (``pmakit.lab.seeds``).
+    """
+    if seeds < 1:
+        raise PmakitError(f"--seeds must be at least 1, got {seeds}")
+    if seeds > 1:
+        return _run_seeds(data, Path(run_dir), seeds, fresh=fresh, progress=progress)
+    study = data.get("study")
+    if study == "replicas":
+        from pmakit.lab.replicas import run_replica_study
+
+        return run_replica_study(data, run_dir, fresh=fresh, progress=progress)
+    if study == "scaling":
+        from pmakit.lab.scaling import run_scaling_study
+
+        return run_scaling_study(data, run_dir, fresh=fresh, progress=progress)
+    if study:  # spike, init
+        from pmakit.lab.recovery import run_study
+
+        return run_study(data, run_dir, fresh=fresh, progress=progress)
+    from pmakit.lab.pma import run_pma_study
+
+    return run_pma_study(data, run_dir, fresh=fresh, progress=progress)
+
+
+def _run_seeds(data: Mapping[str, Any], run_dir: Path, seeds: int, *, fresh: bool, progress: bool) -> Path:
+    """The study at the config's seed into RUN, then at the next seeds into RUN/seeds/seed-S, then seeds.json."""
+    from pmakit.lab.plane import write_json
+    from pmakit.lab.seeds import seed_summary
+    from pmakit.report import write_report
+
+    if data.get("study"):
+        raise PmakitError(
+            "--seeds repeats the PMA study; the spike, init, replicas and scaling studies have their own"
+        )
+    run_experiment(data, run_dir, fresh=fresh, progress=progress)
+    base = int((data.get("train") or {}).get("seed", 0) or 0)
+    runs = [(base, run_dir)]
+    for k in range(1, seeds):
+        seed = base + k
+        log.info("seed %d of %d (train.seed = %d)", k + 1, seeds, seed)
+        again = {**data, "train": {**(data.get("train") or {}), "seed": seed}}
+        run_experiment(again, run_dir / "seeds" / f"seed-{seed}", fresh=fresh, progress=progress)
+        runs.append((seed, run_dir / "seeds" / f"seed-{seed}"))
+    write_json(run_dir / "seeds.json", seed_summary(runs))
+    return Path(getattr(write_report(run_dir), "html", run_dir / "report.html"))
