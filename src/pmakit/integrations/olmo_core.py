@@ -106,10 +106,9 @@ class PMACallback(Callback):
         tokens = self.trainer.global_train_tokens_seen
         resumed = self._resumed
         self.core.start(self._model(), tokens)
-        if resumed is not None and self.core.saver is not None:
+        if resumed is not None:
             # The checkpoint's own window, not whatever snapshots a crashed continuation left after it.
-            self.core.saver.load_state_dict(resumed["saver"])
-            self.core.averager.load_state_dict(resumed["averager"])
+            self.core.load_state_dict(resumed)
             log.info("PMA: resumed the online average of %d snapshots", self.core.averager.count)
 
     def post_train_batch(self) -> None:
@@ -130,13 +129,10 @@ class PMACallback(Callback):
             self._evaluate_average(self.trainer.global_train_tokens_seen)
 
     def state_dict(self) -> dict[str, Any]:
-        if not self.enabled or self._core is None or self._core.saver is None:
+        if not self.enabled or self._core is None:
             return {}
         # Plain values only (OLMo-core's trainer state is read back with weights_only loads).
-        return {
-            "saver": self._core.saver.state_dict(),
-            "averager": self._core.averager.state_dict(include_tensors=False),
-        }
+        return self._core.state_dict(include_tensors=False)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._resumed = dict(state_dict) if state_dict else None
@@ -185,12 +181,7 @@ class PMACallback(Callback):
 
     def _evaluate_average(self, tokens: int) -> None:
         core = self.core
-        ready = False
-        if _rank() == 0:
-            core.evaluations += 1
-            if core.eval_every and core.evaluations % core.eval_every == 0 and core.saver is not None:
-                core.saver.wait()  # this step's snapshot belongs in the average
-                ready = core.averager.count > 0
+        ready = _rank() == 0 and core.evaluation_due() and core.merge_ready()
         if not self._agree(ready):
             return
         metrics: dict[str, float] = {}
@@ -202,8 +193,7 @@ class PMACallback(Callback):
                 if value is not None:
                     metrics[name.removeprefix(self.prefix + "/")] = float(value)
         if _rank() == 0:
-            record = {"kind": "eval", "model": core.averager.label, "tokens": tokens, "step": self.step}
-            core.write({**record, "n": core.averager.count, "metrics": metrics})
+            core.write(core.merged_record(tokens, self.step, {"metrics": metrics}))
 
     def _metric_names(self) -> list[str]:
         names = []

@@ -33,7 +33,10 @@ import torch
 from pmakit.errors import PmakitError
 from pmakit.evaluate import EvalResult, batch_loss, evaluate
 from pmakit.metrics import MetricsLog
+from pmakit.online import OnlineAverager
+from pmakit.saver import SnapshotSaver
 from pmakit.schedule import WSD
+from pmakit.train.averaging import Averaging
 from pmakit.train.callbacks import Callback, StopTraining
 from pmakit.train.model import ModelConfig, build_model, count_parameters
 from pmakit.train.replicas import SingleCopy
@@ -251,18 +254,18 @@ class Trainer:
         rank_dir = self.run_dir / "replicas" / f"rank-{self.copies.rank}"
         self.metrics = MetricsLog(self.run_dir if self.copies.is_writer else rank_dir)
 
-        # --- snapshots and the online merge
-        from pmakit.online import OnlineAverager
-        from pmakit.saver import SnapshotSaver
-
-        self.averager = OnlineAverager(config.average_last, config.average_method, config.average_alpha)
-        self.saver = SnapshotSaver(
+        # --- snapshots, the online merge and their records: the same hook as the framework adapters'
+        self.averaging = Averaging(
             self.run_dir / "snapshots",
             config.every_tokens,
+            last=config.average_last,
+            method=config.average_method,
+            alpha=config.average_alpha,
+            eval_every=config.eval_every,
             keep_last=config.keep_last,
-            extra_files=self._extra_files(),
-            on_save=[self._on_saved],
+            metrics=self.metrics,
         )
+        self.averaging.start(None, 0, self._extra_files(), rebuild=False)  # the checkpoint brings the window
         self._last_snapshot: Any = None
 
         # --- where to start
@@ -439,27 +442,17 @@ class Trainer:
         self.copies.sync(self.model)
 
     def _after_step(self, record: dict[str, Any]) -> None:
-        cfg = self.config
         if not self.copies.is_writer:
             self._checkpoint_if_due()
             return
-        snapshot = self.saver.maybe_save(
-            self.model,
-            tokens=self.tokens,
-            step=self.step,
-            lr=record["lr"],
-            loss=record["loss"],
-            window=cfg.average_last,  # the default N of `pmakit merge RUN`
+        snapshot = self.averaging.step(
+            self.model, tokens=self.tokens, step=self.step, lr=record["lr"], loss=record["loss"]
         )
         if snapshot is not None:
             self._last_snapshot = snapshot
-            self.metrics.write(
-                {"kind": "snapshot", "tokens": self.tokens, "step": self.step, "path": str(snapshot.path)}
-            )
             for cb in self.callbacks:
                 cb.on_snapshot(self, snapshot)
-            n_snap = self.tokens // cfg.every_tokens
-            if cfg.eval_every and n_snap % cfg.eval_every == 0:
+            if self.averaging.snapshot_evaluation_due(self.tokens):
                 self.evaluate_now()
         self._checkpoint_if_due()
 
@@ -479,19 +472,11 @@ class Trainer:
         base = {"kind": "eval", "tokens": self.tokens, "step": self.step}
         latest = evaluate(self.model, self.val, bytes_per_token=self.bytes_per_token)
         records = [{**base, "model": "latest", **latest.as_record()}]
-        self.saver.wait()  # the averager is fed when a write completes
-        if self.averager.count >= 2:
-            with self.averager.swapped_in(self.model):
+        if self.averaging.merge_ready(min_count=2):
+            with self.averaging.swapped_in(self.model):
                 merged = evaluate(self.model, self.val, bytes_per_token=self.bytes_per_token)
-            records.append(
-                {
-                    **base,
-                    "model": self.averager.label,
-                    "n": self.averager.count,
-                    **merged.as_record(),
-                    **_paired(merged, latest),
-                }
-            )
+            values = {**merged.as_record(), **_paired(merged, latest)}
+            records.append(self.averaging.merged_record(self.tokens, self.step, values))
         for r in records:
             self.metrics.write(r)
         for cb in self.callbacks:
@@ -507,8 +492,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ snapshots, checkpoints, rollback
 
-    def _on_saved(self, snapshot: Any, state: dict[str, torch.Tensor]) -> None:
-        self.averager.update(state, tokens=snapshot.tokens, path=snapshot.path)
+    @property
+    def saver(self) -> SnapshotSaver:
+        """The snapshot saver (owned by ``self.averaging``)."""
+        return self.averaging.started_saver
+
+    @property
+    def averager(self) -> OnlineAverager:
+        """The online merge (owned by ``self.averaging``)."""
+        return self.averaging.averager
 
     def save_checkpoint(self, directory: Path) -> None:
         """The full state (weights, optimizer, trainer, saver, averager), written to a temp dir then renamed.
@@ -528,8 +520,7 @@ class Trainer:
         # Plain values and tensors only, so that it loads with weights_only=True.
         state = {
             "trainer": asdict(self.state),
-            "saver": self.saver.state_dict(),
-            "averager": self.averager.state_dict(),
+            **self.averaging.state_dict(),  # "saver" and "averager"
             "config": self.config.to_dict(),
         }
         if copies is not None:
@@ -573,9 +564,7 @@ class Trainer:
         self.state = _State(**saved["trainer"])
         if "copies" in saved or self.copies.size > 1:
             self._copies_state = saved.get("copies", {})
-        self.saver.load_state_dict(saved["saver"])
-        if not fork:
-            self.averager.load_state_dict(saved["averager"])
+        self.averaging.load_state_dict(saved, window=not fork)
 
     def _load_weights(self, directory: Path) -> None:
         from pmakit.formats import read_state
@@ -632,8 +621,7 @@ class Trainer:
         self.state.lr_factor_until = until_tokens
 
     def close(self) -> None:
-        self.saver.close()
-        self.metrics.close()
+        self.averaging.close()  # the saver and the metrics log
 
     def describe(self) -> dict[str, Any]:
         return {
