@@ -6,11 +6,83 @@ to start your own from. A config file replaces the preset it names (``preset: de
 
 from __future__ import annotations
 
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
 from pmakit.errors import PmakitError
+from pmakit.units import parse_tokens
+
+TOKENS = "tokens"
+Tokens = Annotated[int, TOKENS]
+"""A token count: a config file may write it as '4M' (``pmakit.units.parse_tokens``)."""
+
+T = TypeVar("T")
+
+
+def from_mapping(cls: type[T], data: Any, section: str) -> T:
+    """The dataclass ``cls`` built from the mapping of the config section ``section`` (e.g. ``train``).
+
+    Values are converted by the field's type: a nested dataclass from its own mapping (section
+    ``train.model``; null = its defaults), a ``Tokens`` field from '4M', a tuple from a list (null = empty), a
+    float from a string ('3e-3', which YAML reads as text). Unknown keys are one error naming the section and
+    the keys and listing the known ones; the dataclass's own checks run as it is built.
+    """
+    if not isinstance(data, Mapping):
+        raise PmakitError(f"the {section} config must be a mapping of keys to values, got {data!r}")
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise PmakitError(
+            f"unknown {section} config keys: {', '.join(map(str, unknown))}; known: {', '.join(sorted(fields))}"
+        )
+    hints = typing.get_type_hints(cls, include_extras=True)
+    values = {key: _convert(value, hints[key], f"{section}.{key}") for key, value in data.items()}
+    try:
+        return cls(**values)
+    except TypeError as e:
+        raise PmakitError(f"bad {section} config: {e}") from e
+
+
+def _convert(value: Any, hint: Any, where: str) -> Any:
+    """``value`` of a config file as the field type ``hint`` wants it (``where``: section.key, for errors)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Annotated:
+        if TOKENS in args[1:] and isinstance(value, str):
+            return parse_tokens(value)
+        return _convert(value, args[0], where)
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        if isinstance(value, hint):
+            return value
+        return from_mapping(hint, {} if value is None else value, where)
+    if origin is tuple:
+        return _convert_tuple(value, args, where) if value is not None else ()
+    if value is None:
+        return None
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in args if a is not type(None)]
+        return _convert(value, options[0], where) if len(options) == 1 else value
+    if hint is float and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            raise PmakitError(f"{where}: expected a number, got {value!r}") from None
+    return value
+
+
+def _convert_tuple(value: Any, args: tuple[Any, ...], where: str) -> tuple[Any, ...]:
+    """A list (or tuple) of a config file as ``tuple[X, ...]`` or a fixed ``tuple[X, Y]``."""
+    if not isinstance(value, (list, tuple)):
+        raise PmakitError(f"{where}: expected a list, got {value!r}")
+    if len(args) == 2 and args[1] is Ellipsis:
+        return tuple(_convert(v, args[0], where) for v in value)
+    if len(args) == len(value):
+        return tuple(_convert(v, a, where) for v, a in zip(value, args))
+    return tuple(value)  # the wrong length: the dataclass's own check (or its use) names it
 
 
 def preset_names() -> list[str]:

@@ -15,7 +15,6 @@ Run directory:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -30,6 +29,7 @@ from typing import Any
 
 import torch
 
+from pmakit.config import Tokens, from_mapping
 from pmakit.errors import PmakitError
 from pmakit.evaluate import EvalResult, batch_loss, evaluate
 from pmakit.metrics import MetricsLog
@@ -63,13 +63,13 @@ class TrainConfig:
     """Model size."""
     batch_size: int = 16
     """Sequences per step (tokens per step = batch_size x model.seq_len)."""
-    total_tokens: int = 8_000_000
+    total_tokens: Tokens = 8_000_000
     """Train until this many tokens."""
     lr: float = 3e-3
     """Peak (stable-phase) learning rate."""
-    warmup_tokens: int = 400_000
+    warmup_tokens: Tokens = 400_000
     """Linear warmup length."""
-    decay_tokens: int = 0
+    decay_tokens: Tokens = 0
     """Length of the LR decay at the end of the run (0: constant LR to the end, the PMA setting)."""
     decay_shape: str = "linear"
     """Decay shape: linear, cosine or 1sqrt."""
@@ -83,7 +83,7 @@ class TrainConfig:
     """AdamW betas."""
     grad_clip: float = 1.0
     """Clip the gradient norm to this (0: no clipping)."""
-    every_tokens: int = 200_000
+    every_tokens: Tokens = 200_000
     """Snapshot interval V."""
     keep_last: int | None = None
     """Keep only the last K snapshots (None: all)."""
@@ -97,9 +97,9 @@ class TrainConfig:
     """Evaluate latest and merged weights every this many snapshots (0: never)."""
     eval_batches: int = 16
     """Held-out batches per evaluation (fixed for the whole run)."""
-    checkpoint_every_tokens: int | None = None
+    checkpoint_every_tokens: Tokens | None = None
     """Write the full resume state this often (default: at every snapshot)."""
-    keep_checkpoints_at: tuple[int, ...] = ()
+    keep_checkpoints_at: tuple[Tokens, ...] = ()
     """Token counts at which a full state is kept under RUN/checkpoints/ (fork points)."""
     log_every: int = 10
     """Log a train record every this many steps."""
@@ -143,45 +143,8 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TrainConfig:
-        """Build from a config file's mapping; unknown keys are an error naming them."""
-        from pmakit.units import parse_tokens
-
-        data = dict(data)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise PmakitError(
-                f"unknown train config keys: {', '.join(unknown)}; known: {', '.join(sorted(known))}"
-            )
-        model = data.pop("model", {}) or {}
-        if isinstance(model, Mapping):
-            model_known = {f.name for f in dataclasses.fields(ModelConfig)}
-            bad = sorted(set(model) - model_known)
-            if bad:
-                raise PmakitError(
-                    f"unknown model config keys: {', '.join(bad)}; known: {', '.join(sorted(model_known))}"
-                )
-            model = ModelConfig(**model)
-        for key in (
-            "total_tokens",
-            "warmup_tokens",
-            "decay_tokens",
-            "every_tokens",
-            "checkpoint_every_tokens",
-        ):
-            if isinstance(data.get(key), str):
-                data[key] = parse_tokens(data[key])
-        if "keep_checkpoints_at" in data:
-            data["keep_checkpoints_at"] = tuple(parse_tokens(t) for t in data["keep_checkpoints_at"] or ())
-        if "betas" in data:
-            data["betas"] = tuple(data["betas"])
-        for key in ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "val_fraction", "average_alpha"):
-            if isinstance(data.get(key), str):
-                data[key] = float(data[key])
-        try:
-            return cls(model=model, **data)
-        except TypeError as e:
-            raise PmakitError(f"bad train config: {e}") from e
+        """Build from a config file's ``train:`` mapping; unknown keys are an error naming them."""
+        return from_mapping(cls, data, "train")
 
 
 @dataclass
