@@ -191,9 +191,18 @@ class Trainer:
         self.progress = progress
         cpu_threads(config.threads)
 
-        # --- data
+        self._setup_data(corpus)
+        self._setup_model()
+        self._setup_averaging()
+        self._start_from(init_from=init_from, resume_from=resume_from, resume=resume)
+
+    # ------------------------------------------------------------------ set-up steps
+
+    def _setup_data(self, corpus: Any) -> None:
+        """The corpus, the fixed held-out batches, and the tokenizer copied into the run."""
         from pmakit.train import data as data_mod
 
+        config = self.config
         self.corpus = corpus or load_corpus(config)
         self.val = data_mod.val_batches(
             self.corpus.val,
@@ -206,7 +215,9 @@ class Trainer:
         if self.copies.is_writer:
             self._install_tokenizer()
 
-        # --- model and optimizer
+    def _setup_model(self) -> None:
+        """The model (its config saved for the snapshots), the optimizer and a fresh trainer state."""
+        config = self.config
         ids = self._special_ids()
         model: Any = build_model(config.model, self.corpus.vocab_size, seed=config.seed, **ids)
         if self.copies.is_writer:
@@ -214,10 +225,12 @@ class Trainer:
         self.model: torch.nn.Module = model
         self.optimizer = self._make_optimizer()
         self.state = _State()
+
+    def _setup_averaging(self) -> None:
+        """The metrics log, and snapshots + the online merge: the same hook as the framework adapters'."""
+        config = self.config
         rank_dir = self.run_dir / "replicas" / f"rank-{self.copies.rank}"
         self.metrics = MetricsLog(self.run_dir if self.copies.is_writer else rank_dir)
-
-        # --- snapshots, the online merge and their records: the same hook as the framework adapters'
         self.averaging = Averaging(
             self.run_dir / "snapshots",
             config.every_tokens,
@@ -231,7 +244,10 @@ class Trainer:
         self.averaging.start(None, 0, self._extra_files(), rebuild=False)  # the checkpoint brings the window
         self._last_snapshot: Any = None
 
-        # --- where to start
+    def _start_from(
+        self, *, init_from: str | Path | None, resume_from: str | Path | None, resume: bool
+    ) -> None:
+        """Fork from ``resume_from``, resume this run's checkpoint, or initialise from ``init_from``."""
         checkpoint = self.run_dir / CHECKPOINT
         if resume_from is not None:
             self.load_checkpoint(Path(resume_from), fork=True)
