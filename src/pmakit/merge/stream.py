@@ -236,40 +236,19 @@ def stream_average(
     threads wait for each other at every op and stall whenever another process holds a core.
     """
     chunks = list(_chunks(plan))
-    n = plan.chunk_elems
-    weights = plan.weights
     itemsize = max([4] + [dtype.itemsize for _, dtype in plan.tensors.values()])
-    writer = _Writer(plan, directory, n * itemsize, plan.n_buffers, fsync)
+    writer = _Writer(plan, directory, plan.chunk_elems * itemsize, plan.n_buffers, fsync)
     local = threading.local()
 
     def work(chunk: _Chunk, views: list[torch.Tensor], buf: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        if not hasattr(local, "scratch"):
-            local.scratch = (torch.empty(BLOCK_ELEMS), torch.empty(BLOCK_ELEMS))
-        out_dtype = plan.tensors[chunk.name][1]
-        out = buf[: (chunk.stop - chunk.start) * out_dtype.itemsize].view(out_dtype)
-        if device != "cpu":
-            return out, _fold_on(device, views, [weights[src] for src in chunk.sources], out)
-        return out, _fold(views, [weights[src] for src in chunk.sources], out, local.scratch)
+        return _fold_chunk(plan, chunk, views, buf, device, local)
 
     workers = _workers(plan.n_buffers)
     pool = ThreadPoolExecutor(workers, thread_name_prefix="pmakit-fold")
-    pending: collections.deque[tuple[_Chunk, Future[tuple[torch.Tensor, bool]], torch.Tensor | None]]
-    pending = collections.deque()
+    pending: collections.deque[_Pending] = collections.deque()
 
     def hand_over() -> None:
-        chunk, result, buf = pending.popleft()
-        values, finite = result.result()
-        if not finite:
-            _find_nonfinite(readers, plan, chunk)
-            dtype = str(plan.tensors[chunk.name][1]).replace("torch.", "")
-            raise PmakitError(
-                f"tensor {chunk.name!r}: the average exceeds the range of {dtype} (it would be written as Inf); "
-                "merge with --dtype fp32 or bf16"
-            )
-        writer.put(chunk.shard, chunk.name, values, buf)
-        if progress is not None:
-            readers_used = len(chunk.sources)
-            progress((chunk.stop - chunk.start) * plan.tensors[chunk.name][0].dtype.itemsize * readers_used)
+        _hand_over(pending.popleft(), plan, readers, writer, progress)
 
     # Each chunk makes thousands of short-lived tensor views; reference counting frees them, but their allocations
     # would trigger collections that walk every object torch created at import (5% of a merge's CPU).
@@ -277,9 +256,7 @@ def stream_average(
     gc.disable()
     try:
         for i, chunk in enumerate(chunks):
-            for ahead in chunks[: 1 + PREFETCH_AHEAD] if i == 0 else chunks[i + PREFETCH_AHEAD :][:1]:
-                for src in ahead.sources:  # keep the disk PREFETCH_AHEAD chunks ahead of the workers
-                    readers[src].prefetch(ahead.name, ahead.start, ahead.stop)
+            _prefetch(readers, chunks, i)
             while len(pending) >= workers:
                 hand_over()
             # Reads stay on this thread and in order: a reader may load (not map) and expect to move forward.
@@ -302,6 +279,61 @@ def stream_average(
         pool.shutdown(wait=True)
         if gc_was_enabled:
             gc.enable()
+
+
+_Pending = tuple[_Chunk, Future[tuple[torch.Tensor, bool]], torch.Tensor | None]
+"""A chunk handed to the workers: its (output, finite) result and the output buffer it holds (None: passed as
+read)."""
+
+
+def _prefetch(readers: Sequence[Reader], chunks: Sequence[_Chunk], i: int) -> None:
+    """Keep the disk ``PREFETCH_AHEAD`` chunks ahead of the workers (at chunk ``i``: hint the one coming in)."""
+    for ahead in chunks[: 1 + PREFETCH_AHEAD] if i == 0 else chunks[i + PREFETCH_AHEAD :][:1]:
+        for src in ahead.sources:
+            readers[src].prefetch(ahead.name, ahead.start, ahead.stop)
+
+
+def _fold_chunk(
+    plan: MergePlan,
+    chunk: _Chunk,
+    views: list[torch.Tensor],
+    buf: torch.Tensor,
+    device: str,
+    local: threading.local,
+) -> tuple[torch.Tensor, bool]:
+    """A worker's job: the weighted sum of ``chunk``'s input ``views`` into ``buf`` (as the output dtype), and
+    whether it is finite. ``local`` holds the worker thread's own cache-sized scratch buffers."""
+    if not hasattr(local, "scratch"):
+        local.scratch = (torch.empty(BLOCK_ELEMS), torch.empty(BLOCK_ELEMS))
+    out_dtype = plan.tensors[chunk.name][1]
+    out = buf[: (chunk.stop - chunk.start) * out_dtype.itemsize].view(out_dtype)
+    weights = [plan.weights[src] for src in chunk.sources]
+    if device != "cpu":
+        return out, _fold_on(device, views, weights, out)
+    return out, _fold(views, weights, out, local.scratch)
+
+
+def _hand_over(
+    pending: _Pending,
+    plan: MergePlan,
+    readers: Sequence[Reader],
+    writer: _Writer,
+    progress: Callable[[int], None] | None,
+) -> None:
+    """The oldest chunk's result, checked for NaN/Inf (naming the input that has them), to the writer thread."""
+    chunk, result, buf = pending
+    values, finite = result.result()
+    if not finite:
+        _find_nonfinite(readers, plan, chunk)
+        dtype = str(plan.tensors[chunk.name][1]).replace("torch.", "")
+        raise PmakitError(
+            f"tensor {chunk.name!r}: the average exceeds the range of {dtype} (it would be written as Inf); "
+            "merge with --dtype fp32 or bf16"
+        )
+    writer.put(chunk.shard, chunk.name, values, buf)
+    if progress is not None:
+        readers_used = len(chunk.sources)
+        progress((chunk.stop - chunk.start) * plan.tensors[chunk.name][0].dtype.itemsize * readers_used)
 
 
 def _close(writer: ShardWriter, fsync: bool) -> dict[str, Any]:
