@@ -138,11 +138,7 @@ def merge(
         ranks=world.size,
         cast=window is not None or None,
     )
-    out_format = out_format or native_format(plan.snapshots[-1])
-    if out_format == "safetensors":  # HF names where the trainer ships a converter (torchtitan's adapter)
-        out_format = safetensors_format(plan.snapshots[-1])
-    if out_format != "safetensors":
-        writer(out_format)  # an unknown format fails before any work
+    out_format = _output_format(plan, out_format)
     narrow = any(is_float(d) and d != torch.float32 for _, d in plan.tensors.values())
     sums = None
     if keep_fp32 and narrow:
@@ -160,23 +156,8 @@ def merge(
             readers = [stack.enter_context(open_weights(s.path)) for s in plan.snapshots]
             run_stage(world, out, lambda: _take_output(job, readers, stack, force, resume), rank0=True)
             owned = True
-            final, final_readers = _fp32_pass(job, readers, stack) if sums is not None else (plan, readers)
-            last_progress = None if sums is not None else progress
-            run_stage(
-                world,
-                out,
-                lambda: write_pass(
-                    final, final_readers, job.partial, "", world, last_progress, fsync, job.killer
-                ),
-            )
-            written = _layout_pass(job) if out_format != "safetensors" else None
-            record = _manifest_of(job, readers, dtype, manifest_extra or {}, narrow, window)
-            result = run_stage(
-                world,
-                out,
-                lambda: finish_output(plan, readers, job.partial, out, written, fsync, record, job.killer),
-                rank0=True,
-            )
+            manifest = _manifest_of(job, readers, dtype, manifest_extra or {}, narrow, window)
+            result = _write_and_finish(job, readers, stack, manifest)
     except BaseException:
         if owned and world.rank == 0:
             shutil.rmtree(job.partial, ignore_errors=True)
@@ -184,6 +165,43 @@ def merge(
     finally:
         torch.set_num_threads(previous_threads)
     return MergeResult(out, plan, time.perf_counter() - start, result or {})
+
+
+def _output_format(plan: MergePlan, out_format: str | None) -> str:
+    """The output layout: as asked, else the newest input's own; an unknown one fails before any work."""
+    out_format = out_format or native_format(plan.snapshots[-1])
+    if out_format == "safetensors":  # HF names where the trainer ships a converter (torchtitan's adapter)
+        out_format = safetensors_format(plan.snapshots[-1])
+    if out_format != "safetensors":
+        writer(out_format)
+    return out_format
+
+
+def _write_and_finish(
+    job: _Job,
+    readers: list[Reader],
+    stack: contextlib.ExitStack,
+    manifest: Callable[[list[dict[str, Any]], list[str]], dict[str, Any]],
+) -> dict[str, Any] | None:
+    """Once this merge owns its output: the fp32 sums (if kept), the output's shards, the layout's own files,
+    then the manifest (``manifest``: its builder) and the rename into place."""
+    plan, world, out = job.plan, job.world, job.out
+    final, final_readers = _fp32_pass(job, readers, stack) if job.sums is not None else (plan, readers)
+    last_progress = None if job.sums is not None else job.progress
+    run_stage(
+        world,
+        out,
+        lambda: write_pass(
+            final, final_readers, job.partial, "", world, last_progress, job.fsync, job.killer
+        ),
+    )
+    written = _layout_pass(job) if job.out_format != "safetensors" else None
+    return run_stage(
+        world,
+        out,
+        lambda: finish_output(plan, readers, job.partial, out, written, job.fsync, manifest, job.killer),
+        rank0=True,
+    )
 
 
 @dataclass(frozen=True)
