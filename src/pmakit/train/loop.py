@@ -323,8 +323,6 @@ class Trainer:
 
     def fit(self, until_tokens: int | None = None) -> Trainer:
         """Train until ``until_tokens`` (default: ``config.total_tokens``); Ctrl-C saves the state and re-raises."""
-        from pmakit.train.data import get_batch
-
         cfg = self.config
         end = until_tokens or cfg.total_tokens
         self.model.train()
@@ -334,39 +332,8 @@ class Trainer:
         t0 = time.perf_counter()
         try:
             while self.tokens < end:
-                x, y = get_batch(
-                    self.corpus.train,
-                    self.step,
-                    batch_size=cfg.batch_size,
-                    seq_len=cfg.model.seq_len,
-                    seed=cfg.seed,
-                    shard=self.copies.rank,
-                )
-                step_tokens = x.numel() * self.copies.size  # all copies' tokens
-                lr = self.lr_at(self.tokens + step_tokens)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = lr
-                loss = batch_loss(self.model, x, y)
-                loss.backward()
-                loss_value = loss.item()
-                self.copies.reduce_gradients(self.model)
-                grad_norm = self._clip()
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                self.state.step += 1
-                self.state.tokens += step_tokens
-                if self.copies.due(self.step):
-                    self._sync_copies()
-                record: dict[str, Any] = {
-                    "kind": "train",
-                    "tokens": self.tokens,
-                    "step": self.step,
-                    "loss": loss_value,
-                    "grad_norm": grad_norm,
-                    "lr": lr,
-                }
-                if self.copies.size > 1:
-                    record["all_reduces"] = self.copies.all_reduces
+                record = self._train_step()
+                loss_value = record["loss"]
                 if self.step % cfg.log_every == 0 or not math.isfinite(loss_value):
                     record["tokens_per_s"] = round((self.tokens - bar.start) / (time.perf_counter() - t0))
                     self.metrics.write(record)
@@ -394,6 +361,46 @@ class Trainer:
         for cb in self.callbacks:
             cb.on_train_end(self)
         return self
+
+    def _train_step(self) -> dict[str, Any]:
+        """One optimizer step on this step's batch (every copy's share of it); its train record."""
+        from pmakit.train.data import get_batch
+
+        cfg = self.config
+        x, y = get_batch(
+            self.corpus.train,
+            self.step,
+            batch_size=cfg.batch_size,
+            seq_len=cfg.model.seq_len,
+            seed=cfg.seed,
+            shard=self.copies.rank,
+        )
+        step_tokens = x.numel() * self.copies.size  # all copies' tokens
+        lr = self.lr_at(self.tokens + step_tokens)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss = batch_loss(self.model, x, y)
+        loss.backward()
+        loss_value = loss.item()
+        self.copies.reduce_gradients(self.model)
+        grad_norm = self._clip()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state.step += 1
+        self.state.tokens += step_tokens
+        if self.copies.due(self.step):
+            self._sync_copies()
+        record: dict[str, Any] = {
+            "kind": "train",
+            "tokens": self.tokens,
+            "step": self.step,
+            "loss": loss_value,
+            "grad_norm": grad_norm,
+            "lr": lr,
+        }
+        if self.copies.size > 1:
+            record["all_reduces"] = self.copies.all_reduces
+        return record
 
     def _clip(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
