@@ -4,6 +4,8 @@
   BPE tokenizer + train/val token arrays (split by file, cached); deterministic batches.
 - ``pmakit.train.model``: a small ``LlamaForCausalLM`` built from a config (no downloads).
 - ``pmakit.train.loop``: the training loop with the WSD schedule, the snapshot saver and the online averager.
+- ``pmakit.train.averaging``: the one averaging hook (snapshot saver + online averager + metrics + resume) that
+  the loop and every framework adapter in ``pmakit.integrations`` use.
 
 Nothing is imported here, so that ``import pmakit.train.data`` stays light and entry points can set up the
 environment before torch is imported.
