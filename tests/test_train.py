@@ -121,11 +121,16 @@ def test_rollback_and_stop(corpus_dir: Path, tmp_path: Path) -> None:
     assert trainer.lr_at(1600) == pytest.approx(trainer.schedule(1600))
 
 
-def test_bad_config_is_one_error(corpus_dir: Path) -> None:
+def test_bad_config_is_one_error(corpus_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(PmakitError, match="multiple of the tokens per step"):
         tiny(corpus_dir, every_tokens=100)
     with pytest.raises(PmakitError, match="unknown train config keys: lr_max"):
         TrainConfig.from_dict({"lr_max": 1})
+    with pytest.raises(PmakitError, match="unknown train.model config keys: hiden; known: heads, hidden"):
+        TrainConfig.from_dict({"model": {"hiden": 32}})
+    # The averaging hook reads the window back from disk: the trainer may not delete it first.
+    with pytest.raises(PmakitError, match="keep_last=2 < last=3"):
+        Trainer(tiny(corpus_dir, keep_last=2), tmp_path / "run")
 
 
 def test_train_cli_writes_a_run_and_resumes(corpus_dir: Path, tmp_path: Path) -> None:
