@@ -41,6 +41,24 @@ def _rows(
     return rows, from_run
 
 
+def _snapshot_row(snap: Snapshot) -> dict[str, Any]:
+    """What ``pmakit inspect`` shows of one complete snapshot (its weights' format, bytes and tensors)."""
+    with open_weights(snap.path) as reader:
+        return {
+            "path": str(snap.path),
+            "layout": snap.layout,
+            "complete": True,
+            "step": snap.step,
+            "tokens": snap.tokens,
+            "lr": snap.lr,
+            "loss": snap.loss,
+            "format": reader.format,
+            "bytes": sum(f.size for f in reader.files),
+            "tensors": len(reader.tensors),
+            "skipped_entries": reader.skipped,
+        }
+
+
 def inspect_inputs(
     inputs: Sequence[str | os.PathLike[str]],
     *,
@@ -58,27 +76,12 @@ def inspect_inputs(
     skip = {Path(p).resolve() for p in exclude}
     rows, from_run = _rows([Path(p) for p in inputs], tokens_per_step)
     complete = sort_snapshots(r for r in rows if isinstance(r, Snapshot) and r.path.resolve() not in skip)
-    table: list[dict[str, Any]] = []
-    for snap in complete:
-        with open_weights(snap.path) as reader:
-            table.append(
-                {
-                    "path": str(snap.path),
-                    "layout": snap.layout,
-                    "complete": True,
-                    "step": snap.step,
-                    "tokens": snap.tokens,
-                    "lr": snap.lr,
-                    "loss": snap.loss,
-                    "format": reader.format,
-                    "bytes": sum(f.size for f in reader.files),
-                    "tensors": len(reader.tensors),
-                    "skipped_entries": reader.skipped,
-                }
-            )
-    for r in rows:
-        if isinstance(r, IncompleteSnapshot):
-            table.append({"path": str(r.path), "complete": False, "reason": str(r)})
+    table = [_snapshot_row(snap) for snap in complete]
+    table += [
+        {"path": str(r.path), "complete": False, "reason": str(r)}
+        for r in rows
+        if isinstance(r, IncompleteSnapshot)
+    ]
     report: dict[str, Any] = {"snapshots": table}
     if not complete:
         report["compatible"] = False
