@@ -328,11 +328,7 @@ def loss_plane(
         ``{"x": [...], "y": [...], "loss": [[...] per y] , "snapshots": [...], "merge": {...}, "e11": {...}, ...}``.
     """
     k = len(snapshots)
-    if k < 3:
-        raise PmakitError(f"a loss plane needs at least 3 snapshots, got {k}")
-    a_i, b_i, c_i = anchors if anchors is not None else (0, k - 1, k // 2 if k > 3 else 1)
-    if len({a_i % k, b_i % k, c_i % k}) < 3:
-        raise PmakitError(f"the plane needs three different snapshots, got indices {anchors}")
+    a_i, b_i, c_i = _anchors(k, anchors)
     flattener = Flattener.of(snapshots[-1], names)
     thetas = [flattener.flat(s) for s in snapshots]
     mean = torch.stack(thetas).mean(0)
@@ -356,28 +352,13 @@ def loss_plane(
         "tensors": len(flattener.names),
         "batches": int(merged.size),
         "anchors": {"origin": a_i % k, "x": b_i % k, "y": c_i % k},
-        "axes": {
-            "units": "Euclidean distance in weight space (all float parameters, flattened)",
-            "u": f"from snapshot {labels[a_i]} towards snapshot {labels[b_i]}",
-            "v": f"orthogonal to u, towards snapshot {labels[c_i]}",
-        },
+        "axes": _axes(labels[a_i], labels[b_i], labels[c_i]),
         "grid": grid,
         "margin": margin,
         "x": xs,
         "y": ys,
         "loss": surface,
-        "snapshots": [
-            {
-                "index": i + 1,
-                "label": labels[i],
-                "tokens": toks[i],
-                "x": x,
-                "y": y,
-                "distance": dist,
-                "loss": float(member[i].mean()),
-            }
-            for i, (x, y, dist) in enumerate(placed)
-        ],
+        "snapshots": _placed_snapshots(placed, member, labels, toks),
         "merge": {
             "method": "sma",
             "x": merge_xy[0],
@@ -397,6 +378,45 @@ def loss_plane(
         }
     result["cost"]["total"] = score.record()
     return result
+
+
+def _anchors(k: int, anchors: tuple[int, int, int] | None) -> tuple[int, int, int]:
+    """The plane's three defining snapshots: (origin, x-direction, third point); default oldest, newest, middle."""
+    if k < 3:
+        raise PmakitError(f"a loss plane needs at least 3 snapshots, got {k}")
+    a_i, b_i, c_i = anchors if anchors is not None else (0, k - 1, k // 2 if k > 3 else 1)
+    if len({a_i % k, b_i % k, c_i % k}) < 3:
+        raise PmakitError(f"the plane needs three different snapshots, got indices {anchors}")
+    return a_i, b_i, c_i
+
+
+def _axes(origin: str, towards: str, third: str) -> dict[str, str]:
+    return {
+        "units": "Euclidean distance in weight space (all float parameters, flattened)",
+        "u": f"from snapshot {origin} towards snapshot {towards}",
+        "v": f"orthogonal to u, towards snapshot {third}",
+    }
+
+
+def _placed_snapshots(
+    placed: Sequence[tuple[float, float, float]],
+    member: Sequence[Any],
+    labels: Sequence[str],
+    tokens: Sequence[int | None],
+) -> list[dict[str, Any]]:
+    """Each snapshot's place on the plane (x, y, distance off it) and its own loss."""
+    return [
+        {
+            "index": i + 1,
+            "label": labels[i],
+            "tokens": tokens[i],
+            "x": x,
+            "y": y,
+            "distance": dist,
+            "loss": float(member[i].mean()),
+        }
+        for i, (x, y, dist) in enumerate(placed)
+    ]
 
 
 def load_state(directory: Path) -> dict[str, torch.Tensor]:
