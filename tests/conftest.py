@@ -113,3 +113,12 @@ def smoke_experiment(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, st
     proc = run_cli("experiment", "--preset", "smoke", "-o", run, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run, proc.stdout
+
+
+@pytest.fixture(scope="session")
+def scaling_smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """`pmakit experiment --preset scaling-smoke` run once per session through the real CLI: (run dir, stdout)."""
+    run = tmp_path_factory.mktemp("scaling") / "run"
+    proc = run_cli("experiment", "--preset", "scaling-smoke", "-o", run, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run, proc.stdout

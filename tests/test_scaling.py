@@ -24,11 +24,8 @@ KINDS = {"merge", "anneal", "latest"}
 
 
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    run = tmp_path_factory.mktemp("scaling") / "run"
-    proc = run_cli("experiment", "--preset", "scaling-smoke", "-o", run, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run, proc.stdout
+def smoke(scaling_smoke: tuple[Path, str]) -> tuple[Path, str]:
+    return scaling_smoke  # one scaling-smoke study per session (the README test resumes a copy of it)
 
 
 def jsonl(path: Path) -> list[dict]:

@@ -170,10 +170,12 @@ def _objective(
     theta: np.ndarray, log_n: np.ndarray, log_d: np.ndarray, log_l: np.ndarray, delta: float
 ) -> tuple[float, np.ndarray]:
     """The summed Huber loss of the log residuals and its gradient."""
-    r = _residuals(theta, log_n, log_d, log_l)
+    pred, (wa, wb, we) = _log_pred(theta, log_n, log_d)  # once for the value and the gradient: the hot path
+    r = pred - log_l
     small = np.abs(r) <= delta
     value = float(np.where(small, 0.5 * r * r, delta * (np.abs(r) - 0.5 * delta)).sum())
-    return value, _jacobian(theta, log_n, log_d, log_l).T @ np.where(small, r, delta * np.sign(r))
+    jac = np.stack([we, wa, wb, -wa * log_n, -wb * log_d], axis=1)
+    return value, jac.T @ np.where(small, r, delta * np.sign(r))
 
 
 def _minimise(
