@@ -4,15 +4,16 @@
     python benchmarks/bench_train.py --steps 60 --repeats 2
 
 Both arms run the same steps on the same random batches (tokens are random ids: the cost of a step does not depend
-on the text). Arm "pmakit" adds SnapshotSaver.maybe_save every V tokens (CPU copy at the step, write on a
-background thread, fsync) and an OnlineAverager fed by the saver (SMA over N). Evaluation is left out of both: it
-is a choice of how often to look, not a cost of saving and averaging. Reports the median wall time of each arm,
-their ratio, and the memory the averager holds.
+on the text). Arm "pmakit" adds the averaging hook the trainer uses (``pmakit.train.averaging.Averaging``): a
+snapshot every V tokens (CPU copy at the step, write on a background thread, fsync), the online averager fed by it
+(the preset's method and N), a metrics record per snapshot. Evaluation is left out of both: it is a choice of how
+often to look, not a cost of saving and averaging.
 
-The wall-clock ratio swings by several percent between repeats on a shared machine, so the target is measured in
-process: the time the training thread itself spends in ``maybe_save`` (the CPU copy, and any wait for a write still
-in flight), per step and as a share of the plain arm's step time (target <= 1%), from ``SnapshotSaver.timings``;
-and the writer thread's CPU time (write + fsync + the averager's update), which competes with training for cores.
+The wall-clock ratio of the two arms swings by several percent between repeats on a shared machine, too noisy for
+a 1% goal, so the target is measured in process: the training thread's own time in ``Averaging.step`` (the copy off
+the model, any wait for a write still in flight, the record), per step and as a share of the same run's step time
+(target <= 1%); and the writer thread's CPU time (write + fsync + the online averager's update, from
+``SnapshotSaver.timings``), which competes with training for cores. The wall-clock arms stay as a cross-check.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -34,16 +37,25 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from pmakit.config import load  # noqa: E402
-from pmakit.online import OnlineAverager  # noqa: E402
-from pmakit.saver import SaverTimings, SnapshotSaver  # noqa: E402
+from pmakit.saver import SaverTimings  # noqa: E402
+from pmakit.train.averaging import Averaging  # noqa: E402
 from pmakit.train.loop import TrainConfig  # noqa: E402
 from pmakit.train.model import build_model, count_parameters  # noqa: E402
 
 
-def run_arm(
-    cfg: TrainConfig, steps: int, with_pmakit: bool, work: Path
-) -> tuple[float, int, SaverTimings | None]:
-    """Wall seconds of ``steps`` training steps; bytes the averager holds (0 without pmakit); the saver's timers."""
+@dataclass
+class Arm:
+    """One arm's run: wall seconds of its steps, and (with pmakit) the hook's in-process timers."""
+
+    seconds: float
+    held_bytes: int = 0
+    hook_seconds: float = 0.0
+    """Training-thread wall time in ``Averaging.step`` (the due check, the copy off the model, the record)."""
+    saver: SaverTimings | None = None
+
+
+def run_arm(cfg: TrainConfig, steps: int, with_pmakit: bool, work: Path) -> Arm:
+    """``steps`` training steps, with or without the averaging hook the trainer uses (``Averaging``)."""
     torch.manual_seed(0)
     model = build_model(cfg.model, cfg.vocab_size, seed=cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, foreach=True)
@@ -52,15 +64,15 @@ def run_arm(
         torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.model.seq_len + 1), generator=gen)
         for _ in range(8)
     ]
-    averager = saver = None
+    hook = None
     if with_pmakit:
         shutil.rmtree(work, ignore_errors=True)
-        averager = OnlineAverager(cfg.average_last, cfg.average_method)
-        saver = SnapshotSaver(
-            work,
-            cfg.every_tokens,
-            on_save=[lambda snap, state: averager.update(state, tokens=snap.tokens, path=snap.path)],
-        )
+        # As the trainer builds it, minus evaluation (eval_every=0: how often to look is not a cost of saving).
+        hook = Averaging(
+            work, cfg.every_tokens, last=cfg.average_last, method=cfg.average_method, alpha=cfg.average_alpha,
+            eval_every=0, keep_last=cfg.keep_last,
+        )  # fmt: skip
+        hook.start(None, 0, rebuild=False)
     tokens = 0
     start = time.perf_counter()
     for step in range(1, steps + 1):
@@ -72,15 +84,13 @@ def run_arm(
         opt.step()
         opt.zero_grad(set_to_none=True)
         tokens += cfg.tokens_per_step
-        if saver is not None:
-            saver.maybe_save(model, tokens=tokens, step=step, lr=cfg.lr, loss=loss.item())
-    if saver is not None:
-        saver.wait()  # the last write counts too
-        saver.close()
+        if hook is not None:
+            hook.step(model, tokens=tokens, step=step, lr=cfg.lr, loss=loss.item())
+    if hook is None:
+        return Arm(time.perf_counter() - start)
+    hook.close()  # the last write counts too
     seconds = time.perf_counter() - start
-    if saver is None or averager is None:
-        return seconds, 0, None
-    return seconds, averager.nbytes, saver.timings
+    return Arm(seconds, hook.averager.nbytes, hook.step_seconds, hook.started_saver.timings)
 
 
 def main() -> None:
@@ -100,42 +110,50 @@ def main() -> None:
         f"{args.repeats} repeats, {args.threads} threads",
         flush=True,
     )
-    times: dict[str, list[float]] = {"plain": [], "pmakit": []}
-    held = 0
-    timings: list[SaverTimings] = []
+    arms: dict[str, list[Arm]] = {"plain": [], "pmakit": []}
     with tempfile.TemporaryDirectory(dir=ROOT) as tmp:
         for r in range(args.repeats):
             for arm in ("plain", "pmakit") if r % 2 == 0 else ("pmakit", "plain"):
-                seconds, nbytes, timing = run_arm(cfg, args.steps, arm == "pmakit", Path(tmp) / "snapshots")
-                times[arm].append(seconds)
-                held = max(held, nbytes)
-                timings += [timing] if timing is not None else []
-                print(f"  repeat {r + 1} {arm:>6}: {seconds:7.2f} s", flush=True)
-    plain, pma = statistics.median(times["plain"]), statistics.median(times["pmakit"])
+                result = run_arm(cfg, args.steps, arm == "pmakit", Path(tmp) / "snapshots")
+                arms[arm].append(result)
+                print(f"  repeat {r + 1} {arm:>6}: {result.seconds:7.2f} s", flush=True)
+    plain = statistics.median(a.seconds for a in arms["plain"])
+    pma = statistics.median(a.seconds for a in arms["pmakit"])
+    held = max(a.held_bytes for a in arms["pmakit"])
     print(f"\n{'arm':<8}{'median s':>10}{'ratio':>8}")
     print(f"{'plain':<8}{plain:>10.2f}{1.0:>8.3f}")
     print(f"{'pmakit':<8}{pma:>10.2f}{pma / plain:>8.3f}")
     print(
-        f"overhead of saving + online averaging: {100 * (pma / plain - 1):+.1f}% of training wall time "
-        f"(wall clock, noisy); averager holds {held / 2**20:.1f} MiB (model fp32: {params * 4 / 2**20:.1f} MiB)"
+        f"cross-check, wall clock (noisy on a shared machine): saving + online averaging {100 * (pma / plain - 1):+.1f}%"
+        f" of training time; averager holds {held / 2**20:.1f} MiB (model fp32: {params * 4 / 2**20:.1f} MiB)"
     )
-    report_in_process(timings, args.steps, plain, snaps)
+    report_in_process(arms["pmakit"], args.steps, snaps)
 
 
-def report_in_process(timings: list[SaverTimings], steps: int, plain_seconds: float, snaps: int) -> None:
-    """The training thread's time in the saver per step, as a share of a plain step (median over repeats)."""
-    step = plain_seconds / steps
-    caller = statistics.median(t.caller_seconds for t in timings) / steps
-    writer = statistics.median(t.writer_cpu_seconds for t in timings)
-    callbacks = statistics.median(t.callback_cpu_seconds for t in timings)
+def report_in_process(runs: list[Arm], steps: int, snaps: int) -> None:
+    """Per repeat, the training thread's time in the hook as a share of that same run's step time (a ratio of two
+    timers of one process, so load from other processes moves both), and the writer thread's CPU; the median."""
+
+    def median(f: Callable[[Arm], float]) -> float:
+        return statistics.median(f(a) for a in runs)
+
+    step = median(lambda a: a.seconds / steps)
+    share = median(lambda a: a.hook_seconds / a.seconds)
+    per_step = median(lambda a: a.hook_seconds / steps)
+    copy = median(lambda a: a.saver.copy_seconds / max(a.saver.saves, 1) if a.saver else 0.0)
+    wait = median(lambda a: a.saver.wait_seconds / steps if a.saver else 0.0)
+    writer = median(lambda a: a.saver.writer_cpu_seconds / max(a.saver.saves, 1) if a.saver else 0.0)
+    update = median(lambda a: a.saver.callback_cpu_seconds / max(a.saver.saves, 1) if a.saver else 0.0)
+    writer_share = median(lambda a: a.saver.writer_cpu_seconds / a.seconds if a.saver else 0.0)
     print(
-        f"in process, training thread: {1e3 * caller:.2f} ms per step in maybe_save = {100 * caller / step:.2f}% "
-        f"of a plain step ({1e3 * step:.1f} ms; target <= 1%)"
+        f"in process, training thread: {1e3 * per_step:.2f} ms per step in the averaging hook = {100 * share:.2f}% of "
+        f"the step time ({1e3 * step:.1f} ms; target <= 1%); the copy off the model {1e3 * copy:.2f} ms per "
+        f"snapshot, waiting for the previous write {1e3 * wait:.3f} ms per step"
     )
     print(
-        f"writer thread CPU: {1e3 * writer / max(snaps, 1):.1f} ms per snapshot, of which the online averager "
-        f"{1e3 * callbacks / max(snaps, 1):.1f} ms = {100 * writer / steps / step:.2f}% of a step's wall time if it "
-        "takes a core from training"
+        f"writer thread CPU: {1e3 * writer:.1f} ms per snapshot ({snaps} per run), of which the online averager's "
+        f"update {1e3 * update:.1f} ms; {100 * writer_share:.2f}% of the run's wall time, taken from a core "
+        "training could use"
     )
 
 

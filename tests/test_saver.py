@@ -2,6 +2,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,9 @@ from torch import nn
 import pmakit.saver as saver_mod
 from conftest import SRC, state
 from pmakit.errors import PmakitError
-from pmakit.saver import SnapshotSaver, cpu_copy
+from pmakit.saver import SaverTimings, SnapshotSaver, cpu_copy
 from pmakit.snapshot import Snapshot, discover, read_snapshot, write_metadata
+from pmakit.train.averaging import Averaging
 
 
 def load(path: Path) -> dict[str, torch.Tensor]:
@@ -252,3 +254,33 @@ def test_snapshot_of_a_gpu_model_is_its_weights(tmp_path: Path) -> None:
     saver.wait()
     saved = load_file(tmp_path / "step-00000001" / "model.safetensors")
     assert torch.equal(saved["weight"], (model.weight - 1.0).cpu())
+
+
+def test_timings_split_the_training_threads_share_from_the_writers(tmp_path: Path) -> None:
+    slow = 0.05
+    saver = SnapshotSaver(tmp_path, 100, on_save=[lambda snap, st: time.sleep(slow)])
+    model = state(0)
+    assert saver.maybe_save(model, tokens=50, step=1) is None
+    assert saver.timings == SaverTimings()  # a step with no save due costs no timed work
+    for step in (1, 2, 3):  # back to back: each save waits for the previous write's sleeping callback
+        saver.maybe_save(model, tokens=100 * step, step=step)
+    saver.close()
+    t = saver.timings
+    assert t.saves == 3
+    assert t.copy_seconds > 0 and t.writer_cpu_seconds > 0
+    assert t.wait_seconds >= 2 * slow * 0.9  # the 2nd and 3rd saves waited for a sleeping callback
+    assert t.caller_seconds >= t.copy_seconds + t.wait_seconds
+    # Thread CPU time, not wall time: the callbacks' sleeps are not the writer's work.
+    assert t.callback_cpu_seconds < slow and t.callback_cpu_seconds <= t.writer_cpu_seconds
+
+
+def test_averaging_hook_times_its_step_and_the_averagers_update(tmp_path: Path) -> None:
+    hook = Averaging(tmp_path, 100, last=2)
+    hook.start(None, 0)
+    for step in range(1, 7):
+        hook.step(state(step), tokens=50 * step, step=step)
+    hook.close()
+    t = hook.started_saver.timings
+    assert t.saves == 3 and hook.averager.count == 2
+    assert t.callback_cpu_seconds > 0  # the online averager's update ran on the writer thread
+    assert hook.step_seconds >= t.caller_seconds > 0

@@ -179,13 +179,17 @@ def _fsync_dir(path: Path) -> None:
 class SaverTimings:
     """In-process timers of a ``SnapshotSaver`` (seconds, summed over its saves).
 
-    ``caller_seconds`` is what training waits for: wall time inside ``maybe_save`` when a save is due (the CPU copy,
-    plus waiting for a previous write still in flight). ``writer_cpu_seconds`` is the writer thread's own CPU
-    time (serialising, writing, fsync, and the ``on_save`` callbacks such as the online averager's update), which
-    competes with training for cores; ``callback_cpu_seconds`` is the callbacks' part of it.
+    ``caller_seconds`` is what training waits for: wall time inside ``maybe_save`` when a save is due. Of it,
+    ``copy_seconds`` is the copy off the model (from a GPU: enqueueing the asynchronous copies) and
+    ``wait_seconds`` the wait for a previous write still in flight (non-zero when V is shorter than a write).
+    ``writer_cpu_seconds`` is the writer thread's own CPU time (serialising, writing, fsync, and the ``on_save``
+    callbacks such as the online averager's update), which competes with training for cores;
+    ``callback_cpu_seconds`` is the callbacks' part of it. Without a background thread the write is in the call.
     """
 
     caller_seconds: float = 0.0
+    copy_seconds: float = 0.0
+    wait_seconds: float = 0.0
     writer_cpu_seconds: float = 0.0
     callback_cpu_seconds: float = 0.0
     saves: int = 0
@@ -297,8 +301,12 @@ class SnapshotSaver:
         **meta: Any,
     ) -> Snapshot:
         """Save now. The weights are copied before this returns; the write may still be running."""
+        start = time.perf_counter()
         self.wait()  # one snapshot in flight at most; also raises the previous write's error
+        copied = time.perf_counter()
         state, tied = cpu_copy(model_or_state, self.dtype)
+        self.timings.wait_seconds += copied - start
+        self.timings.copy_seconds += time.perf_counter() - copied
         path = self.directory / snapshot_name(step)
         if path.exists() and not is_saver_snapshot(path):
             raise PmakitError(f"{path} exists and is not a pmakit snapshot; refusing to replace it")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -84,6 +85,9 @@ class Averaging:
         self.saver: SnapshotSaver | None = None
         self.evaluations = 0
         """Evaluations counted by ``evaluation_due``."""
+        self.step_seconds = 0.0
+        """The training thread's wall time in ``step`` (the due check, the copy off the model, the snapshot
+        record); where the saver's part of it goes, and the writer thread's CPU: ``saver.timings``."""
         self.metrics = metrics
         self._own_metrics = metrics is None
 
@@ -167,12 +171,14 @@ class Averaging:
     ) -> Snapshot | None:
         """After an optimizer step: save a snapshot of ``model`` (or of its state dict, gathered from shards by the
         adapter) when a multiple of ``every_tokens`` was crossed."""
+        start = time.perf_counter()
         # ``window``: the N of this run's online merge, what `pmakit merge` takes by default from its snapshots.
         snapshot = self.started_saver.maybe_save(
             model, tokens=tokens, step=step, lr=lr, loss=loss, window=self.averager.n
         )
         if snapshot is not None:
             self.write({"kind": "snapshot", "tokens": tokens, "step": step, "path": str(snapshot.path)})
+        self.step_seconds += time.perf_counter() - start
         return snapshot
 
     # -- evaluating the merge -----------------------------------------------------------------------------------
