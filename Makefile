@@ -6,7 +6,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 TORCH := torch==2.13.0
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: demo test check bench bench-olmo bench-scale bench-train install clean
+.PHONY: demo test check bench bench-olmo bench-scale bench-train bench-flops install clean
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +66,10 @@ bench-scale: install
 # Training overhead of snapshots + the online merge at the demo's size
 bench-train: install
 	$(PY) benchmarks/bench_train.py
+
+# The demo's training FLOP/s against this machine's measured matmul peak (fp32; bf16 beside it)
+bench-flops: install
+	$(PY) benchmarks/bench_flops.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
