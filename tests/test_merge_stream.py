@@ -83,3 +83,25 @@ def test_direct_writer_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     with safe_open(tmp_path / "model.safetensors", framework="pt") as f:
         assert torch.equal(f.get_tensor("x"), values)
         assert f.get_tensor("y").tolist() == [1, 2, 3]
+
+
+def test_timed_merge_writes_the_same_bytes_and_fills_its_breakdown(
+    make_run: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(merge_mod.plan, "CHUNK_ELEMS", 100)  # many chunks, a few shards: every timer runs
+    snaps = discover(make_run(3))
+    merge(snaps, [0.2, 0.3, 0.5], tmp_path / "plain", fsync=True, max_shard_size=2000)
+    with merge_mod.stream.timed() as stats:
+        merge(snaps, [0.2, 0.3, 0.5], tmp_path / "timed", fsync=True, max_shard_size=2000)
+    assert merge_mod.stream._STATS is None  # the switch is off again after the block
+    files = sorted(p.name for p in (tmp_path / "plain").glob("*.safetensors"))
+    assert len(files) > 1
+    for name in files:
+        assert (tmp_path / "timed" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes()
+    s = stats.as_dict()
+    # Every float tensor's chunks of 100 were folded and timed (the integer step counter is copied, not folded).
+    assert s["chunks"] == sum(-(-t.numel() // 100) for k, t in state(0).items() if k != "step_counter")
+    for key in ("wall", "read", "accumulate", "cast", "fold_cpu", "write", "sha256", "close", "writer_cpu"):
+        assert s[key] > 0, key
+    # The writer's own timers and its idle time add up to its life, which is within the pass.
+    assert s["write"] + s["sha256"] + s["close"] + s["wait_chunk"] <= s["wall"] + 0.01

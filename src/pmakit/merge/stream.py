@@ -15,10 +15,12 @@ import logging
 import math
 import os
 import queue
+import resource
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,92 @@ log = logging.getLogger(__name__)
 
 BLOCK_ELEMS = 128 * 2**10
 """Elements folded at a time: a block's fp32 sum and conversion buffer (1 MiB) stay in a core's L2 cache."""
+
+
+@dataclass
+class MergeStats:
+    """Where a merge's time goes, thread by thread (seconds, summed over the merge's shards); see ``timed``.
+
+    Wall times, except ``*_cpu`` (the thread's own CPU time): on a shared or small machine a thread's wall time
+    beyond its CPU time is time it was ready but had no core (or waited on a page read from disk).
+    """
+
+    wall: float = 0.0
+    """The streaming passes, end to end."""
+    read: float = 0.0
+    """Calling thread: the inputs' views and the read-ahead hints (mapped inputs are read when first touched)."""
+    wait_buffer: float = 0.0
+    """Calling thread: waiting for the writer to free an output buffer (the writer is behind)."""
+    wait_fold: float = 0.0
+    """Calling thread: waiting for a worker's fold of the oldest chunk (the workers are behind)."""
+    accumulate: float = 0.0
+    """Workers, summed: inputs converted to fp32 and added with their weights (includes faulting in the mapped
+    input pages: a page-cache hit when warm, a disk read when cold)."""
+    cast: float = 0.0
+    """Workers, summed: the fp32 sum cast into the output buffer and checked for NaN/Inf."""
+    fold_cpu: float = 0.0
+    """Workers, summed: their CPU time for the two above."""
+    minor_faults: int = 0
+    """Workers: page faults served from the page cache (mapping input pages in)."""
+    major_faults: int = 0
+    """Workers: page faults that read from disk."""
+    write: float = 0.0
+    """Writer thread: bytes staged and written out (O_DIRECT) ..."""
+    sha256: float = 0.0
+    """Writer thread: ... and checksummed for the manifest."""
+    close: float = 0.0
+    """Writer thread: a shard's staged tail written and the file fsynced."""
+    wait_chunk: float = 0.0
+    """Writer thread: idle, waiting for the next chunk."""
+    writer_cpu: float = 0.0
+    """Writer thread: its CPU time."""
+    chunks: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **amounts: float) -> None:
+        """Add to several counters at once (from any thread)."""
+        with self._lock:
+            for name, amount in amounts.items():
+                setattr(self, name, getattr(self, name) + amount)
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+
+
+_STATS: MergeStats | None = None
+"""Set by ``timed``: the merges running meanwhile time their threads into it (None: no timers, the default)."""
+
+
+@contextlib.contextmanager
+def timed() -> Iterator[MergeStats]:
+    """Within the block, merges record where their time goes (``MergeStats``); for benchmarks, off by default.
+
+    The timers are per chunk, and per 128K-element block in the fold (a few perf_counter calls against ~1 ms of
+    arithmetic): the merge's output is the same bytes with or without them.
+    """
+    global _STATS
+    stats = _STATS = MergeStats()
+    try:
+        yield stats
+    finally:
+        _STATS = None
+
+
+class _Clock:
+    """``with _Clock("read"):`` adds the block's wall time to that counter of the running ``timed`` (if any)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._stats = _STATS
+        self._start = 0.0
+
+    def __enter__(self) -> None:
+        if self._stats is not None:
+            self._start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._stats is not None:
+            self._stats.add(**{self._name: time.perf_counter() - self._start})
 
 
 @dataclass(frozen=True)
@@ -79,10 +167,20 @@ class _Writer:
         self.files: list[dict[str, Any]] = []
         self._error: BaseException | None = None
         self._aborted = False
+        self._busy = 0.0  # seconds spent writing, checksumming and closing (for MergeStats.wait_chunk)
         self._thread = threading.Thread(target=self._run, name="pmakit-writer", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        stats, start, cpu = _STATS, time.perf_counter(), time.thread_time()
+        try:
+            self._write_all()
+        finally:
+            if stats is not None:  # idle: the thread's life minus its work (timed in _close)
+                idle = time.perf_counter() - start - self._busy
+                stats.add(wait_chunk=idle, writer_cpu=time.thread_time() - cpu)
+
+    def _write_all(self) -> None:
         writer: ShardWriter | None = None
         item: tuple[int, str, torch.Tensor, torch.Tensor | None] | None = None
         try:
@@ -93,7 +191,7 @@ class _Writer:
                 shard = self._plan.shards[shard_index]
                 if writer is None or writer.shard is not shard:
                     if writer is not None:
-                        self.files.append(_close(writer, self._fsync))
+                        self.files.append(self._close(writer))
                     writer = ShardWriter(self._directory / shard.file, shard, direct=True)
                 writer.write(name, chunk)
                 if buf is not None:
@@ -103,7 +201,7 @@ class _Writer:
             if writer is not None and self._aborted:
                 writer.abort()
             elif writer is not None:
-                self.files.append(_close(writer, self._fsync))
+                self.files.append(self._close(writer))
             writer = None
         except BaseException as e:
             self._error = e
@@ -119,6 +217,16 @@ class _Writer:
                     return
                 if item[3] is not None:
                     self.free.put(item[3])
+
+    def _close(self, writer: ShardWriter) -> dict[str, Any]:
+        """Finish a shard: its name, size and sha256."""
+        start = time.perf_counter()
+        sha256 = writer.close(self._fsync)  # first: the size is only final once the file is flushed
+        closing = time.perf_counter() - start
+        self._busy += closing + writer.write_seconds + writer.hash_seconds
+        if _STATS is not None:
+            _STATS.add(write=writer.write_seconds, sha256=writer.hash_seconds, close=closing)
+        return {"name": writer.path.name, "size": writer.path.stat().st_size, "sha256": sha256}
 
     def buffer(self) -> torch.Tensor:
         """A free output buffer (waits for the writer to finish one); raises the writer's error if it failed."""
@@ -178,19 +286,23 @@ def _fold(
     weights: Sequence[float],
     out: torch.Tensor,
     scratch: tuple[torch.Tensor, torch.Tensor],
+    seconds: list[float] | None = None,
 ) -> bool:
     """``out = sum(w * v)`` with fp32 accumulation, one cache-sized block at a time; False if it is not finite.
 
     A block's accumulator and conversion buffer stay in the core's cache while all N inputs fold into it, so memory
     traffic is just each input read once and the output written once (a whole chunk's fp32 sum would instead go to
     memory and back N times). A NaN or Inf in any input makes the sum non-finite: summing each block while it is
-    in cache is one cheap reduction instead of N checks.
+    in cache is one cheap reduction instead of N checks. ``seconds`` (when timed): [accumulating, casting] are
+    added to.
     """
     acc, tmp = scratch
     fp32_out = out.dtype == torch.float32
     total = 0.0
+    clock = time.perf_counter if seconds is not None else _no_clock
     for start in range(0, out.numel(), BLOCK_ELEMS):
         stop = min(start + BLOCK_ELEMS, out.numel())
+        began = clock()
         a = out[start:stop] if fp32_out else acc[: stop - start]
         for k, (view, weight) in enumerate(zip(views, weights)):
             values = view[start:stop]
@@ -200,11 +312,19 @@ def _fold(
                 torch.mul(values, weight, out=a)
             else:
                 a.add_(values, alpha=weight)
+        folded = clock()
         if fp32_out:
             total += a.sum().item()
         else:  # summed after the cast: a value beyond fp16's range becomes Inf there, not in the fp32 sum
             total += out[start:stop].copy_(a).sum(dtype=torch.float32).item()
+        if seconds is not None:
+            seconds[0] += folded - began
+            seconds[1] += clock() - folded
     return math.isfinite(total)
+
+
+def _no_clock() -> float:
+    return 0.0
 
 
 def _fold_on(device: str, views: Sequence[torch.Tensor], weights: Sequence[float], out: torch.Tensor) -> bool:
@@ -255,22 +375,26 @@ def stream_average(
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        for i, chunk in enumerate(chunks):
-            _prefetch(readers, chunks, i)
-            while len(pending) >= workers:
+        with _Clock("wall"):
+            for i, chunk in enumerate(chunks):
+                with _Clock("read"):
+                    _prefetch(readers, chunks, i)
+                while len(pending) >= workers:
+                    hand_over()
+                # Reads stay on this thread and in order: a reader may load (not map) and expect to move forward.
+                with _Clock("read"):
+                    views = [readers[src].read(chunk.name, chunk.start, chunk.stop) for src in chunk.sources]
+                if not chunk.average:
+                    done: Future[tuple[torch.Tensor, bool]] = Future()
+                    done.set_result((views[0], True))
+                    pending.append((chunk, done, None))
+                else:
+                    with _Clock("wait_buffer"):
+                        buf = writer.buffer()
+                    pending.append((chunk, pool.submit(work, chunk, views, buf), buf))
+            while pending:
                 hand_over()
-            # Reads stay on this thread and in order: a reader may load (not map) and expect to move forward.
-            views = [readers[src].read(chunk.name, chunk.start, chunk.stop) for src in chunk.sources]
-            if not chunk.average:
-                done: Future[tuple[torch.Tensor, bool]] = Future()
-                done.set_result((views[0], True))
-                pending.append((chunk, done, None))
-            else:
-                buf = writer.buffer()
-                pending.append((chunk, pool.submit(work, chunk, views, buf), buf))
-        while pending:
-            hand_over()
-        return writer.finish()
+            return writer.finish()
     except BaseException:
         pool.shutdown(wait=True, cancel_futures=True)
         writer.abort()
@@ -310,7 +434,25 @@ def _fold_chunk(
     weights = [plan.weights[src] for src in chunk.sources]
     if device != "cpu":
         return out, _fold_on(device, views, weights, out)
-    return out, _fold(views, weights, out, local.scratch)
+    stats = _STATS
+    if stats is None:
+        return out, _fold(views, weights, out, local.scratch)
+    seconds, cpu, faults = [0.0, 0.0], time.thread_time(), _faults()
+    finite = _fold(views, weights, out, local.scratch, seconds)
+    minor, major = (after - before for after, before in zip(_faults(), faults))
+    stats.add(
+        accumulate=seconds[0], cast=seconds[1], fold_cpu=time.thread_time() - cpu, minor_faults=minor,
+        major_faults=major, chunks=1,
+    )  # fmt: skip
+    return out, finite
+
+
+def _faults() -> tuple[int, int]:
+    """This thread's page faults so far: (minor, major); zeros where the OS does not count them per thread."""
+    if not hasattr(resource, "RUSAGE_THREAD"):
+        return 0, 0
+    usage = resource.getrusage(resource.RUSAGE_THREAD)
+    return usage.ru_minflt, usage.ru_majflt
 
 
 def _hand_over(
@@ -322,7 +464,8 @@ def _hand_over(
 ) -> None:
     """The oldest chunk's result, checked for NaN/Inf (naming the input that has them), to the writer thread."""
     chunk, result, buf = pending
-    values, finite = result.result()
+    with _Clock("wait_fold"):
+        values, finite = result.result()
     if not finite:
         _find_nonfinite(readers, plan, chunk)
         dtype = str(plan.tensors[chunk.name][1]).replace("torch.", "")
@@ -334,8 +477,3 @@ def _hand_over(
     if progress is not None:
         readers_used = len(chunk.sources)
         progress((chunk.stop - chunk.start) * plan.tensors[chunk.name][0].dtype.itemsize * readers_used)
-
-
-def _close(writer: ShardWriter, fsync: bool) -> dict[str, Any]:
-    sha256 = writer.close(fsync)  # first: the size is only final once the file is flushed
-    return {"name": writer.path.name, "size": writer.path.stat().st_size, "sha256": sha256}
