@@ -572,7 +572,7 @@ def recover(
     "--replicas",
     type=click.IntRange(min=1),
     default=None,
-    help="Train R model copies, one process each, under torchrun --nproc-per-node R (each on its own data shard).",
+    help="Train R model copies, one process each (started here, or under torchrun --nproc-per-node R), each on its own data shard.",
 )
 @click.option(
     "--sync",
@@ -604,6 +604,21 @@ def recover(
     is_flag=True,
     help="Also snapshot each copy's own weights before a sync (RUN/replicas/).",
 )
+@click.option(
+    "--backend",
+    type=click.Choice(["torch", "torchft"]),
+    default="torch",
+    show_default=True,
+    help="torch: the copies are one torch.distributed job; torchft: fault tolerant, a copy that is killed is "
+    "restarted and heals from a live one while the others go on (weights sync only; needs torchft).",
+)
+@click.option(
+    "--max-restarts",
+    type=click.IntRange(min=0),
+    default=3,
+    show_default=True,
+    help="With --backend torchft: how many times in all a killed copy is restarted.",
+)
 def train(
     config: Path | None,
     preset: str | None,
@@ -621,9 +636,9 @@ def train(
     --preset, a run directory that has a checkpoint continues with the config saved in it.
     """
     from pmakit.config import load
+    from pmakit.train.launch import start_copies
     from pmakit.train.loop import TrainConfig, load_corpus, saved_config
     from pmakit.train.loop import train as run_train
-    from pmakit.train.replicas import start_copies
 
     saved = saved_config(output) if config is None and preset is None and not fresh else None
     section = (
@@ -638,7 +653,7 @@ def train(
     trainer = run_train(
         cfg,
         output,
-        resume=not fresh,
+        resume=not fresh or copies.restarted,
         resume_from=resume_from,
         init_from=init_from,
         progress=copies.is_writer,

@@ -195,6 +195,8 @@ class Trainer:
         self._setup_model()
         self._setup_averaging()
         self._start_from(init_from=init_from, resume_from=resume_from, resume=resume)
+        # tokens at the last step the copies agreed on (every step for one copy)
+        self._synced_tokens = self.tokens
 
     # ------------------------------------------------------------------ set-up steps
 
@@ -326,12 +328,15 @@ class Trainer:
         cfg = self.config
         end = until_tokens or cfg.total_tokens
         self.model.train()
+        # a fault-tolerant copy may be healed here: its step and tokens come from a live copy
+        self.copies.join(self)
+        self._synced_tokens = self.tokens
         for cb in self.callbacks:
             cb.on_train_start(self)
         bar = _Progress(self.tokens, end, enabled=self.progress, label=self.run_dir.name)
         t0 = time.perf_counter()
         try:
-            while self.tokens < end:
+            while self.tokens < end or not self.copies.in_sync(self.step):  # copies end on a sync
                 record = self._train_step()
                 loss_value = record["loss"]
                 if self.step % cfg.log_every == 0 or not math.isfinite(loss_value):
@@ -428,27 +433,31 @@ class Trainer:
         self.copies.sync(self.model)
 
     def _after_step(self, record: dict[str, Any]) -> None:
-        if not self.copies.is_writer:
-            self._checkpoint_if_due()
-            return
-        snapshot = self.averaging.step(
-            self.model, tokens=self.tokens, step=self.step, lr=record["lr"], loss=record["loss"]
-        )
-        if snapshot is not None:
-            self._last_snapshot = snapshot
-            for cb in self.callbacks:
-                cb.on_snapshot(self, snapshot)
-            if self.averaging.snapshot_evaluation_due(self.tokens):
-                self.evaluate_now()
+        if not self.copies.in_sync(self.step):
+            return  # copies between syncs are not the model: its snapshots and checkpoints wait for the next sync
+        if self.copies.is_writer:
+            snapshot = self.averaging.step(
+                self.model, tokens=self.tokens, step=self.step, lr=record["lr"], loss=record["loss"]
+            )
+            if snapshot is not None:
+                self._last_snapshot = snapshot
+                for cb in self.callbacks:
+                    cb.on_snapshot(self, snapshot)
+                if self.averaging.snapshot_evaluation_due(self.tokens):
+                    self.evaluate_now()
         self._checkpoint_if_due()
+        self._synced_tokens = self.tokens
 
     def _checkpoint_if_due(self) -> None:
+        """Checkpoint when a multiple of the interval (or a kept point) was crossed since the last time the
+        copies were in sync (every step for one copy)."""
         cfg = self.config
         every_ckpt = cfg.checkpoint_every_tokens or cfg.every_tokens
-        if self.tokens % every_ckpt < cfg.tokens_per_step:
+        before = self._synced_tokens
+        if before // every_ckpt < self.tokens // every_ckpt:
             self.save_checkpoint(self.run_dir / CHECKPOINT)
         for t in cfg.keep_checkpoints_at:
-            if self.tokens - cfg.tokens_per_step < t <= self.tokens:
+            if before < t <= self.tokens:
                 self.save_checkpoint(self.run_dir / "checkpoints" / f"tokens-{t}")
 
     # ------------------------------------------------------------------ evaluation
@@ -608,6 +617,7 @@ class Trainer:
 
     def close(self) -> None:
         self.averaging.close()  # the saver and the metrics log
+        self.copies.close()
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -21,7 +21,6 @@ crashed run resumes exactly.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +78,8 @@ class SingleCopy:
     size = 1
     all_reduces = 0
     save_replicas = False
+    restarted = False
+    """A process restarted after its copy was killed (torchft): it resumes and heals, never starts over."""
 
     @property
     def is_writer(self) -> bool:
@@ -87,12 +88,22 @@ class SingleCopy:
     def attach(self, model: nn.Module) -> None:
         """Called once the model's starting weights are in place."""
 
+    def join(self, trainer: Any) -> None:
+        """Called when training starts, after any resume: a fault-tolerant copy joins the others here."""
+
+    def close(self) -> None:
+        """Called when the trainer closes."""
+
     def reduce_gradients(self, model: nn.Module) -> None:
         """After backward, before clipping."""
 
     def due(self, step: int) -> bool:
         """Whether the copies sync after optimizer step ``step``."""
         return False
+
+    def in_sync(self, step: int) -> bool:
+        """Whether every copy holds the same weights after step ``step`` (when snapshots and checkpoints are due)."""
+        return True
 
     def sync(self, model: nn.Module) -> None:
         """Bring the copies together after an optimizer step that is ``due``."""
@@ -163,6 +174,9 @@ class Replicas(SingleCopy):
 
     def due(self, step: int) -> bool:
         return self.config.sync == "weights" and step % self.config.sync_every == 0
+
+    def in_sync(self, step: int) -> bool:
+        return self.config.sync == "gradients" or self.due(step)
 
     def sync(self, model: nn.Module) -> None:
         params = _params(model)
@@ -257,76 +271,3 @@ def from_env(config: ReplicaConfig | None) -> SingleCopy:
     if not dist.is_initialized():
         dist.init_process_group("gloo")  # pmakit's trainer keeps its model on the CPU
     return Replicas(config)
-
-
-def start_copies(
-    train_config: Any, replicas: int | None, prepare: Callable[[], object], **options: Any
-) -> SingleCopy | None:
-    """The copies of a ``pmakit train --replicas R`` process, with ``prepare`` (tokenizing the corpus into the
-    cache) run once, by rank 0, before the others read it.
-
-    Without torchrun, ``--replicas R`` launches R worker processes of this same command (torch's
-    ``elastic_launch``, one node) and returns None once they finished: the caller has nothing left to do. Under
-    torchrun (or as such a worker) R must equal the world size. Options are checked before anything starts.
-    """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if replicas is None or (replicas == 1 and world == 1):
-        return SingleCopy()
-    config = ReplicaConfig(**options)
-    _check_config(config, replicas, train_config)
-    if world == 1:
-        _launch(replicas)
-        return None
-    if replicas != world:
-        raise PmakitError(f"--replicas {replicas} needs {replicas} processes; this is one of {world}")
-    copies = from_env(config)
-    import torch.distributed as dist
-
-    if copies.rank == 0:
-        prepare()
-    dist.barrier()
-    return copies
-
-
-def _check_config(config: ReplicaConfig, replicas: int, train_config: Any) -> None:
-    """The interval checks ``Replicas`` makes, done before any process starts."""
-    probe = Replicas.__new__(Replicas)
-    probe.config, probe.size = config, replicas
-    for interval in (
-        train_config.every_tokens,
-        train_config.checkpoint_every_tokens,
-        *train_config.keep_checkpoints_at,
-    ):
-        if interval:
-            probe.check_interval(interval, train_config.tokens_per_step)
-
-
-def _launch(replicas: int) -> None:
-    """Run this command again as ``replicas`` worker processes on this machine (a torchrun of our own)."""
-    import sys
-    import uuid
-
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    launch = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=replicas,
-        run_id=uuid.uuid4().hex,
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        max_restarts=0,
-        start_method="spawn",
-    )
-    import logging
-
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the copies say what failed
-    os.environ["PMAKIT_COPIES"] = str(replicas)
-    try:
-        elastic_launch(launch, entrypoint=sys.executable)("-m", "pmakit", *sys.argv[1:])
-    except ChildFailedError as e:
-        rank, failure = min(e.failures.items())
-        raise PmakitError(
-            f"model copy {rank} of {replicas} failed (exit {failure.exitcode}); its error is printed above"
-        ) from None

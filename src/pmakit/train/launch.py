@@ -1,0 +1,114 @@
+"""How ``pmakit train --replicas R`` starts its copies: under torchrun, by launching R processes of its own
+(torch's ``elastic_launch``), or on torchft (``--backend torchft``: a lighthouse and R restartable copies)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from pmakit.errors import PmakitError
+from pmakit.train import fault_tolerant
+from pmakit.train.replicas import ReplicaConfig, Replicas, SingleCopy, from_env
+
+BACKENDS = ("torch", "torchft")
+
+
+def start_copies(
+    train_config: Any,
+    replicas: int | None,
+    prepare: Callable[[], object],
+    *,
+    backend: str = "torch",
+    max_restarts: int = 3,
+    **options: Any,
+) -> SingleCopy | None:
+    """The copies of a ``pmakit train --replicas R`` process, with ``prepare`` (tokenizing the corpus into the
+    cache) run once before the others read it.
+
+    Without torchrun, ``--replicas R`` launches R worker processes of this same command and returns None once they
+    finished: the caller has nothing left to do. Under torchrun (or as such a worker) R must equal the world size.
+    With ``backend="torchft"`` this process becomes the launcher (lighthouse and supervisor) of R copies, each a
+    process of its own. Options are checked before anything starts.
+    """
+    if backend not in BACKENDS:
+        raise PmakitError(f"unknown backend {backend!r}; use {' or '.join(BACKENDS)}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if replicas is None or (replicas == 1 and world == 1 and backend == "torch"):
+        return SingleCopy()
+    config = ReplicaConfig(**options)
+    _check_config(config, replicas, train_config)
+    if backend == "torchft":
+        return _start_torchft(config, replicas, prepare, max_restarts)
+    if world == 1:
+        _launch(replicas)
+        return None
+    if replicas != world:
+        raise PmakitError(f"--replicas {replicas} needs {replicas} processes; this is one of {world}")
+    copies = from_env(config)
+    import torch.distributed as dist
+
+    if copies.rank == 0:
+        prepare()
+    dist.barrier()
+    return copies
+
+
+def _start_torchft(
+    config: ReplicaConfig, replicas: int, prepare: Callable[[], object], max_restarts: int
+) -> SingleCopy | None:
+    if not fault_tolerant.available():
+        raise PmakitError("--backend torchft needs torchft: pip install torchft==0.2.0")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise PmakitError("--backend torchft starts its own processes: run it without torchrun")
+    if os.environ.get(fault_tolerant.REPLICA_ENV) is not None:
+        return fault_tolerant.from_env(config)
+    fault_tolerant.FaultTolerantCopies(
+        config, 0, replicas
+    )  # refuses what torchft cannot do, before any start
+    prepare()  # the corpus cache, once, before the copies read it
+    fault_tolerant.launch(replicas, max_restarts=max_restarts)
+    return None
+
+
+def _check_config(config: ReplicaConfig, replicas: int, train_config: Any) -> None:
+    """The interval checks ``Replicas`` makes, done before any process starts."""
+    probe = Replicas.__new__(Replicas)
+    probe.config, probe.size = config, replicas
+    for interval in (
+        train_config.every_tokens,
+        train_config.checkpoint_every_tokens,
+        *train_config.keep_checkpoints_at,
+    ):
+        if interval:
+            probe.check_interval(interval, train_config.tokens_per_step)
+
+
+def _launch(replicas: int) -> None:
+    """Run this command again as ``replicas`` worker processes on this machine (a torchrun of our own)."""
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    launch = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=replicas,
+        run_id=uuid.uuid4().hex,
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        start_method="spawn",
+    )
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the copies say what failed
+    os.environ["PMAKIT_COPIES"] = str(replicas)
+    try:
+        elastic_launch(launch, entrypoint=sys.executable)("-m", "pmakit", *sys.argv[1:])
+    except ChildFailedError as e:
+        rank, failure = min(e.failures.items())
+        raise PmakitError(
+            f"model copy {rank} of {replicas} failed (exit {failure.exitcode}); its error is printed above"
+        ) from None
