@@ -160,3 +160,23 @@ def test_torchft_refuses_gradient_sync_in_one_line(tmp_path: Path) -> None:
         "Error: --backend torchft syncs weights (local SGD / DiLoCo); --sync gradients runs on --backend torch"
     ]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_crashed_run_resumes_with_the_same_command(tmp_path: Path) -> None:
+    total = 25600  # 100 steps of both copies
+    out = tmp_path / "run"
+    cmd = _cmd(_config(tmp_path, total), out, "--backend", "torchft", "--sync-every", str(H))
+    proc = subprocess.Popen(
+        cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
+    deadline = time.monotonic() + 240
+    while _max_step(out / "metrics.jsonl") < 40:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher, its lighthouse and both copies at once
+    proc.wait()
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed" in done.stderr and f"trained {total:,} tokens (100 steps)" in done.stdout
+    snaps = [r["step"] for r in _records(out / "metrics.jsonl") if r["kind"] == "snapshot"]
+    assert snaps == list(range(H, 101, H))  # every snapshot once: none lost, none written twice
