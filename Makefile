@@ -45,7 +45,7 @@ demo: install
 	$(VENV)/bin/pmakit experiment -o runs/demo
 
 test: $(VENV)/.installed-test $(VENV)/.chromium
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 check: install
 	$(VENV)/bin/ruff check src tests benchmarks
