@@ -1,6 +1,7 @@
 """The streaming engine's performance machinery: cache blocks, worker threads, early writeback."""
 
 import hashlib
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -105,3 +106,27 @@ def test_timed_merge_writes_the_same_bytes_and_fills_its_breakdown(
         assert s[key] > 0, key
     # The writer's own timers and its idle time add up to its life, which is within the pass.
     assert s["write"] + s["sha256"] + s["close"] + s["wait_chunk"] <= s["wall"] + 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("values", "fast"),
+    [
+        ([0.02, -0.01, 1.0], True),  # a model's weights: decided on the fp32 block
+        ([40000.0, 1.0], True),  # fp16: squares 1.6e9 under the bound (65504^2 / 2 = 2.1e9), and finite
+        ([60000.0, 1.0], False),  # fp16: over the bound, so checked exactly: finite (60000 fits); bf16: fast
+        ([70000.0, 1.0], False),  # fp16: Inf once cast; bf16: fast
+        ([3.4e38, 0.0], False),  # finite in fp32, beyond bf16's largest value (and fp16's): Inf once cast
+        ([float("nan"), 1.0], False),
+        ([float("-inf"), 1.0], False),
+    ],
+)
+def test_cast_check_agrees_with_the_cast(dtype: torch.dtype, values: list[float], fast: bool) -> None:
+    acc = torch.tensor(values + [0.0] * 1000, dtype=torch.float32)
+    out = torch.empty(acc.numel(), dtype=dtype)
+    result = merge_mod.stream._cast_checked(acc, out, merge_mod.stream._square_limit(dtype))
+    assert torch.equal(out.view(torch.int16), acc.to(dtype).view(torch.int16))
+    assert math.isfinite(result) == bool(torch.isfinite(acc.to(dtype)).all())
+    # The fast path answers 0.0; the exact one the cast block's (here non-zero) sum.
+    fast = fast or (dtype == torch.bfloat16 and values[0] in (60000.0, 70000.0))
+    assert (result == 0.0) == fast

@@ -298,6 +298,7 @@ def _fold(
     """
     acc, tmp = scratch
     fp32_out = out.dtype == torch.float32
+    limit = _square_limit(out.dtype)
     total = 0.0
     clock = time.perf_counter if seconds is not None else _no_clock
     for start in range(0, out.numel(), BLOCK_ELEMS):
@@ -315,12 +316,33 @@ def _fold(
         folded = clock()
         if fp32_out:
             total += a.sum().item()
-        else:  # summed after the cast: a value beyond fp16's range becomes Inf there, not in the fp32 sum
-            total += out[start:stop].copy_(a).sum(dtype=torch.float32).item()
+        else:
+            total += _cast_checked(a, out[start:stop], limit)
         if seconds is not None:
             seconds[0] += folded - began
             seconds[1] += clock() - folded
     return math.isfinite(total)
+
+
+def _square_limit(dtype: torch.dtype) -> float:
+    """Half the square of ``dtype``'s largest value (inf where that exceeds a float): see ``_cast_checked``."""
+    biggest = torch.finfo(dtype).max
+    return biggest * biggest / 2
+
+
+def _cast_checked(acc: torch.Tensor, out: torch.Tensor, limit: float) -> float:
+    """Cast the fp32 block ``acc`` into ``out``; a number that is finite iff ``out`` is.
+
+    Usually decided on ``acc`` while it is in cache: a sum of squares below ``limit`` (half the output dtype's
+    largest value squared: a margin far above fp32 rounding) bounds every value below that largest value, so the
+    cast is finite, and a NaN or Inf would have made the sum NaN or Inf. That fp32 dot product costs a third of
+    summing the cast block; the exact check (a value beyond fp16's range becomes Inf only in the cast) runs when
+    the bound does not hold.
+    """
+    out.copy_(acc)
+    if acc.dot(acc).item() < limit:
+        return 0.0
+    return out.sum(dtype=torch.float32).item()
 
 
 def _no_clock() -> float:
