@@ -18,6 +18,11 @@ warm: inputs read into the page cache right before each run; floor = `cat` of ev
       one input-sized file as the output through the page cache, no fsync (pmakit writes its output with
       O_DIRECT and fsyncs it; mergekit and naive write through the page cache and do not fsync).
 cold: every input evicted from the page cache (posix_fadvise DONTNEED) before each run; floor = the same, cold.
+timed: `pmakit merge` again with the engine's in-process timers on (``pmakit.merge.stream.timed``; same bytes, its
+      wall time beside the plain run shows what they cost): after the table, where its median run's time went,
+      thread by thread: the calling thread's reads and waits, the workers' bf16->fp32 accumulate and cast + NaN/Inf
+      check (wall and CPU, page faults), the writer's writes, sha256, fsync and idle time. Python's start-up and
+      `import torch` (~1.5 s CPU here) are in pmakit's wall time and outside the streaming passes.
 mergekit 0.1.5 is installed into its own venv under the data directory, with torch pinned to 2.13.0 so that pip
 never downloads another torch. Data (default ./bench-data, git-ignored) is reused between runs; delete it after.
 On a shared machine the figures move with the other processes' load: the load average is printed with them.
@@ -152,6 +157,17 @@ save_file(out, sys.argv[1] + "/model.safetensors", metadata={"format": "pt"})
 """
 
 
+TIMED = """
+import json, sys
+from pmakit.cli import cli
+from pmakit.merge import stream
+with stream.timed() as stats:
+    cli.main(sys.argv[2:], prog_name="pmakit", standalone_mode=False)
+open(sys.argv[1], "w").write(json.dumps(stats.as_dict()))
+"""
+"""`pmakit merge` in process with the engine's timers on (``pmakit.merge.stream.timed``), the breakdown as JSON."""
+
+
 FULL = {"layers": 15}
 """--full: the issue's ~1B-class layout, 8 x 1.61 GB (0.80B parameters each)."""
 
@@ -187,7 +203,7 @@ def main() -> None:
     ap.add_argument(
         "--data", type=Path, default=ROOT / "bench-data", help="snapshots, outputs, mergekit venv"
     )
-    ap.add_argument("--skip", nargs="*", default=[], choices=["naive", "mergekit", "cold", "warm"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["naive", "mergekit", "cold", "warm", "timed"])
     ap.add_argument("--make-only", action="store_true", help="only generate the snapshots")
     args = ap.parse_args()
     if args.full:
@@ -214,6 +230,17 @@ def main() -> None:
     methods: dict[str, list[str] | None] = {
         "floor": None,
         "pmakit": [sys.executable, "-m", "pmakit", "merge", *map(str, snaps), "-o", str(out_dir), "--quiet"],
+        "timed": [
+            sys.executable,
+            "-c",
+            TIMED,
+            str(data / "timed.json"),
+            "merge",
+            *map(str, snaps),
+            "-o",
+            str(out_dir),
+            "--quiet",
+        ],
         "naive": [sys.executable, "-c", NAIVE, str(out_dir), *map(str, snaps)],
         "mergekit": [str(mergekit), str(config), str(out_dir), "--no-lazy-unpickle", "--allow-crimes"],
     }
@@ -223,6 +250,7 @@ def main() -> None:
     times: dict[tuple[str, str], list[float]] = {}
     cpu: dict[tuple[str, str], list[float]] = {}
     peaks: dict[tuple[str, str], int] = {}
+    breakdowns: dict[str, list[dict[str, float]]] = {}
     loads = [os.getloadavg()[0]]
     for rep in range(args.repeats):
         for mode in modes:
@@ -239,9 +267,16 @@ def main() -> None:
                     floor_run(in_files, out_dir)
                     seconds, peak = time.perf_counter() - t0, 0
                 else:
-                    if name != "pmakit":  # pmakit refuses an existing output; the others want the directory
+                    if name not in (
+                        "pmakit",
+                        "timed",
+                    ):  # pmakit refuses an existing output; the others want the directory
                         out_dir.mkdir()
                     seconds, peak = run(cmd, env)
+                if name == "timed":
+                    breakdowns.setdefault(mode, []).append(
+                        {"seconds": seconds, **json.loads((data / "timed.json").read_text())}
+                    )
                 key = (mode, name)
                 times.setdefault(key, []).append(seconds)
                 cpu.setdefault(key, []).append(children_cpu() - cpu0)
@@ -254,6 +289,8 @@ def main() -> None:
                 )
     shutil.rmtree(out_dir, ignore_errors=True)
     report(args, in_bytes, params, modes, list(methods), times, cpu, peaks, loads)
+    for mode, runs in breakdowns.items():
+        report_breakdown(mode, runs, times)
 
 
 def report(
@@ -288,6 +325,40 @@ def report(
                 f"{statistics.median(cpu[(mode, name)]):7.1f} {in_bytes / t / 1e9:8.2f} "
                 f"{peaks[(mode, name)] / 2**20:9.0f} {f'{mk / t:.2f}x' if mk == mk else '-':>14}"
             )
+
+
+def report_breakdown(
+    mode: str, runs: list[dict[str, float]], times: dict[tuple[str, str], list[float]]
+) -> None:
+    """Where the time of the timed run with the median wall time went, thread by thread (the engine's timers)."""
+    b = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
+    floor = statistics.median(times[(mode, "floor")]) if (mode, "floor") in times else float("nan")
+    plain = statistics.median(times[(mode, "pmakit")]) if (mode, "pmakit") in times else float("nan")
+    fold = b["accumulate"] + b["cast"]
+    writer = b["write"] + b["sha256"] + b["close"]
+    print(
+        f"\n{mode}: where pmakit's time goes (engine timers on, median run {b['seconds']:.2f} s; pmakit without "
+        f"timers {plain:.2f} s; floor {floor:.2f} s; streaming passes {b['wall']:.2f} s, the rest is start-up, "
+        "planning, manifest)"
+    )
+    print(
+        f"  calling thread: read {b['read']:.2f} s, waits for a fold {b['wait_fold']:.2f} s, waits for a free "
+        f"output buffer (writer behind) {b['wait_buffer']:.2f} s"
+    )
+    print(
+        f"  workers (summed): bf16->fp32 + accumulate {b['accumulate']:.2f} s, cast + NaN/Inf check "
+        f"{b['cast']:.2f} s; their CPU {b['fold_cpu']:.2f} s of {fold:.2f} s wall (the rest: no free core or a "
+        f"disk read); page faults {b['minor_faults']:.0f} minor, {b['major_faults']:.0f} major"
+    )
+    print(
+        f"  writer thread: write {b['write']:.2f} s, sha256 {b['sha256']:.2f} s, tail + fsync {b['close']:.2f} s "
+        f"= {writer:.2f} s busy, {b['wait_chunk']:.2f} s idle; its CPU {b['writer_cpu']:.2f} s"
+    )
+    cpu = b["fold_cpu"] + b["writer_cpu"]
+    print(
+        f"  fold + writer CPU {cpu:.2f} s over {b['wall']:.2f} s of streaming = {cpu / b['wall']:.2f} of {os.cpu_count()} cores; "
+        f"beyond the floor: {b['seconds'] - floor:+.2f} s"
+    )
 
 
 if __name__ == "__main__":
