@@ -94,8 +94,9 @@ def loss_of(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
 
 
-def step_seconds(cfg: TrainConfig, steps: int) -> float:
-    """Median wall seconds of a training step as ``make demo`` takes it (AdamW, clipping), after a warm-up step."""
+def step_seconds(cfg: TrainConfig, steps: int, bf16: bool = False) -> float:
+    """Median wall seconds of a training step as ``make demo`` takes it (AdamW, clipping), after a warm-up step;
+    ``bf16``: the forward and backward under CPU bf16 autocast (fp32 weights and optimizer), an option to weigh."""
     model = build_model(cfg.model, cfg.vocab_size, seed=cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, foreach=True)
     gen = torch.Generator().manual_seed(1)
@@ -103,7 +104,9 @@ def step_seconds(cfg: TrainConfig, steps: int) -> float:
     for step in range(steps + 1):
         batch = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.model.seq_len + 1), generator=gen)
         start = time.perf_counter()
-        loss_of(model, batch).backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = loss_of(model, batch)
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -158,18 +161,27 @@ def main() -> None:
     flops = step_flops(cfg)
     peaks: dict[str, list[float]] = {"fp32": [], "bf16": []}
     steps: list[float] = []
+    autocast: list[float] = []
     loads = [os.getloadavg()[0]]
     for r in range(args.rounds):
         peaks["fp32"].append(matmul_flops_per_second(args.size, torch.float32, 5))
         peaks["bf16"].append(matmul_flops_per_second(args.size, torch.bfloat16, 5))
         steps.append(step_seconds(cfg, args.steps))
+        autocast.append(step_seconds(cfg, args.steps, bf16=True))
         loads.append(os.getloadavg()[0])
         print(
             f"  round {r + 1}: matmul fp32 {peaks['fp32'][-1] / 1e9:6.1f} GFLOP/s, bf16 {peaks['bf16'][-1] / 1e9:6.1f} "
-            f"GFLOP/s; training step {1e3 * steps[-1]:6.1f} ms  (load {loads[-1]:.1f})",
+            f"GFLOP/s; training step {1e3 * steps[-1]:6.1f} ms, with bf16 autocast {1e3 * autocast[-1]:6.1f} ms  "
+            f"(load {loads[-1]:.1f})",
             flush=True,
         )
     report(cfg, flops, peaks, steps, loads, args.threads)
+    ratios = [a / s for a, s in zip(autocast, steps)]
+    print(
+        f"bf16 autocast (an option, not what the demo runs; its numbers unchecked here): a step takes "
+        f"{statistics.median(ratios):.2f}x the fp32 step (median of the rounds' ratios; range "
+        f"{min(ratios):.2f}-{max(ratios):.2f})"
+    )
     kinds = time_by_kind(cfg)
     total = sum(kinds.values())
     matmul_rate = 6 * flops.matmul_params * cfg.batch_size * cfg.model.seq_len / kinds["matmul"]
