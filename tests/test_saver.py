@@ -257,7 +257,7 @@ def test_snapshot_of_a_gpu_model_is_its_weights(tmp_path: Path) -> None:
 
 
 def test_timings_split_the_training_threads_share_from_the_writers(tmp_path: Path) -> None:
-    slow = 0.05
+    slow = 0.2
     saver = SnapshotSaver(tmp_path, 100, on_save=[lambda snap, st: time.sleep(slow)])
     model = state(0)
     assert saver.maybe_save(model, tokens=50, step=1) is None
@@ -268,7 +268,8 @@ def test_timings_split_the_training_threads_share_from_the_writers(tmp_path: Pat
     t = saver.timings
     assert t.saves == 3
     assert t.copy_seconds > 0 and t.writer_cpu_seconds > 0
-    assert t.wait_seconds >= 2 * slow * 0.9  # the 2nd and 3rd saves waited for a sleeping callback
+    # The 2nd and 3rd saves waited for a sleeping callback (~2 x slow; a margin for a loaded machine).
+    assert t.wait_seconds >= slow
     assert t.caller_seconds >= t.copy_seconds + t.wait_seconds
     # Thread CPU time, not wall time: the callbacks' sleeps are not the writer's work.
     assert t.callback_cpu_seconds < slow and t.callback_cpu_seconds <= t.writer_cpu_seconds
