@@ -4,6 +4,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -254,6 +255,37 @@ def test_snapshot_of_a_gpu_model_is_its_weights(tmp_path: Path) -> None:
     saver.wait()
     saved = load_file(tmp_path / "step-00000001" / "model.safetensors")
     assert torch.equal(saved["weight"], (model.weight - 1.0).cpu())
+
+
+def test_writer_waits_for_the_device_copy_before_it_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU path's hand-off, exercised on the CPU: a copy still in flight (its CUDA event, here a stand-in)
+    is waited for on the writer thread, before any byte is written, and then forgotten."""
+    order: list[str] = []
+
+    class Event:
+        def synchronize(self) -> None:
+            time.sleep(0.05)  # the copy lands late: the writer must not have started meanwhile
+            order.append("on host")
+
+    def copy(state: Any, dtype: torch.dtype | None = None) -> Any:
+        out, tied = cpu_copy(state, dtype)
+        saver_mod._READY[next(iter(out.values())).untyped_storage().data_ptr()] = Event()
+        return out, tied
+
+    def write(*args: Any, **kwargs: Any) -> None:
+        order.append("written")
+        real_write(*args, **kwargs)
+
+    real_write = saver_mod.write_safetensors
+    monkeypatch.setattr(saver_mod, "cpu_copy", copy)
+    monkeypatch.setattr(saver_mod, "write_safetensors", write)
+    saver = SnapshotSaver(tmp_path, 10)
+    saver.maybe_save(state(0), tokens=10, step=1)
+    saver.wait()
+    assert order == ["on host", "written"] and not saver_mod._READY
+    assert load(tmp_path / "step-00000001").keys() == state(0).keys()
 
 
 def test_timings_split_the_training_threads_share_from_the_writers(tmp_path: Path) -> None:
