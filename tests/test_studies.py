@@ -357,7 +357,7 @@ def test_study_configs_are_validated() -> None:
         resolve_study({**TINY_SPIKE, "spike": {**TINY_SPIKE["spike"], "push_at": 30000}})
     with pytest.raises(PmakitError, match="unknown spike config keys: bogus"):
         resolve_study({**TINY_SPIKE, "spike": {**TINY_SPIKE["spike"], "bogus": 1}})
-    with pytest.raises(PmakitError, match="unknown spike.detector keys"):
+    with pytest.raises(PmakitError, match="unknown spike.detector config keys: windw; known: grad_threshold"):
         resolve_study({**TINY_SPIKE, "spike": {**TINY_SPIKE["spike"], "detector": {"windw": 3}}})
     with pytest.raises(PmakitError, match="resume_lr"):
         resolve_study({**TINY_SPIKE, "spike": {**TINY_SPIKE["spike"], "resume_lr": "low"}})

@@ -234,10 +234,10 @@ def test_cli_refuses_a_missing_run_and_an_existing_output(tiny: dict[str, Path],
 
 
 def test_experiment_headline_chosen_on_selection_reported_on_test(smoke_experiment: tuple[Path, str]) -> None:
-    from pmakit.lab.results import read_rows
+    from pmakit.runs import read_jsonl
 
     run, _ = smoke_experiment
-    rows = read_rows(run / "results.jsonl")
+    rows = read_jsonl(run / "results.jsonl")
     exp = json.loads((run / "experiment.json").read_text())
     assert exp["heldout"]["mode"] == "by-file" and min(exp["heldout"]["batches"].values()) >= 2
     assert {r["split"] for r in rows} == {"selection", "test"}

@@ -20,6 +20,7 @@ import click
 
 from pmakit.errors import PmakitError
 from pmakit.layouts import out_formats
+from pmakit.runs import checkpoint_dir
 from pmakit.units import format_bytes, format_tokens, parse_size, parse_tokens
 
 METHODS = ["sma", "wma", "ema", "ema-normalized", "wsm-linear", "wsm-cosine", "wsm-1sqrt"]
@@ -542,7 +543,7 @@ def recover(
         click.echo(f"  {w:8.5f}  {step}{format_tokens(snap.tokens):>8} tokens  {snap.path}")
     opt = "none (reset)" if result.optimizer_from is None else str(result.optimizer_from.path)
     # The training run: the folder with the checkpoint (RUN_DIR may be its snapshots/ folder).
-    run = next((d for d in (run_dir, run_dir.parent) if (d / "checkpoint").is_dir()), run_dir)
+    run = next((d for d in (run_dir, run_dir.parent) if checkpoint_dir(d).is_dir()), run_dir)
     click.echo(
         f"wrote {output} (optimizer state: {opt}); resume with: pmakit train --resume-from {output} -o {run}"
     )

@@ -8,19 +8,18 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
 
-METRICS_FILE = "metrics.jsonl"
+from pmakit.runs import METRICS, atomic_open, read_jsonl
 
 
 class MetricsLog:
     """Appends records to ``run_dir/metrics.jsonl`` (and TensorBoard scalars under ``run_dir/tb``)."""
 
     def __init__(self, run_dir: str | Path, *, tensorboard: bool = True) -> None:
-        self.path = Path(run_dir) / METRICS_FILE
+        self.path = Path(run_dir) / METRICS
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
         self._start = time.time()
@@ -54,12 +53,8 @@ class MetricsLog:
         if len(keep) == len(records) and _whole(self.path):
             return
         self._file.close()
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        with open(tmp, "w") as f:
+        with atomic_open(self.path) as f:
             f.writelines(json.dumps(r, default=_json_default) + "\n" for r in keep)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
         self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
 
     def write(self, record: dict[str, Any]) -> None:
@@ -102,13 +97,4 @@ def _json_default(x: Any) -> Any:
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """Every record of ``run_dir/metrics.jsonl`` (a torn last line from a crash is ignored)."""
-    path = Path(run_dir) / METRICS_FILE
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            continue
-    return records
+    return read_jsonl(Path(run_dir) / METRICS)

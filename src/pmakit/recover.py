@@ -31,7 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import pmakit
+from pmakit.config import Tokens
 from pmakit.errors import PmakitError
+from pmakit.runs import KEPT_CHECKPOINTS, METRICS, checkpoint_dir, replace_dir, snapshots_dir
 from pmakit.snapshot import METADATA_FILE, IncompleteSnapshot, Snapshot, read_snapshot, sort_snapshots
 from pmakit.train.callbacks import Callback, StopTraining
 from pmakit.units import format_tokens
@@ -60,7 +62,7 @@ class SpikeConfig:
     """Consecutive out-of-line steps that make a spike (1: any single step)."""
     min_history: int = 20
     """In-line steps needed in the baseline before a step is judged (a NaN/Inf loss is judged at once)."""
-    warmup_tokens: int = 0
+    warmup_tokens: Tokens = 0
     """Steps before this many tokens are ignored: during LR warmup the loss and grad norm move fast by design."""
     onset: float | None = 3.0
     """Steps just before the excursion whose z exceeds this are counted into it, so that its start is not late."""
@@ -396,7 +398,7 @@ class RecoveryResult:
 
 def snapshot_dir(run_dir: Path) -> Path:
     """Where a run keeps its snapshots: ``RUN/snapshots`` when it exists (``pmakit train``), else RUN itself."""
-    sub = run_dir / "snapshots"
+    sub = snapshots_dir(run_dir)
     return sub if sub.is_dir() else run_dir
 
 
@@ -406,9 +408,9 @@ def spike_from_metrics(run_dir: Path, config: SpikeConfig | None = None) -> tupl
     The loss lag (``loss_lag_tokens``) is how many tokens before a train record's ``tokens`` the weights it was
     measured on were saved: one step's tokens (see ``spike_boundary``).
     """
-    from pmakit.metrics import METRICS_FILE, read_metrics
+    from pmakit.metrics import read_metrics
 
-    metrics = run_dir / METRICS_FILE
+    metrics = run_dir / METRICS
     if not metrics.is_file():
         raise PmakitError(f"{metrics} not found: pass --before TOKENS to say where the spike began")
     records = read_metrics(run_dir)  # a torn last line (a crash mid-write) is skipped
@@ -522,7 +524,7 @@ def recover(
     if optimizer == "keep-latest" and source is None:
         raise PmakitError(
             f"--optimizer keep-latest: no full checkpoint with optimizer state before {format_tokens(before)} "
-            f"tokens in {run_dir / CHECKPOINT_DIR}, {run_dir / KEPT_CHECKPOINTS_DIR}/ or beside the snapshots "
+            f"tokens in {checkpoint_dir(run_dir)}, {run_dir / KEPT_CHECKPOINTS}/ or beside the snapshots "
             "(snapshots hold weights only); "
             "use --optimizer reset"
         )
@@ -616,7 +618,7 @@ def _write_recovered(
     record: dict[str, Any],
 ) -> None:
     """The merge, the tokenizer and (keep-latest) the optimizer state, pmakit.json last, renamed into place."""
-    from pmakit.merge import merge, replace_dir
+    from pmakit.merge import merge
 
     newest = chosen[-1]
     staging = out.parent / f".{out.name}.pmakit-recover"
@@ -643,10 +645,6 @@ def _write_recovered(
         raise
 
 
-CHECKPOINT_DIR = "checkpoint"
-"""``RUN/checkpoint/``: the trainer's latest full resume state (weights, optimizer, trainer state)."""
-KEPT_CHECKPOINTS_DIR = "checkpoints"
-"""``RUN/checkpoints/tokens-T/``: full states the trainer keeps at chosen token counts."""
 OPTIMIZER_PREFIX = "optimizer"
 """Files whose names start with this hold optimizer state (``optimizer.pt``, HF Trainer's too)."""
 
@@ -665,8 +663,8 @@ def latest_optimizer_checkpoint(run_dir: Path, snapshots: Sequence[Snapshot], be
     one, as HF Trainer checkpoints do).
     """
     candidates = [s for s in snapshots if _has_optimizer(s.path)]
-    kept = run_dir / KEPT_CHECKPOINTS_DIR
-    for d in [run_dir / CHECKPOINT_DIR, *(sorted(kept.iterdir()) if kept.is_dir() else [])]:
+    kept = run_dir / KEPT_CHECKPOINTS
+    for d in [checkpoint_dir(run_dir), *(sorted(kept.iterdir()) if kept.is_dir() else [])]:
         if _has_optimizer(d):
             try:
                 candidates.append(read_snapshot(d))

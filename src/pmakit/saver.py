@@ -34,6 +34,7 @@ from torch import nn
 
 from pmakit.errors import PmakitError
 from pmakit.formats.safetensors_io import OutputTensor, ShardWriter, plan_shards, write_index
+from pmakit.runs import fsync_dir, replace_dir
 from pmakit.snapshot import METADATA_FILE, Snapshot, write_metadata
 
 log = logging.getLogger(__name__)
@@ -165,14 +166,6 @@ def is_saver_snapshot(path: Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(meta, dict) and isinstance(meta.get("tokens"), int)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclass
@@ -360,7 +353,7 @@ class SnapshotSaver:
                 **snapshot.meta,
             )
             if self.fsync:
-                _fsync_dir(partial)
+                fsync_dir(partial)
             self._move_into_place(partial, path)
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
@@ -378,15 +371,9 @@ class SnapshotSaver:
             if not is_saver_snapshot(path):
                 raise PmakitError(f"{path} exists and is not a pmakit snapshot; refusing to replace it")
             log.warning("replacing snapshot %s (the run went through this step again)", path)
-            old = path.parent / f".{path.name}.pmakit-old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-            os.replace(partial, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(partial, path)
+        replace_dir(partial, path)
         if self.fsync:
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
 
     def _apply_retention(self, keep: Path) -> None:
         if self.keep_last is None:

@@ -20,6 +20,7 @@ from typing import Any
 from pmakit.errors import PmakitError
 from pmakit.layouts import candidates, layout_of
 from pmakit.layouts.base import MERGE_MANIFEST, METADATA_FILE, IncompleteSnapshot, Snapshot, is_merge_output
+from pmakit.runs import atomic_write_text
 
 __all__ = [
     "MERGE_MANIFEST",
@@ -61,12 +62,7 @@ def write_metadata(
         **extra,
     }
     target = directory / METADATA_FILE
-    tmp = directory / f".{METADATA_FILE}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(record, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
+    atomic_write_text(target, json.dumps(record, indent=1))
     return target
 
 

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from pmakit.errors import PmakitError
+from pmakit.runs import atomic_write_json, checkpoint_dir, snapshots_dir, trainer_state
 
 log = logging.getLogger(__name__)
 
@@ -443,7 +444,7 @@ def find_train_config(start: Path) -> dict[str, Any] | None:
                 data = None
             if isinstance(data, dict) and isinstance(data.get("train"), dict):
                 return dict(data["train"])
-        state = d / "checkpoint" / "trainer.pt"
+        state = trainer_state(checkpoint_dir(d))
         if state.is_file():
             saved = torch.load(state, map_location="cpu", weights_only=True)
             if isinstance(saved, dict) and isinstance(saved.get("config"), dict):
@@ -472,9 +473,9 @@ def choose_window(inputs: Sequence[Path], last: int | None) -> Window:
     """The snapshots to analyse: an experiment's best SMA window, a run's last N, or the named snapshots."""
     from pmakit.snapshot import discover, gather
 
-    if len(inputs) == 1 and (inputs[0] / "main" / "snapshots").is_dir():
+    if len(inputs) == 1 and snapshots_dir(inputs[0] / "main").is_dir():
         run = inputs[0]
-        found = {s.tokens: s for s in discover(run / "main" / "snapshots")}
+        found = {s.tokens: s for s in discover(snapshots_dir(run / "main"))}
         best = None if last is not None else _best_sma(run)
         if best is not None:
             targets = [best["tokens"] - j * best["v_tokens"] for j in range(best["n"])][::-1]
@@ -629,7 +630,7 @@ def analyze(
     result["seconds"] = round(time.perf_counter() - t0, 2)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "plane.json", result)
+    atomic_write_json(out / "plane.json", result)
     from pmakit.report.plane import summary_lines
 
     lines = [f"Window: {window.reason}; held-out batches from {source}.", *summary_lines(result)]
@@ -641,16 +642,6 @@ def analyze(
         lines.append(f"plane.png not drawn: matplotlib is not available ({e}).")
     (out / "summary.txt").write_text("\n".join(lines) + "\n")
     return result
-
-
-def write_json(path: Path, data: Any) -> None:
-    """Write atomically (temporary sibling, then rename)."""
-    import json
-    import os
-
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
 
 
 def experiment_plane(grid: Any, run_dir: Path, *, size: int, batches: int) -> dict[str, Any] | None:
@@ -716,7 +707,7 @@ def experiment_plane(grid: Any, run_dir: Path, *, size: int, batches: int) -> di
         "snapshots": paths,
         "held_out": f"{len(held_out)} of the experiment's {len(grid.batches)} fixed held-out batches, evenly spaced",
     }
-    write_json(run_dir / "plane.json", result)
+    atomic_write_json(run_dir / "plane.json", result)
     return result
 
 

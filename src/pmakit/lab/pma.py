@@ -33,15 +33,26 @@ from typing import Any
 import torch
 
 import pmakit
+from pmakit.config import Tokens, from_mapping
 from pmakit.errors import PmakitError
 from pmakit.evaluate import EvalResult, evaluate, paired_difference
 from pmakit.formats import read_state
-from pmakit.lab.results import read_rows, remove_run
+from pmakit.lab.results import remove_run
 from pmakit.merge import average_states
+from pmakit.runs import (
+    RESULTS,
+    RESULTS_CSV,
+    append_jsonl,
+    atomic_open,
+    checkpoint_dir,
+    kept_checkpoint_dir,
+    read_jsonl,
+    snapshots_dir,
+)
 from pmakit.schedule import WSD
 from pmakit.snapshot import Snapshot, discover
 from pmakit.train.loop import TrainConfig, Trainer
-from pmakit.units import format_tokens, parse_tokens
+from pmakit.units import format_tokens
 from pmakit.weights import get_weights
 
 FIXED_N = 10
@@ -60,7 +71,7 @@ EMA_METHODS = ("ema", "ema-normalized")
 class ExperimentConfig:
     """The study on top of a training run (the ``experiment:`` section of a config)."""
 
-    forks: tuple[int, ...] = (4_000_000, 6_500_000)
+    forks: tuple[Tokens, ...] = (4_000_000, 6_500_000)
     """Fork points F (tokens) where an anneal branch starts."""
     anneal_fraction: float = 0.2
     """Anneal length D as a fraction of F (rounded to whole snapshot intervals)."""
@@ -103,21 +114,7 @@ class ExperimentConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ExperimentConfig:
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise PmakitError(
-                f"unknown experiment config keys: {', '.join(unknown)}; known: {', '.join(sorted(known))}"
-            )
-        d = dict(data)
-        if "forks" in d:
-            d["forks"] = tuple(parse_tokens(f) for f in d["forks"])
-        for key in ("ns", "v_multiples", "methods"):
-            if key in d:
-                d[key] = tuple(d[key])
-        if "alphas" in d:
-            d["alphas"] = tuple(float(a) for a in d["alphas"])
-        return cls(**d)
+        return from_mapping(cls, data, "experiment")
 
 
 @dataclass(frozen=True)
@@ -263,9 +260,7 @@ def _anneal(study: Study, fork: Fork, run_dir: Path, corpus: Any, progress: bool
         shape=study.exp.anneal_shape,
     )
     resume_from = (
-        None
-        if (branch / "checkpoint").exists()
-        else run_dir / "main" / "checkpoints" / f"tokens-{fork.fork_tokens}"
+        None if checkpoint_dir(branch).exists() else kept_checkpoint_dir(run_dir / "main", fork.fork_tokens)
     )
     # About five evaluations along each branch, so its curve shows the anneal's shape.
     eval_every = max(1, fork.anneal_tokens // cfg.every_tokens // 5)
@@ -306,7 +301,7 @@ class _Grid:
         self.batches = batches["selection"]
         self.test_batches = batches["test"]
         self.bytes_per_token = bytes_per_token
-        self.snapshots = {s.tokens: s for s in discover(run_dir / "main" / "snapshots")}
+        self.snapshots = {s.tokens: s for s in discover(snapshots_dir(run_dir / "main"))}
         self._states: dict[int, dict[str, torch.Tensor]] = {}
         self.rows = _current_rows(run_dir)
         self._done = {_key(r) for r in self.rows}
@@ -408,7 +403,7 @@ class _Grid:
             self._latest[tokens, split] = result
             row = {**item, "label": f"latest snapshot ({format_tokens(tokens)})"}
         elif item["model"] == "annealed":
-            branch = self.run_dir / f"anneal-{item['fork_tokens']}" / "checkpoint"
+            branch = checkpoint_dir(self.run_dir / f"anneal-{item['fork_tokens']}")
             result = self._score(read_state(branch), split)
             row = {**item, "label": f"anneal from {format_tokens(item['fork_tokens'])}"}
         elif item["method"] == "tuned":
@@ -520,8 +515,7 @@ class _Grid:
     def _append(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
         self._done.add(_key(row))
-        with open(self.run_dir / "results.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_jsonl(self.run_dir / RESULTS, row)
         _write_results_csv(self.run_dir, self.rows)
 
     # -- the headline merge, written by the real engine
@@ -587,8 +581,8 @@ def _key(row: Mapping[str, Any]) -> tuple[Any, ...]:
 def _current_rows(run_dir: Path) -> list[dict[str, Any]]:
     """results.jsonl, unless an older pmakit scored it on the whole held-out set (no ``split``): that file is set
     aside as results-whole-val.jsonl and every model is evaluated again (training is kept)."""
-    path = run_dir / "results.jsonl"
-    rows = read_rows(path)
+    path = run_dir / RESULTS
+    rows = read_jsonl(path)
     if rows and any("split" not in r for r in rows):
         log.warning(
             "%s was scored on the whole held-out set (an older pmakit); kept as results-whole-val.jsonl, "
@@ -608,13 +602,11 @@ def _label(item: Mapping[str, Any], cfg: TrainConfig) -> str:
 
 
 def _write_results_csv(run_dir: Path, rows: Sequence[Mapping[str, Any]]) -> None:
-    tmp = run_dir / ".results.csv.tmp"
-    with open(tmp, "w", newline="") as f:
+    with atomic_open(run_dir / RESULTS_CSV, fsync=False) as f:  # rewritten from results.jsonl on resume
         w = csv.writer(f)
         w.writerow(RESULT_COLUMNS)
         for r in rows:
             w.writerow(["" if r.get(c) is None else r[c] for c in RESULT_COLUMNS])
-    tmp.replace(run_dir / "results.csv")
 
 
 def _write_curves(run_dir: Path, study: Study) -> None:

@@ -56,11 +56,24 @@ from typing import Any
 import torch
 
 import pmakit
+from pmakit.config import Tokens, from_mapping
 from pmakit.errors import PmakitError
 from pmakit.evaluate import EvalResult, paired_difference
 from pmakit.merge import average_states
+from pmakit.runs import (
+    RESULTS,
+    RESULTS_CSV,
+    append_jsonl,
+    atomic_open,
+    atomic_write_text,
+    checkpoint_dir,
+    kept_checkpoint_dir,
+    read_jsonl,
+    snapshots_dir,
+    trainer_state,
+)
 from pmakit.train.loop import TrainConfig, Trainer
-from pmakit.units import format_tokens, parse_tokens
+from pmakit.units import format_tokens
 
 log = logging.getLogger(__name__)
 
@@ -89,41 +102,17 @@ NO_INTERVENTION = "no-intervention"
 # --------------------------------------------------------------------------------------------------- configs
 
 
-def _tokens(value: Any) -> int:
-    return parse_tokens(value) if isinstance(value, str) else int(value)
-
-
-def _from_dict(cls: Any, data: Mapping[str, Any], section: str, token_keys: Sequence[str]) -> Any:
-    known = set(cls.__dataclass_fields__)
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise PmakitError(
-            f"unknown {section} config keys: {', '.join(unknown)}; known: {', '.join(sorted(known))}"
-        )
-    d = dict(data)
-    for key in token_keys:
-        if key in d and d[key] is not None:
-            d[key] = _tokens(d[key])
-    for key in ("seeds", "optimizers"):
-        if key in d:
-            d[key] = tuple(d[key])
-    try:
-        return cls(**d)
-    except TypeError as e:
-        raise PmakitError(f"bad {section} config: {e}") from e
-
-
 @dataclass(frozen=True)
 class SpikeStudyConfig:
     """The ``spike:`` section: the induced instability, the detector, the arms and how they resume."""
 
     seeds: tuple[int, ...] = (0, 1, 2)
     """Training seeds (initialisation and data order); one full set of arms per seed."""
-    push_at: int = 409_600
+    push_at: Tokens = 409_600
     """Tokens at which the LR push (the induced instability) starts."""
     push_factor: float = 40.0
     """The LR is multiplied by this during the push."""
-    push_tokens: int = 61_440
+    push_tokens: Tokens = 61_440
     """Length of the push; after it the no-intervention run goes back to the stable-phase LR."""
     last: int = 3
     """K: the merge arm averages the last K snapshots before the spike's boundary."""
@@ -162,17 +151,7 @@ class SpikeStudyConfig:
     def spike_config(self, warmup_tokens: int) -> Any:
         from pmakit.recover import SpikeConfig
 
-        d = dict(self.detector)
-        d.setdefault("warmup_tokens", warmup_tokens)
-        if "warmup_tokens" in d:
-            d["warmup_tokens"] = _tokens(d["warmup_tokens"])
-        known = set(SpikeConfig.__dataclass_fields__)
-        bad = sorted(set(d) - known)
-        if bad:
-            raise PmakitError(
-                f"unknown spike.detector keys: {', '.join(bad)}; known: {', '.join(sorted(known))}"
-            )
-        return SpikeConfig(**d)
+        return from_mapping(SpikeConfig, {"warmup_tokens": warmup_tokens, **self.detector}, "spike.detector")
 
     @property
     def merge_arm(self) -> str:
@@ -185,15 +164,15 @@ class InitStudyConfig:
 
     seeds: tuple[int, ...] = (0, 1, 2)
     """Training seeds (initialisation and data order)."""
-    init_at: int = 614_400
+    init_at: Tokens = 614_400
     """Tokens of the constant-LR run at which continued training starts (a snapshot time)."""
     n: int = 8
     """N: the merge arm starts from the SMA (``method``) of the last N snapshots up to ``init_at``."""
     method: str = "sma"
     """Weighting of the N snapshots."""
-    continue_tokens: int = 307_200
+    continue_tokens: Tokens = 307_200
     """Length of the continued training."""
-    warmup_tokens: int = 20_480
+    warmup_tokens: Tokens = 20_480
     """Linear warmup of the new schedule (from 0 to the peak)."""
     peak_lr_factor: float = 1.0
     """Peak LR of the new schedule, as a multiple of the stable-phase ``train.lr``."""
@@ -201,7 +180,7 @@ class InitStudyConfig:
     """Decay after the warmup, to ``min_lr_ratio`` x peak at the end: cosine, linear or 1sqrt."""
     min_lr_ratio: float = 0.0
     """LR at the end of the continued training, as a fraction of the peak."""
-    early_tokens: int = 40_960
+    early_tokens: Tokens = 40_960
     """"Early" = the first this many tokens of the continued training (early loss, gradient-norm roughness)."""
 
     def __post_init__(self) -> None:
@@ -250,8 +229,7 @@ def resolve_study(data: Mapping[str, Any]) -> ResolvedStudy:
     section = data.get(kind, {}) or {}
     spec: SpikeStudyConfig | InitStudyConfig
     if kind == "spike":
-        spec = _from_dict(SpikeStudyConfig, section, "spike", ["push_at", "push_tokens"])
-        assert isinstance(spec, SpikeStudyConfig)
+        spec = from_mapping(SpikeStudyConfig, section, "spike")
         if spec.push_at % v or spec.push_at <= train.warmup_tokens:
             raise PmakitError(
                 f"spike.push_at ({spec.push_at}) must be a multiple of every_tokens ({v}) after the warmup"
@@ -266,10 +244,7 @@ def resolve_study(data: Mapping[str, Any]) -> ResolvedStudy:
         last = min(train.total_tokens - v, spec.push_at + spec.push_tokens + 20 * v)
         train = replace(train, keep_checkpoints_at=tuple(range(first, last + 1, v)))
     else:
-        spec = _from_dict(
-            InitStudyConfig, section, "init", ["init_at", "continue_tokens", "warmup_tokens", "early_tokens"]
-        )
-        assert isinstance(spec, InitStudyConfig)
+        spec = from_mapping(InitStudyConfig, section, "init")
         if spec.init_at % v or spec.init_at - (spec.n - 1) * v < v:
             raise PmakitError(
                 f"init.init_at ({spec.init_at}) must be a multiple of every_tokens ({v}) with {spec.n} snapshots "
@@ -393,16 +368,15 @@ class _Ctx:
     def append(self, row: dict[str, Any]) -> None:
         full = {**{c: None for c in STUDY_COLUMNS}, "study": self.study.kind, **row}
         self.rows.append(full)
-        with open(self.run_dir / "results.jsonl", "a") as f:
-            f.write(json.dumps(full) + "\n")
-        _write_csv(self.run_dir / "results.csv", STUDY_COLUMNS, self.rows)
+        append_jsonl(self.run_dir / RESULTS, full)
+        _write_csv(self.run_dir / RESULTS_CSV, STUDY_COLUMNS, self.rows)
 
 
 def run_study(
     data: Mapping[str, Any], run_dir: str | Path, *, fresh: bool = False, progress: bool = True
 ) -> Path:
     """Run (or resume) a spike or init study into ``run_dir``; returns the report's path."""
-    from pmakit.lab.results import read_rows, remove_run
+    from pmakit.lab.results import remove_run
     from pmakit.train.loop import load_corpus
 
     study = resolve_study(data)
@@ -417,7 +391,7 @@ def run_study(
     cfg = study.train
     # One corpus (and so one held-out set) for every seed: the seed changes only the init and the data order.
     corpus = load_corpus(cfg)
-    ctx = _Ctx(study, run_dir, corpus, progress, read_rows(run_dir / "results.jsonl"), _Scorer(cfg, corpus))
+    ctx = _Ctx(study, run_dir, corpus, progress, read_jsonl(run_dir / RESULTS), _Scorer(cfg, corpus))
     per_seed: dict[str, Any] = {}
     for seed in study.spec.seeds:
         if study.kind == "spike":
@@ -469,8 +443,8 @@ def _fork_arm(
     """An arm forked from ``checkpoint`` with weights ``state``; resumes its own checkpoint when there is one."""
     cfg = replace(_seed_config(ctx, seed), keep_checkpoints_at=())
     arm_dir = ctx.run_dir / f"seed-{seed}" / arm.replace("/", "-")
-    own = arm_dir / "checkpoint"
-    fresh = not (own / "trainer.pt").exists()
+    own = checkpoint_dir(arm_dir)
+    fresh = not trainer_state(own).exists()
     trainer = Trainer(
         cfg,
         arm_dir,
@@ -521,12 +495,12 @@ def _spike_seed(ctx: _Ctx, seed: int) -> dict[str, Any]:
         return info
     lag = loss_lag_tokens(records)
     boundary = spike_boundary(chosen_spike, lag)
-    chosen = choose_rollback(discover(run / "snapshots"), boundary, spec.last)
+    chosen = choose_rollback(discover(snapshots_dir(run)), boundary, spec.last)
     start = chosen[-1].tokens
-    checkpoint = run / "checkpoints" / f"tokens-{start}"
-    if not (checkpoint / "trainer.pt").exists():
+    checkpoint = kept_checkpoint_dir(run, start)
+    if not trainer_state(checkpoint).exists():
         raise PmakitError(
-            f"no full checkpoint at {format_tokens(start)} tokens in {run / 'checkpoints'}: the spike started "
+            f"no full checkpoint at {format_tokens(start)} tokens in {checkpoint.parent}: the spike started "
             "outside the range kept around the push; move spike.push_at or lengthen the run"
         )
     sma_state, weights = merged_state(chosen, spec.method, 0.2, run)
@@ -713,10 +687,8 @@ def _paired_final(ctx: _Ctx, seed: int, sma: str, optimizers: Sequence[str]) -> 
 
 
 def _rewrite(ctx: _Ctx) -> None:
-    tmp = ctx.run_dir / ".results.jsonl.tmp"
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in ctx.rows))
-    tmp.replace(ctx.run_dir / "results.jsonl")
-    _write_csv(ctx.run_dir / "results.csv", STUDY_COLUMNS, ctx.rows)
+    atomic_write_text(ctx.run_dir / RESULTS, "".join(json.dumps(r) + "\n" for r in ctx.rows))
+    _write_csv(ctx.run_dir / RESULTS_CSV, STUDY_COLUMNS, ctx.rows)
 
 
 # -------------------------------------------------------------------------------------------------- init study
@@ -738,13 +710,13 @@ def _init_seed(ctx: _Ctx, seed: int) -> dict[str, Any]:
         trainer.saver.wait()
     finally:
         trainer.close()
-    snaps = {s.tokens: s for s in discover(run / "snapshots")}
+    snaps = {s.tokens: s for s in discover(snapshots_dir(run))}
     v = cfg.every_tokens
     window = [snaps[spec.init_at - k * v] for k in range(spec.n)][::-1]
     weights = get_weights(spec.method, spec.n)
     latest_state = _load(window[-1].path)
     merged = average_states([_load(s.path) for s in window], weights)
-    checkpoint = run / "checkpoints" / f"tokens-{spec.init_at}"
+    checkpoint = kept_checkpoint_dir(run, spec.init_at)
     schedule = continue_schedule(cfg, spec)
     sma = spec.merge_arm
     info = {
@@ -859,13 +831,11 @@ def _write_curves(ctx: _Ctx) -> None:
 
 
 def _write_csv(path: Path, columns: Sequence[str], rows: Sequence[Mapping[str, Any]]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", newline="") as f:
+    with atomic_open(path, fsync=False) as f:  # tables of results.jsonl and the runs' metrics, written again
         w = csv.writer(f)
         w.writerow(columns)
         for r in rows:
             w.writerow(["" if r.get(c) is None else r[c] for c in columns])
-    tmp.replace(path)
 
 
 def _jsonable(x: Any) -> Any:

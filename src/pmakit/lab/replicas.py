@@ -34,8 +34,10 @@ from typing import Any
 import torch
 
 import pmakit
+from pmakit.config import from_mapping
 from pmakit.errors import PmakitError
 from pmakit.evaluate import EvalResult, evaluate, paired_difference
+from pmakit.runs import atomic_open, atomic_write_text, checkpoint_dir, replica_dir, snapshots_dir
 from pmakit.train.replicas import ReplicaConfig
 
 log = logging.getLogger(__name__)
@@ -99,21 +101,14 @@ def resolve(data: Mapping[str, Any]) -> tuple[Any, ReplicaStudy]:
     from pmakit.train.loop import TrainConfig
 
     section = dict(data.get(STUDY) or {})
-    known = {"replicas", "arms", "last", "eval_batches"}
-    if set(section) - known:
-        raise PmakitError(f"unknown {STUDY} keys: {sorted(set(section) - known)}; known: {sorted(known)}")
-    replicas = int(section.get("replicas", 2))
+    replicas = int(section.get("replicas", ReplicaStudy.replicas))
     arms = []
-    for item in section.get("arms") or ():
+    for item in section.pop("arms", None) or ():
         options = dict(item)
         name = str(options.pop("name", ""))
-        try:
-            arms.append(Arm(name, 1) if name == "single" else Arm(name, replicas, ReplicaConfig(**options)))
-        except TypeError as e:
-            raise PmakitError(f"arm {name!r}: {e}") from None
-    study = ReplicaStudy(
-        replicas, tuple(arms), int(section.get("last", 4)), int(section.get("eval_batches", 16))
-    )
+        sync = from_mapping(ReplicaConfig, options, f"{STUDY}.arms.{name}") if name != "single" else None
+        arms.append(Arm(name, 1) if sync is None else Arm(name, replicas, sync))
+    study = from_mapping(ReplicaStudy, {**section, "arms": tuple(arms)}, STUDY)
     return TrainConfig.from_dict(dict(data.get("train") or {})), study
 
 
@@ -159,7 +154,7 @@ def _previous_seconds(run_dir: Path) -> dict[str, float]:
 def _trained_tokens(arm_dir: Path) -> int:
     """Tokens of the arm's final checkpoint (0 when it has none yet)."""
     try:
-        return int(json.loads((arm_dir / "checkpoint" / "pmakit.json").read_text())["tokens"])
+        return int(json.loads((checkpoint_dir(arm_dir) / "pmakit.json").read_text())["tokens"])
     except (OSError, ValueError, KeyError, TypeError):
         return 0
 
@@ -200,7 +195,7 @@ def _score_arm(scorer: _Scorer, run_dir: Path, arm: Arm, study: ReplicaStudy) ->
     from pmakit.formats import read_state
     from pmakit.merge import average_states
 
-    snaps = _snapshots(run_dir / "arms" / arm.name / "snapshots")
+    snaps = _snapshots(snapshots_dir(run_dir / "arms" / arm.name))
     if len(snaps) < study.last:
         raise PmakitError(
             f"arm {arm.name} has {len(snaps)} snapshots, fewer than replicas.last = {study.last}"
@@ -211,8 +206,7 @@ def _score_arm(scorer: _Scorer, run_dir: Path, arm: Arm, study: ReplicaStudy) ->
         f"pma{study.last}": scorer(average_states(window, [1 / study.last] * study.last)),
     }
     copies = [
-        _snapshots(run_dir / "arms" / arm.name / "replicas" / f"rank-{r}" / "snapshots")
-        for r in range(arm.replicas)
+        _snapshots(snapshots_dir(replica_dir(run_dir / "arms" / arm.name, r))) for r in range(arm.replicas)
     ]
     if arm.sync.save_replicas and all(len(c) >= study.last for c in copies):
         states = [read_state(p) for c in copies for p in c[-study.last :]]
@@ -269,20 +263,12 @@ def _curves(run_dir: Path, arms: Sequence[Arm]) -> list[dict[str, Any]]:
     return out
 
 
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def _write(run_dir: Path, name: str, rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> None:
-    _atomic_text(run_dir / f"{name}.jsonl", "".join(json.dumps(dict(r)) + "\n" for r in rows))
-    tmp = run_dir / f".{name}.csv.tmp"
-    with open(tmp, "w", newline="") as f:
+    atomic_write_text(run_dir / f"{name}.jsonl", "".join(json.dumps(dict(r)) + "\n" for r in rows))
+    with atomic_open(run_dir / f"{name}.csv") as f:
         writer = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
-    tmp.replace(run_dir / f"{name}.csv")
 
 
 RESULT_COLUMNS = (
@@ -323,7 +309,7 @@ def run_replica_study(
         "pmakit": pmakit.__version__,
         "load_average": os.getloadavg(),
     }
-    _atomic_text(run_dir / "experiment.json", json.dumps(record, indent=1, default=str) + "\n")
+    atomic_write_text(run_dir / "experiment.json", json.dumps(record, indent=1, default=str) + "\n")
     from pmakit.report import write_report
 
     paths = write_report(run_dir)

@@ -1,4 +1,4 @@
-"""A study's result rows (RUN/results.jsonl): read them back, torn last line tolerated, and clear a study's run.
+"""A study's result rows (RUN/results.jsonl): read them back (``pmakit.runs.read_jsonl``), and clear a study's run.
 
 One copy shared by the main study (``pmakit.lab.pma``), the spike and init studies (``pmakit.lab.recovery``) and the
 loss-plane analysis (``pmakit.lab.plane``).
@@ -6,31 +6,18 @@ loss-plane analysis (``pmakit.lab.plane``).
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from pmakit.errors import PmakitError
-
-
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    """The JSON records of a JSONL file, oldest first; [] when it does not exist."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:  # a torn last line from an interrupted run: that model is evaluated again
-            continue
-    return rows
+from pmakit.runs import RESULTS, read_jsonl
 
 
 def iter_rows(run_dir: Path) -> Iterator[dict[str, Any]]:
     """The results of a finished or partial study."""
-    yield from read_rows(Path(run_dir) / "results.jsonl")
+    yield from read_jsonl(Path(run_dir) / RESULTS)
 
 
 def remove_run(run_dir: Path) -> None:

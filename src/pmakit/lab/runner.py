@@ -54,9 +54,9 @@ def run_experiment(
 
 def _run_seeds(data: Mapping[str, Any], run_dir: Path, seeds: int, *, fresh: bool, progress: bool) -> Path:
     """The study at the config's seed into RUN, then at the next seeds into RUN/seeds/seed-S, then seeds.json."""
-    from pmakit.lab.plane import write_json
     from pmakit.lab.seeds import seed_summary
     from pmakit.report import write_report
+    from pmakit.runs import atomic_write_json
 
     if data.get("study"):
         raise PmakitError(
@@ -71,5 +71,5 @@ def _run_seeds(data: Mapping[str, Any], run_dir: Path, seeds: int, *, fresh: boo
         again = {**data, "train": {**(data.get("train") or {}), "seed": seed}}
         run_experiment(again, run_dir / "seeds" / f"seed-{seed}", fresh=fresh, progress=progress)
         runs.append((seed, run_dir / "seeds" / f"seed-{seed}"))
-    write_json(run_dir / "seeds.json", seed_summary(runs))
+    atomic_write_json(run_dir / "seeds.json", seed_summary(runs))
     return Path(getattr(write_report(run_dir), "html", run_dir / "report.html"))

@@ -39,13 +39,25 @@ from typing import Any
 import torch
 
 import pmakit
+from pmakit.config import Tokens, from_mapping
 from pmakit.errors import PmakitError
 from pmakit.evaluate import EvalResult, evaluate
-from pmakit.lab.results import read_rows, remove_run
+from pmakit.lab.results import remove_run
+from pmakit.runs import (
+    RESULTS,
+    RESULTS_CSV,
+    append_jsonl,
+    atomic_open,
+    atomic_write_json,
+    checkpoint_dir,
+    kept_checkpoint_dir,
+    read_jsonl,
+    snapshots_dir,
+)
 from pmakit.schedule import WSD
 from pmakit.train.loop import TrainConfig, Trainer
 from pmakit.train.model import ModelConfig
-from pmakit.units import format_tokens, parse_tokens
+from pmakit.units import format_tokens
 from pmakit.weights import get_weights
 
 log = logging.getLogger(__name__)
@@ -93,9 +105,9 @@ class ScalingConfig:
 
     sizes: tuple[Size, ...] = ()
     """Model sizes, smallest first; the last one is held out of the fits and predicted."""
-    budgets: tuple[int, ...] = ()
+    budgets: tuple[Tokens, ...] = ()
     """Token budgets D (the same for every size), aligned to the largest size's V."""
-    every_tokens_largest: int = 16_384
+    every_tokens_largest: Tokens = 16_384
     """V of the largest size; a size with k times fewer non-embedding parameters snapshots every V / k (rounded to
     a power-of-two fraction, at least one step), so that V grows with the size as the paper's intervals do."""
     anneal_fraction: float = 0.2
@@ -133,18 +145,9 @@ class ScalingConfig:
 
 def _section(data: Mapping[str, Any]) -> ScalingConfig:
     raw = dict(data.get(STUDY) or {})
-    known = set(ScalingConfig.__dataclass_fields__)
-    if set(raw) - known:
-        raise PmakitError(f"unknown {STUDY} keys: {sorted(set(raw) - known)}; known: {sorted(known)}")
-    try:
-        raw["sizes"] = tuple(Size(**s) for s in raw.get("sizes") or ())
-        raw["recipes"] = tuple(Recipe(**r) for r in raw.get("recipes") or ()) or ScalingConfig.recipes
-        raw["budgets"] = tuple(parse_tokens(b) for b in raw.get("budgets") or ())
-        if "every_tokens_largest" in raw:
-            raw["every_tokens_largest"] = parse_tokens(raw["every_tokens_largest"])
-        return ScalingConfig(**raw)
-    except TypeError as e:
-        raise PmakitError(f"bad {STUDY} config: {e}") from None
+    if not raw.get("recipes", True):
+        del raw["recipes"]  # null or []: the default candidates
+    return from_mapping(ScalingConfig, raw, STUDY)
 
 
 # --------------------------------------------------------------------------------------------------- plan
@@ -212,7 +215,7 @@ def plans(base: TrainConfig, study: ScalingConfig, vocab: int) -> list[Plan]:
 def _trained(run: Path) -> int:
     """Tokens of a run's final checkpoint (0 when it has none yet)."""
     try:
-        return int(json.loads((run / "checkpoint" / "pmakit.json").read_text())["tokens"])
+        return int(json.loads((checkpoint_dir(run) / "pmakit.json").read_text())["tokens"])
     except (OSError, ValueError, KeyError, TypeError):
         return 0
 
@@ -226,9 +229,7 @@ class _Clock:
 
     def add(self, key: str, seconds: float) -> None:
         self.seconds[key] = self.seconds.get(key, 0.0) + seconds
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text(json.dumps(self.seconds, indent=1) + "\n")
-        tmp.replace(self.path)
+        atomic_write_json(self.path, self.seconds)
 
 
 def _train_trunk(plan: Plan, run_dir: Path, corpus: Any, clock: _Clock, progress: bool) -> None:
@@ -257,8 +258,8 @@ def _anneal(plan: Plan, study: ScalingConfig, budget: int, fork: int, run_dir: P
     )
     start = (
         None
-        if (branch / "checkpoint").exists()
-        else run_dir / plan.size.name / "trunk/checkpoints" / f"tokens-{fork}"
+        if checkpoint_dir(branch).exists()
+        else kept_checkpoint_dir(run_dir / plan.size.name / "trunk", fork)
     )
     branch_cfg = replace(cfg, keep_checkpoints_at=(), total_tokens=budget)
     log.info("%s: anneal from %s to %s", plan.size.name, format_tokens(fork), format_tokens(budget))
@@ -332,7 +333,7 @@ def _snapshot_states(trunk: Path, tokens: Sequence[int]) -> list[dict[str, torch
     from pmakit.formats import read_state
     from pmakit.snapshot import discover
 
-    found = {s.tokens: s.path for s in discover(trunk / "snapshots")}
+    found = {s.tokens: s.path for s in discover(snapshots_dir(trunk))}
     missing = [t for t in tokens if t not in found]
     if missing:
         raise PmakitError(f"{trunk}: no snapshot at {format_tokens(missing[0])} tokens")
@@ -354,7 +355,7 @@ class _Rows:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.rows = read_rows(path)
+        self.rows = read_jsonl(path)
         self.done = {self.key(r) for r in self.rows}
 
     @staticmethod
@@ -364,8 +365,7 @@ class _Rows:
     def add(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
         self.done.add(self.key(row))
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_jsonl(self.path, row)
 
 
 def _row(plan: Plan, budget: int, kind: str, result: EvalResult, **extra: Any) -> dict[str, Any]:
@@ -384,7 +384,7 @@ def _score_references(plan: Plan, study: ScalingConfig, run_dir: Path, score: _S
     name = plan.size.name
     for budget in plan.budgets:
         if (name, budget, "anneal", "") not in test.done:
-            result = score(read_state(run_dir / name / f"anneal-{budget}" / "checkpoint"), "test")
+            result = score(read_state(checkpoint_dir(run_dir / name / f"anneal-{budget}")), "test")
             test.add(_row(plan, budget, "anneal", result, label=f"anneal from {format_tokens(budget)}"))
         if (name, budget, "latest", "") not in test.done:
             state = _snapshot_states(run_dir / name / "trunk", [budget])[0]
@@ -465,12 +465,10 @@ def _size_record(plan: Plan, clock: _Clock) -> dict[str, Any]:
 
 
 def _write_csv(run_dir: Path, rows: Sequence[Mapping[str, Any]]) -> None:
-    tmp = run_dir / ".results.csv.tmp"
-    with open(tmp, "w", newline="") as f:
+    with atomic_open(run_dir / RESULTS_CSV, fsync=False) as f:  # the table of results.jsonl
         writer = csv.DictWriter(f, fieldnames=list(RESULT_COLUMNS), extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
-    tmp.replace(run_dir / "results.csv")
 
 
 def run_scaling_study(
@@ -495,7 +493,7 @@ def run_scaling_study(
     batches = val_batches(corpus.val, batch_size=base.batch_size, seq_len=base.model.seq_len,
                           max_batches=study.selection_batches + study.test_batches)  # fmt: skip
     selection_batches, test_batches = split_batches(batches, study.selection_batches, study.test_batches)
-    test, selection = _Rows(run_dir / "results.jsonl"), _Rows(run_dir / "selection.jsonl")
+    test, selection = _Rows(run_dir / RESULTS), _Rows(run_dir / "selection.jsonl")
     scorers = {}
     for plan in all_plans:
         _train_trunk(plan, run_dir, corpus, clock, progress)
@@ -534,6 +532,4 @@ def _write_record(run_dir: Path, data: Mapping[str, Any], base: TrainConfig, stu
         "pmakit": pmakit.__version__,
         "torch": torch.__version__,
     }
-    tmp = path.with_name(".experiment.json.tmp")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    tmp.replace(path)
+    atomic_write_json(path, record)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pmakit.lab.results import read_rows
+from pmakit.runs import RESULTS, read_jsonl
 
 ROLES = ("best", "fixed", "tuned")
 """Headline models compared with the anneal across seeds."""
@@ -28,7 +28,7 @@ def _paired_mean(a: Sequence[float], b: Sequence[float]) -> float:
 
 def seed_record(run_dir: Path) -> dict[int, dict[str, float]]:
     """One run's test-split merge - anneal per fork (by fork index) and role, from its results.jsonl."""
-    rows = [r for r in read_rows(run_dir / "results.jsonl") if r.get("split") == "test"]
+    rows = [r for r in read_jsonl(run_dir / RESULTS) if r.get("split") == "test"]
     forks = sorted({r["fork_tokens"] for r in rows if r.get("fork_tokens") is not None})
     out: dict[int, dict[str, float]] = {}
     for i, fork in enumerate(forks, start=1):

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import re
 import shlex
 import shutil
@@ -39,6 +38,7 @@ import torch
 
 from pmakit.errors import PmakitError
 from pmakit.evaluate import EvalResult, evaluate, paired_difference
+from pmakit.runs import atomic_write_json, snapshots_dir
 from pmakit.snapshot import Snapshot
 from pmakit.train.data import HeldOut
 from pmakit.weights import get_weights
@@ -381,7 +381,7 @@ def spectrum_hint(snapshots: Sequence[Snapshot], config: TuneConfig) -> dict[str
 def _run_snapshots(run: Path) -> list[Snapshot]:
     from pmakit.snapshot import gather
 
-    experiment_run = run / "main" / "snapshots"
+    experiment_run = snapshots_dir(run / "main")
     snapshots, _ = gather([experiment_run if experiment_run.is_dir() else run])
     if len(snapshots) < 2:
         raise PmakitError(f"{run}: tuning a merge needs at least 2 snapshots, found {len(snapshots)}")
@@ -542,9 +542,7 @@ def _write(out: Path, record: dict[str, Any], force: bool) -> None:
         manifest_extra={"method": "tune", "tune": {**summary, "merge": chosen.record()}},
     )
     record["merged"] = str(out)
-    tmp = out / ".tune.json.tmp"
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    os.replace(tmp, out / "tune.json")
+    atomic_write_json(out / "tune.json", record)
 
 
 @contextmanager

@@ -26,6 +26,7 @@ from pmakit.formats.safetensors_io import write_index
 from pmakit.layouts import open_weights, writer
 from pmakit.merge.plan import MergePlan
 from pmakit.merge.stream import stream_average
+from pmakit.runs import atomic_write_text, fsync_dir, replace_dir
 from pmakit.snapshot import MERGE_MANIFEST, METADATA_FILE, Snapshot
 from pmakit.units import format_bytes
 from pmakit.world import World
@@ -101,14 +102,6 @@ def manifest_record(
     }
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 FP32_DIR = "pmakit-fp32"
 """Inside a merge made with ``keep_fp32``: the fp32 sums (HF layout) that an incremental update starts from."""
 PROGRESS_DIR = ".pmakit-progress"
@@ -125,16 +118,6 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _write_json(path: Path, record: dict[str, Any]) -> None:
-    """Atomically (a kill leaves the old file or the new one, never half of one)."""
-    tmp = path.parent / f".{path.name}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(record, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 class Ledger:
     """What an interrupted merge finished: one checksum record per shard, written once the shard is on disk."""
 
@@ -147,7 +130,7 @@ class Ledger:
 
     def start(self, fingerprint: str) -> None:
         self.dir.mkdir(parents=True)
-        _write_json(self.dir / "plan.json", {"fingerprint": fingerprint})
+        atomic_write_text(self.dir / "plan.json", json.dumps({"fingerprint": fingerprint}))
 
     def check(self, fingerprint: str) -> None:
         try:
@@ -164,7 +147,7 @@ class Ledger:
             )
 
     def record(self, rel: str, info: dict[str, Any]) -> None:
-        _write_json(self._file(rel), info)
+        atomic_write_text(self._file(rel), json.dumps(info))
 
     def recorded(self, rel: str) -> dict[str, Any]:
         return dict(json.loads(self._file(rel).read_text()))
@@ -367,27 +350,6 @@ def window_inputs(snapshots: Sequence[Snapshot], weights: Sequence[float]) -> li
             }
             for s, w, r in zip(snapshots, weights, readers)
         ]
-
-
-def replace_dir(partial: Path, out: Path) -> None:
-    """Move the finished ``partial`` to ``out``; an old ``out`` is removed only after the new one is in place."""
-    old = None
-    if os.path.lexists(out):
-        old = out.parent / f".{out.name}.pmakit-old"
-        remove_tree(old)
-        os.replace(out, old)
-    os.replace(partial, out)
-    if old is not None:
-        remove_tree(old)
-
-
-def remove_tree(path: Path) -> None:
-    """Remove a directory tree, or a file or symlink (rmtree refuses those, and would leave them behind)."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
 
 
 # ---------------------------------------------------------------------------------------------------------------

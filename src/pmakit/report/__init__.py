@@ -11,7 +11,6 @@ captions), markdown.py / html.py (two renderings of the same content), fmt.py (n
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from pmakit.report.analysis import (
     verdict,
 )
 from pmakit.report.load import RunData, load_run
+from pmakit.runs import atomic_write_text
 
 __all__ = ["ReportPaths", "summary_text", "write_report"]
 
@@ -61,12 +61,6 @@ def _check_dir(run_dir: Path) -> None:
         raise PmakitError(
             f"run directory {run_dir} does not exist (run `pmakit experiment -o {run_dir}` first)"
         )
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def draw_figures(data: RunData, forks: list[ForkSummary], base: int | None) -> document.Figures:
@@ -157,8 +151,8 @@ def _render(run_dir: Path, blocks: list[document.Block], drawn: list[Path]) -> R
     from pmakit.report import html, markdown
 
     md_path, html_path = run_dir / "report.md", run_dir / "report.html"
-    _write_text(md_path, markdown.render(blocks))
-    _write_text(html_path, html.render(blocks, run_dir))
+    atomic_write_text(md_path, markdown.render(blocks), fsync=False)
+    atomic_write_text(html_path, html.render(blocks, run_dir), fsync=False)
     return ReportPaths(markdown=md_path, html=html_path, plots=drawn)
 
 

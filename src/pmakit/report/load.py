@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from pmakit.runs import RESULTS, RESULTS_CSV, read_jsonl
+
 RESULT_COLUMNS = (
     "fork_tokens",
     "model",
@@ -166,18 +168,6 @@ def _read_csv(path: Path) -> list[dict[str, Any]]:
         return list(csv.DictReader(f))
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    records = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by an interrupted run
-        if isinstance(obj, dict):
-            records.append(obj)
-    return records
-
-
 def read_experiment(path: Path, notes: list[str]) -> dict[str, Any]:
     """experiment.json, or {} with a note when it is missing or not a JSON object."""
     if not path.is_file():
@@ -196,9 +186,9 @@ def read_experiment(path: Path, notes: list[str]) -> dict[str, Any]:
 
 def read_results(run_dir: Path, notes: list[str]) -> list[Row]:
     """results.csv (results.jsonl as a fallback); rows without a model kind or a loss are dropped with a note."""
-    csv_path, jsonl_path = run_dir / "results.csv", run_dir / "results.jsonl"
+    csv_path, jsonl_path = run_dir / RESULTS_CSV, run_dir / RESULTS
     try:
-        jsonl = [parse_row(r) for r in _read_jsonl(jsonl_path)] if jsonl_path.is_file() else []
+        jsonl = [parse_row(r) for r in read_jsonl(jsonl_path)] if jsonl_path.is_file() else []
         if csv_path.is_file():
             rows = [parse_row(r) for r in _read_csv(csv_path)]
         elif jsonl:

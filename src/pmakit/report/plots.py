@@ -7,7 +7,6 @@ Colours are colour-blind safe (Okabe-Ito) and fixed per series across figures: l
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from pmakit.report.analysis import (
     weighting_sort_key,
 )
 from pmakit.report.load import CurvePoint
+from pmakit.runs import atomic_open
 
 LATEST = "#000000"
 ANNEAL = "#D55E00"
@@ -74,9 +74,8 @@ def _new(width: float, height: float, ncols: int = 1) -> tuple[Figure, list[Axes
 def _save(fig: Figure, path: Path) -> Path:
     """Write to a temporary sibling and rename, so a reader never sees half a PNG."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, dpi=DPI, format="png", facecolor="white")
-    os.replace(tmp, path)
+    with atomic_open(path, "wb", fsync=False) as f:  # a figure is drawn again from the result files
+        fig.savefig(f, dpi=DPI, format="png", facecolor="white")
     return path
 
 

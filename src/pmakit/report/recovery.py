@@ -13,7 +13,6 @@ import csv
 import json
 import logging
 import math
-import os
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from typing import Any
 from pmakit.report import fmt
 from pmakit.report.analysis import NOISE_Z
 from pmakit.report.blocks import Block, Bullets, FigureBlock, Heading, Paragraph, Table
+from pmakit.runs import RESULTS, atomic_open, read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -95,14 +95,7 @@ def _num(v: str) -> Any:
 
 def load_study(run_dir: Path) -> StudyData:
     experiment = json.loads((run_dir / "experiment.json").read_text())
-    rows = []
-    path = run_dir / "results.jsonl"
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                continue
+    rows = read_jsonl(run_dir / RESULTS)
     return StudyData(
         run_dir, experiment, rows, _read_csv(run_dir / "curves.csv"), _read_csv(run_dir / "train_curves.csv")
     )
@@ -224,9 +217,8 @@ def _save(fig: Any, path: Path) -> Path:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(fig)
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, dpi=110, format="png", facecolor="white")
-    os.replace(tmp, path)
+    with atomic_open(path, "wb", fsync=False) as f:  # a figure is drawn again from the result files
+        fig.savefig(f, dpi=110, format="png", facecolor="white")
     return path
 
 

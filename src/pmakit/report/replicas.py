@@ -14,6 +14,7 @@ from typing import Any
 
 from pmakit.report import fmt
 from pmakit.report.blocks import Block, FigureBlock, Heading, Paragraph, Table
+from pmakit.runs import RESULTS, read_jsonl
 
 STUDY = "replicas"
 DILOCO_TARGET = 0.02  # the bar: DiLoCo with H=100 within 2% of synchronous training's loss
@@ -28,7 +29,7 @@ def is_replicas(run_dir: Path) -> bool:
 
 def _load(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, str]]]:
     exp = json.loads((run_dir / "experiment.json").read_text())
-    rows = [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_jsonl(run_dir / RESULTS)
     with open(run_dir / "curves.csv", newline="") as f:
         curves = list(csv.DictReader(f))
     return exp, rows, curves

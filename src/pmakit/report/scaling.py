@@ -18,6 +18,7 @@ from typing import Any
 from pmakit.errors import PmakitError
 from pmakit.report import fmt
 from pmakit.report.blocks import Block, Bullets, FigureBlock, Heading, Paragraph, Table
+from pmakit.runs import RESULTS, atomic_write_text, read_jsonl
 from pmakit.scaling_fit import KINDS, PARAMS, Point, StudyFit, fit_study, read_points, to_json
 
 STUDY = "scaling"
@@ -49,18 +50,12 @@ def fit_files(
     out.mkdir(parents=True, exist_ok=True)
     record = {**to_json(study), "inputs": [str(p) for p in paths], "bootstrap_seed": seed}
     json_path = out / FIT_JSON
-    _atomic_text(json_path, json.dumps(record, indent=1) + "\n")
+    atomic_write_text(json_path, json.dumps(record, indent=1) + "\n")
     try:
         plot_path: Path | None = plot(points, study, out / FIT_PLOT)
     except ImportError:
         plot_path = None
     return FitOutput(study, json_path, plot_path)
-
-
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
 
 
 # --------------------------------------------------------------------------------------------------- text
@@ -227,13 +222,7 @@ def is_scaling(run_dir: Path) -> bool:
 
 def _load(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     exp = json.loads((run_dir / "experiment.json").read_text())
-    rows = []
-    for line in (run_dir / "results.jsonl").read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue  # a torn last line
-    return exp, rows
+    return exp, read_jsonl(run_dir / RESULTS)
 
 
 def _paired(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
@@ -360,7 +349,7 @@ def build(run_dir: Path) -> tuple[list[Block], list[Path]]:
     cfg = exp.get("config", {}).get(STUDY, {})
     points = _points(rows)
     study = fit_study(points, holdout=cfg.get("holdout", "largest"), bootstrap=int(cfg.get("bootstrap", 400)))
-    _atomic_text(run_dir / FIT_JSON, json.dumps(to_json(study), indent=1) + "\n")
+    atomic_write_text(run_dir / FIT_JSON, json.dumps(to_json(study), indent=1) + "\n")
     drawn: list[Path] = []
     blocks: list[Block] = [
         Heading("Scaling laws from merges instead of annealed runs", 1),

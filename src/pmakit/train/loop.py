@@ -34,6 +34,14 @@ from pmakit.errors import PmakitError
 from pmakit.evaluate import EvalResult, batch_loss, evaluate
 from pmakit.metrics import MetricsLog
 from pmakit.online import OnlineAverager
+from pmakit.runs import (
+    checkpoint_dir,
+    kept_checkpoint_dir,
+    replace_dir,
+    replica_dir,
+    snapshots_dir,
+    trainer_state,
+)
 from pmakit.saver import SnapshotSaver
 from pmakit.schedule import WSD
 from pmakit.train.averaging import Averaging
@@ -42,9 +50,6 @@ from pmakit.train.model import ModelConfig, build_model, count_parameters
 from pmakit.train.replicas import SingleCopy
 
 log = logging.getLogger(__name__)
-
-CHECKPOINT = "checkpoint"
-TRAINER_STATE = "trainer.pt"
 
 
 @dataclass(frozen=True)
@@ -231,10 +236,10 @@ class Trainer:
     def _setup_averaging(self) -> None:
         """The metrics log, and snapshots + the online merge: the same hook as the framework adapters'."""
         config = self.config
-        rank_dir = self.run_dir / "replicas" / f"rank-{self.copies.rank}"
+        rank_dir = replica_dir(self.run_dir, self.copies.rank)
         self.metrics = MetricsLog(self.run_dir if self.copies.is_writer else rank_dir)
         self.averaging = Averaging(
-            self.run_dir / "snapshots",
+            snapshots_dir(self.run_dir),
             config.every_tokens,
             last=config.average_last,
             method=config.average_method,
@@ -250,10 +255,10 @@ class Trainer:
         self, *, init_from: str | Path | None, resume_from: str | Path | None, resume: bool
     ) -> None:
         """Fork from ``resume_from``, resume this run's checkpoint, or initialise from ``init_from``."""
-        checkpoint = self.run_dir / CHECKPOINT
+        checkpoint = checkpoint_dir(self.run_dir)
         if resume_from is not None:
             self.load_checkpoint(Path(resume_from), fork=True)
-        elif resume and (checkpoint / TRAINER_STATE).exists():
+        elif resume and trainer_state(checkpoint).exists():
             self.load_checkpoint(checkpoint)
             log.info("resumed %s at %d tokens (step %d)", self.run_dir, self.tokens, self.step)
         elif init_from is not None:
@@ -354,7 +359,7 @@ class Trainer:
         except KeyboardInterrupt:
             self.saver.wait()
             if self.copies.size == 1:  # copies cannot gather their states once one of them is gone
-                self.save_checkpoint(self.run_dir / CHECKPOINT)
+                self.save_checkpoint(checkpoint_dir(self.run_dir))
             log.warning(
                 "interrupted at %d tokens; the state is saved: run the same command to resume", self.tokens
             )
@@ -362,7 +367,7 @@ class Trainer:
         finally:
             bar.close()
         self.saver.wait()
-        self.save_checkpoint(self.run_dir / CHECKPOINT)
+        self.save_checkpoint(checkpoint_dir(self.run_dir))
         for cb in self.callbacks:
             cb.on_train_end(self)
         return self
@@ -419,9 +424,7 @@ class Trainer:
             from pmakit.formats.safetensors_io import save_file
             from pmakit.snapshot import write_metadata
 
-            directory = (
-                self.run_dir / "replicas" / f"rank-{self.copies.rank}" / "snapshots" / f"step-{self.step}"
-            )
+            directory = snapshots_dir(replica_dir(self.run_dir, self.copies.rank)) / f"step-{self.step}"
             directory.mkdir(parents=True, exist_ok=True)
             save_file(
                 {k: v.detach().clone() for k, v in self.model.state_dict().items()},
@@ -455,10 +458,10 @@ class Trainer:
         every_ckpt = cfg.checkpoint_every_tokens or cfg.every_tokens
         before = self._synced_tokens
         if before // every_ckpt < self.tokens // every_ckpt:
-            self.save_checkpoint(self.run_dir / CHECKPOINT)
+            self.save_checkpoint(checkpoint_dir(self.run_dir))
         for t in cfg.keep_checkpoints_at:
             if before < t <= self.tokens:
-                self.save_checkpoint(self.run_dir / "checkpoints" / f"tokens-{t}")
+                self.save_checkpoint(kept_checkpoint_dir(self.run_dir, t))
 
     # ------------------------------------------------------------------ evaluation
 
@@ -520,14 +523,12 @@ class Trainer:
         }
         if copies is not None:
             state["copies"] = {**self.copies.state_dict(), "copies": copies}
-        torch.save(_plain(state), tmp / TRAINER_STATE)
+        torch.save(_plain(state), trainer_state(tmp))
         for f in self._extra_files():
             shutil.copy2(f, tmp / f.name)
         from pmakit.snapshot import write_metadata
 
         write_metadata(tmp, step=self.step, tokens=self.tokens, lr=self.lr_at(self.tokens), kind="checkpoint")
-        from pmakit.merge import replace_dir
-
         replace_dir(tmp, directory)
 
     def load_checkpoint(self, directory: Path, *, fork: bool = False) -> None:
@@ -539,7 +540,7 @@ class Trainer:
         """
         from pmakit.snapshot import read_snapshot
 
-        state_file = directory / TRAINER_STATE
+        state_file = trainer_state(directory)
         if not state_file.exists():
             snap = read_snapshot(directory)
             if snap.step is None:
@@ -665,7 +666,7 @@ def _plain(x: Any) -> Any:
 def saved_config(run_dir: str | Path) -> dict[str, Any] | None:
     """The train config stored in ``run_dir``'s checkpoint (None when it has none): what ``pmakit train -o RUN``
     continues with when no config is given."""
-    state_file = Path(run_dir) / CHECKPOINT / TRAINER_STATE
+    state_file = trainer_state(checkpoint_dir(Path(run_dir)))
     if not state_file.is_file():
         return None
     try:
