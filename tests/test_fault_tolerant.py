@@ -77,9 +77,29 @@ def _copy_pid(launcher: int, copy: int) -> int:
     raise AssertionError(f"copy {copy} not found")
 
 
+def _slow_down_until_back(
+    proc: subprocess.Popen, survivor: int, watched: Path, killed_at: int, dead: int
+) -> None:
+    """Pause the surviving copy for 0.5 s in every 0.6 s (well inside torchft's 5 s heartbeat timeout) until the
+    restarted copy trains again, so that the survivor cannot finish the run alone while the restart is slow (a
+    loaded machine): the test is about healing, not about which process is faster to start."""
+    pid = _copy_pid(proc.pid, survivor)
+    deadline = time.monotonic() + 180
+    try:
+        while _max_step(watched) <= killed_at:
+            assert proc.poll() is None and time.monotonic() < deadline, "the killed copy did not come back"
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.5)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.1)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert _copy_pid(proc.pid, 1 - survivor) != dead
+
+
 @pytest.mark.parametrize("victim", [1, 0], ids=["copy-1", "writer"])
 def test_a_killed_copy_is_restarted_healed_and_the_run_finishes(tmp_path: Path, victim: int) -> None:
-    total = 51200  # 200 steps of both copies
+    total = 51200  # 200 steps of both copies: the survivor is still training when the restarted copy is back
     out = tmp_path / "run"
     proc = subprocess.Popen(
         _cmd(_config(tmp_path, total), out, "--backend", "torchft", "--sync-every", str(H)),
@@ -90,10 +110,12 @@ def test_a_killed_copy_is_restarted_healed_and_the_run_finishes(tmp_path: Path, 
     )
     watched = out / "metrics.jsonl" if victim == 0 else out / "replicas" / f"rank-{victim}" / "metrics.jsonl"
     deadline = time.monotonic() + 240
-    while _max_step(watched) < 40:
+    while _max_step(watched) < 30:
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.2)
-    os.kill(_copy_pid(proc.pid, victim), signal.SIGKILL)
+    killed_at, dead = _max_step(watched), _copy_pid(proc.pid, victim)
+    os.kill(dead, signal.SIGKILL)
+    _slow_down_until_back(proc, 1 - victim, watched, killed_at, dead)
     stdout, stderr = proc.communicate(timeout=300)
 
     assert proc.returncode == 0, stderr[-3000:]
@@ -104,10 +126,10 @@ def test_a_killed_copy_is_restarted_healed_and_the_run_finishes(tmp_path: Path, 
     assert trained >= total
     # Snapshots only of the synced model, tokens rising, none half-written; the healed copy went on training.
     snaps = [r for r in _records(out / "metrics.jsonl") if r["kind"] == "snapshot"]
-    assert len(snaps) >= 30 and all(r["step"] % H == 0 for r in snaps)
+    assert len(snaps) >= 20 and snaps[-1]["tokens"] > total - 1280 and all(r["step"] % H == 0 for r in snaps)
     assert [r["tokens"] for r in snaps] == sorted({r["tokens"] for r in snaps})
     assert not list((out / "snapshots").glob(".*partial*"))
-    assert _max_step(out / "replicas" / "rank-1" / "metrics.jsonl") > 100
+    assert _max_step(out / "replicas" / "rank-1" / "metrics.jsonl") >= 200
     merged = subprocess.run(
         [
             sys.executable,
@@ -129,7 +151,7 @@ def test_a_killed_copy_is_restarted_healed_and_the_run_finishes(tmp_path: Path, 
 
 
 def test_with_no_failure_torchft_local_sgd_is_the_torch_backends(tmp_path: Path) -> None:
-    cfg = _config(tmp_path, 12800)
+    cfg = _config(tmp_path, 6400)
     for backend in ("torch", "torchft"):
         done = subprocess.run(
             _cmd(cfg, tmp_path / backend, "--backend", backend, "--sync-every", str(H)),
@@ -139,7 +161,7 @@ def test_with_no_failure_torchft_local_sgd_is_the_torch_backends(tmp_path: Path)
             timeout=300,
         )
         assert done.returncode == 0, done.stderr[-3000:]
-    for step in (25, 50):
+    for step in (10, 25):
         a = read_state(tmp_path / "torch" / "snapshots" / f"step-{step:08d}")
         b = read_state(tmp_path / "torchft" / "snapshots" / f"step-{step:08d}")
         assert max((a[k].double() - b[k].double()).abs().max().item() for k in a) < 1e-6
@@ -170,7 +192,7 @@ def test_a_crashed_run_resumes_with_the_same_command(tmp_path: Path) -> None:
         cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
     )
     deadline = time.monotonic() + 240
-    while _max_step(out / "metrics.jsonl") < 40:
+    while _max_step(out / "metrics.jsonl") < 20:
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)  # the launcher, its lighthouse and both copies at once
