@@ -1,6 +1,8 @@
+import gc
 import json
 import os
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -377,3 +379,27 @@ def test_inputs_without_model_weights_are_one_error(tmp_path: Path) -> None:
         r = CliRunner().invoke(cli, [*args, "--tokens-per-step", "10"])
         assert r.exit_code == 1 and "no model weights" in r.stderr and "Traceback" not in r.output, r.output
     assert not (tmp_path / "out").exists()
+
+
+def test_average_states_reads_a_generator_one_state_at_a_time() -> None:
+    """`recover` averages snapshots read one by one: no earlier state may still be alive when the next is read."""
+    refs: list[weakref.ref[torch.Tensor]] = []
+    alive_when_read: list[int] = []
+
+    def states() -> Iterator[dict[str, torch.Tensor]]:
+        for i in range(1, 6):
+            gc.collect()
+            alive_when_read.append(sum(r() is not None for r in refs))
+            s = state(i)
+            refs.append(weakref.ref(s["embed.weight"]))
+            yield s
+            del s
+
+    got = merge_mod.average_states(states(), [0.2] * 5, dtype="same")
+    assert alive_when_read == [0, 0, 0, 0, 0]
+    want = merge_mod.average_states([state(i) for i in range(1, 6)], [0.2] * 5)
+    assert got.keys() == want.keys() and got["embed.weight"].dtype == torch.bfloat16
+    assert torch.equal(got["embed.weight"], want["embed.weight"].to(torch.bfloat16))
+    assert torch.equal(got["step_counter"], state(5)["step_counter"])
+    with pytest.raises(ValueError, match="fewer states"):
+        merge_mod.average_states([state(1)], [0.5, 0.5])

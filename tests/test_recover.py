@@ -15,8 +15,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import run_cli, state, write_snapshot
+from conftest import SHAPES, run_cli, state, write_snapshot
 from pmakit.errors import PmakitError
+from pmakit.merge import merge
 from pmakit.recover import (
     RecoveryConfig,
     Spike,
@@ -26,6 +27,7 @@ from pmakit.recover import (
     choose_rollback,
     find_spikes,
     loss_lag_tokens,
+    merged_state,
     recover,
     robust_z,
     spike_boundary,
@@ -293,6 +295,35 @@ def test_recover_before_equals_pmakit_merge_of_the_last_k(tmp_path: Path) -> Non
     )
     assert (tmp_path / "out" / "config.json").exists()
     assert not list(tmp_path.glob(".out*"))  # no staging left behind
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("method", ["sma", "ema"])
+def test_merged_state_in_memory_is_the_written_merge_bit_for_bit(
+    tmp_path: Path, dtype: torch.dtype, method: str
+) -> None:
+    """What the rollback loads (averaged in memory) is byte for byte what `pmakit merge` writes, dtypes included."""
+    shapes = {**SHAPES, "big.weight": (300_007,)}  # several of the engine's blocks, and an odd tail
+    for i in range(1, 5):
+        write_snapshot(tmp_path / "run" / f"step-{i:08d}", state(i, dtype, shapes), step=i, tokens=i * 1000)
+    snaps = discover(tmp_path / "run")
+    got, weights = merged_state(snaps, method, 0.3)
+    merge(snaps, weights, tmp_path / "ref", fsync=False)
+    want = load_dir(tmp_path / "ref")
+    assert got.keys() == want.keys() == state(1, dtype, shapes).keys()
+    for k in want:
+        assert got[k].dtype == want[k].dtype, k
+        assert torch.equal(got[k].flatten().view(torch.uint8), want[k].flatten().view(torch.uint8)), k
+    assert torch.equal(got["step_counter"], state(4)["step_counter"])  # non-float: the newest snapshot's
+
+
+def test_merged_state_refuses_a_snapshot_with_nan(tmp_path: Path) -> None:
+    bad = state(2)
+    bad["layers.0.attn.weight"][0, 0] = float("nan")
+    for i, tensors in enumerate([state(1), bad, state(3)], start=1):
+        write_snapshot(tmp_path / f"step-{i:08d}", tensors, step=i, tokens=i * 1000)
+    with pytest.raises(PmakitError, match=r"'layers.0.attn.weight' of .*step-00000002"):
+        merged_state(discover(tmp_path), "sma", 0.2)
 
 
 def test_recover_finds_the_spike_in_the_metrics_log(tmp_path: Path) -> None:

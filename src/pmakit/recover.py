@@ -816,7 +816,7 @@ class SpikeRecovery(Callback):
         except PmakitError as e:
             raise StopTraining(f"{spike.describe()}; cannot recover: {e}") from None
         optimizer, opt_tokens = self._optimizer_for(trainer, before, snapshots)
-        state, weights = merged_state(chosen, cfg.method, cfg.alpha, Path(trainer.run_dir))
+        state, weights = merged_state(chosen, cfg.method, cfg.alpha)
         discarded = self._discard(trainer, snapshots, before, spike) if cfg.discard_spiked else []
         reason = {
             "recovery": done + 1,
@@ -890,22 +890,30 @@ DISCARDED_DIR = "discarded"
 
 
 def merged_state(
-    snapshots: Sequence[Snapshot], method: str, alpha: float, scratch: Path
+    snapshots: Sequence[Snapshot], method: str, alpha: float
 ) -> tuple[dict[str, Any], list[float]]:
-    """The ``pmakit.merge`` of ``snapshots`` as a state dict (written to a hidden scratch folder, read, removed)."""
-    from safetensors.torch import load_file
+    """What ``pmakit merge`` writes for ``snapshots``, as a state dict in memory (bit for bit the same: the engine's
+    arithmetic and dtypes), and the weights. One snapshot is read at a time: the sums and one state in memory.
 
-    from pmakit.merge import merge
+    A NaN/Inf in a snapshot is an error naming the tensor and the snapshot, as in ``merge``.
+    """
+    from pmakit.merge import average_states
     from pmakit.weights import get_weights
 
     weights = get_weights(method, len(snapshots), alpha=alpha)
-    out = scratch / ".pmakit-recover-merge"
-    shutil.rmtree(out, ignore_errors=True)
-    try:
-        merge(snapshots, weights, out, fsync=False)
-        state: dict[str, Any] = {}
-        for f in sorted(out.glob("*.safetensors")):
-            state.update(load_file(f))
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
-    return state, weights
+    return average_states((_finite_state(s) for s in snapshots), weights, dtype="same"), weights
+
+
+def _finite_state(snapshot: Snapshot) -> dict[str, Any]:
+    import torch
+
+    from pmakit.formats import is_float, read_state
+
+    state = read_state(snapshot.path)
+    for name, t in state.items():
+        if is_float(t.dtype) and not torch.isfinite(t).all():
+            raise PmakitError(
+                f"non-finite values (NaN/Inf) in tensor {name!r} of {snapshot.path} (step {snapshot.step}, "
+                f"{snapshot.tokens} tokens): it cannot be merged"
+            )
+    return state

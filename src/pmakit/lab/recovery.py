@@ -503,7 +503,7 @@ def _spike_seed(ctx: _Ctx, seed: int) -> dict[str, Any]:
             f"no full checkpoint at {format_tokens(start)} tokens in {checkpoint.parent}: the spike started "
             "outside the range kept around the push; move spike.push_at or lengthen the run"
         )
-    sma_state, weights = merged_state(chosen, spec.method, 0.2, run)
+    sma_state, weights = merged_state(chosen, spec.method, 0.2)
     info.update(
         spike=chosen_spike.to_dict(),
         spike_text=chosen_spike.describe(),

@@ -24,13 +24,14 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pmakit.errors import PmakitError
 from pmakit.formats import Reader, is_float
 from pmakit.formats.safetensors_io import write_index
 from pmakit.guard import guard_output, output_lock
@@ -47,7 +48,6 @@ from pmakit.merge.output import (
     merge_fingerprint,
     partial_dir,
     prepare_output,
-    replace_dir,
     run_stage,
     window_inputs,
     write_layout,
@@ -82,7 +82,6 @@ __all__ = [
     "partial_dir",
     "plan_increment",
     "plan_merge",
-    "replace_dir",
 ]
 
 log = logging.getLogger(__name__)
@@ -302,17 +301,58 @@ def _manifest_of(
 
 
 def average_states(
-    states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]
+    states: Iterable[Mapping[str, torch.Tensor]],
+    weights: Sequence[float],
+    *,
+    dtype: str | torch.dtype | None = torch.float32,
 ) -> dict[str, torch.Tensor]:
-    """The in-memory counterpart of ``merge`` for small models: fp32 weighted sum of float tensors, non-float
-    tensors from the newest state (``states`` oldest first)."""
+    """The in-memory counterpart of ``merge``: the weighted fp32 sum of the float tensors, the non-float ones from
+    the newest state (``states`` oldest first).
+
+    The arithmetic is the engine's (``merge.stream._fold``): the first term scaled, the others added with their
+    weight, zero weights skipped; with ``dtype="same"`` the result equals, bit for bit, what ``merge`` writes.
+    ``states`` may be a generator that reads one snapshot at a time: then only the sums and one state are in
+    memory, however many snapshots are averaged.
+
+    Args:
+        dtype: of the averaged tensors: fp32 (the sums as they are), ``"same"`` (each tensor in its input's dtype,
+            as ``merge`` writes it by default), or bf16 / fp16 as ``merge``'s ``dtype``.
+    """
+    sums: dict[str, torch.Tensor] = {}
+    newest: dict[str, torch.Tensor] = {}
+    remaining = iter(states)  # not zip(): its reused result tuple would keep the previous state alive
+    for weight in weights:
+        state = next(remaining, None)
+        if state is None:
+            raise ValueError(f"{len(weights)} weights but fewer states")
+        if newest and state.keys() != newest.keys():
+            raise PmakitError(
+                f"the states to average differ in their tensors: {sorted(state.keys() ^ newest.keys())}"
+            )
+        # Of the newest state only its non-float tensors are kept (of the float ones, shape and dtype).
+        newest = {k: t if not is_float(t.dtype) else t.to("meta") for k, t in state.items()}
+        if weight != 0:  # as the engine: a zero weight adds nothing (not even a -0.0)
+            _fold_state(sums, state, weight)
+        del state  # before the next one is read: one state in memory at a time
+    if next(remaining, None) is not None:
+        raise ValueError(f"more states than the {len(weights)} weights")
     out: dict[str, torch.Tensor] = {}
-    for name, ref in states[-1].items():
-        if ref.is_floating_point():
-            acc = torch.zeros_like(ref, dtype=torch.float32)
-            for state, w in zip(states, weights):
-                acc.add_(state[name].float(), alpha=w)
-            out[name] = acc
-        else:
+    for name, ref in newest.items():
+        if not is_float(ref.dtype):
             out[name] = ref
+            continue
+        total = sums[name] if name in sums else torch.zeros(ref.shape, dtype=torch.float32)
+        target = output_dtype(dtype, ref.dtype)
+        out[name] = total if target == torch.float32 else total.to(target)
     return out
+
+
+def _fold_state(sums: dict[str, torch.Tensor], state: Mapping[str, torch.Tensor], weight: float) -> None:
+    """``sums += weight * state`` in fp32, tensor by tensor (the first term scaled, as the engine's fold)."""
+    for name, t in state.items():
+        if not is_float(t.dtype):
+            continue
+        if name in sums:
+            sums[name].add_(t.float(), alpha=weight)
+        else:
+            sums[name] = torch.mul(t.float(), weight)
