@@ -63,6 +63,8 @@ def test_names() -> None:
     assert runs.kept_checkpoint_dir(run, 4096) == Path("RUN/checkpoints/tokens-4096")
     assert runs.trainer_state(runs.checkpoint_dir(run)) == Path("RUN/checkpoint/trainer.pt")
     assert runs.snapshots_dir(runs.replica_dir(run, 1)) == Path("RUN/replicas/rank-1/snapshots")
+    assert runs.snapshot_name(420) == "step-00000420" and runs.SNAPSHOT_NAME.match(runs.snapshot_name(10**9))
+    assert not runs.SNAPSHOT_NAME.match("step-420")  # not the saver's: never deleted under keep_last
 
 
 def test_runs_is_a_leaf() -> None:

@@ -6,7 +6,7 @@ that rolls it back and the report that reads it agree without importing each oth
 
 A training run (``pmakit train``, also each sub-run of a study)::
 
-    RUN/snapshots/step-XXXXXXXX/   the weight snapshots, one every V tokens
+    RUN/snapshots/step-XXXXXXXX/   the weight snapshots, one every V tokens (``snapshot_name``)
     RUN/checkpoint/                the newest full state (weights, optimizer, trainer.pt)
     RUN/checkpoints/tokens-T/      full states kept at chosen token counts (a study's fork points)
     RUN/metrics.jsonl              train / eval / snapshot / event records
@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,8 +42,17 @@ RESULTS_CSV = "results.csv"
 """``RUN/results.csv``: the same rows as a table."""
 
 
+SNAPSHOT_NAME = re.compile(r"^step-(\d{8,})$")
+"""A snapshot the saver wrote (and so may delete under ``keep_last``): ``step-`` and the step, 8 digits or more."""
+
+
 def snapshots_dir(run: Path) -> Path:
     return Path(run) / SNAPSHOTS
+
+
+def snapshot_name(step: int) -> str:
+    """``step-00000420``: zero-padded, so that names sort by step."""
+    return f"step-{step:08d}"
 
 
 def checkpoint_dir(run: Path) -> Path:

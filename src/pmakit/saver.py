@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import threading
 import time
@@ -34,19 +33,14 @@ from torch import nn
 
 from pmakit.errors import PmakitError
 from pmakit.formats.safetensors_io import OutputTensor, ShardWriter, plan_shards, write_index
-from pmakit.runs import fsync_dir, replace_dir
+from pmakit.runs import SNAPSHOT_NAME, fsync_dir, replace_dir, snapshot_name
 from pmakit.snapshot import METADATA_FILE, Snapshot, write_metadata
 
 log = logging.getLogger(__name__)
 
-SNAPSHOT_NAME = re.compile(r"^step-(\d{8,})$")
 PARTIAL_SUFFIX = ".pmakit-partial"
 _ALIGN = 64
 OnSave = Callable[[Snapshot, dict[str, torch.Tensor]], None]
-
-
-def snapshot_name(step: int) -> str:
-    return f"step-{step:08d}"
 
 
 def alias_key(t: torch.Tensor) -> tuple[Any, ...]:
