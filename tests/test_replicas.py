@@ -190,3 +190,15 @@ def test_replicas_study_smoke_preset_end_to_end(tmp_path: Path) -> None:
     assert again.returncode == 0, again.stderr[-3000:]
     assert "already trained" in again.stderr
     assert [json.loads(line) for line in (run / "results.jsonl").read_text().splitlines()] == rows
+
+
+def test_report_of_an_unfinished_replicas_study_is_one_line(tmp_path: Path) -> None:
+    from conftest import run_cli
+
+    (tmp_path / "experiment.json").write_text('{"study": "replicas"}')
+    proc = run_cli("report", tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert (
+        proc.stderr.strip()
+        == f"Error: {tmp_path} has no scores yet (results.jsonl, curves.csv): run the study to its end first"
+    )

@@ -12,6 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from pmakit.errors import PmakitError
 from pmakit.report import fmt
 from pmakit.report.blocks import Block, FigureBlock, Heading, Paragraph, Table
 from pmakit.runs import RESULTS, read_jsonl
@@ -29,6 +30,10 @@ def is_replicas(run_dir: Path) -> bool:
 
 def _load(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, str]]]:
     exp = json.loads((run_dir / "experiment.json").read_text())
+    if not (run_dir / RESULTS).is_file() or not (run_dir / "curves.csv").is_file():
+        raise PmakitError(
+            f"{run_dir} has no scores yet (results.jsonl, curves.csv): run the study to its end first"
+        )
     rows = read_jsonl(run_dir / RESULTS)
     with open(run_dir / "curves.csv", newline="") as f:
         curves = list(csv.DictReader(f))
