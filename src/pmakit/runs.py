@@ -12,7 +12,9 @@ A training run (``pmakit train``, also each sub-run of a study)::
     RUN/metrics.jsonl              train / eval / snapshot / event records
     RUN/replicas/rank-R/snapshots/ with model copies: each copy's own snapshots
 
-A study (``pmakit experiment``) adds its result rows, ``RUN/results.jsonl`` (and ``results.csv`` beside it).
+A study (``pmakit experiment``) adds its result rows, ``RUN/results.jsonl`` (and ``results.csv`` beside it), and
+keeps its training runs inside: the PMA study ``RUN/main/`` (the constant-LR run) and ``RUN/anneal-F/`` (a branch
+annealed from F tokens), the scaling study the same per size (``RUN/SIZE/trunk/``, ``RUN/SIZE/anneal-D/``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ RESULTS = "results.jsonl"
 """``RUN/results.jsonl``: a study's result rows, one JSON record a line, appended as they are measured."""
 RESULTS_CSV = "results.csv"
 """``RUN/results.csv``: the same rows as a table."""
+MAIN_RUN = "main"
+"""``RUN/main/``: the PMA study's constant-LR run, whose snapshots are merged and whose kept states are forked."""
 
 
 SNAPSHOT_NAME = re.compile(r"^step-(\d{8,})$")
@@ -67,6 +71,11 @@ def kept_checkpoint_dir(run: Path, tokens: int) -> Path:
 def replica_dir(run: Path, rank: int) -> Path:
     """With model copies: what copy ``rank`` writes of its own (its metrics, its snapshots with --save-replicas)."""
     return Path(run) / "replicas" / f"rank-{rank}"
+
+
+def anneal_run(study: Path, tokens: int) -> Path:
+    """A study's branch annealed from ``tokens`` (the PMA study's fork point F, the scaling study's budget D)."""
+    return Path(study) / f"anneal-{tokens}"
 
 
 def trainer_state(checkpoint: Path) -> Path:

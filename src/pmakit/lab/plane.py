@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from pmakit.errors import PmakitError
-from pmakit.runs import atomic_write_json, checkpoint_dir, snapshots_dir, trainer_state
+from pmakit.runs import MAIN_RUN, atomic_write_json, checkpoint_dir, snapshots_dir, trainer_state
 
 log = logging.getLogger(__name__)
 
@@ -473,9 +473,9 @@ def choose_window(inputs: Sequence[Path], last: int | None) -> Window:
     """The snapshots to analyse: an experiment's best SMA window, a run's last N, or the named snapshots."""
     from pmakit.snapshot import discover, gather
 
-    if len(inputs) == 1 and snapshots_dir(inputs[0] / "main").is_dir():
+    if len(inputs) == 1 and snapshots_dir(inputs[0] / MAIN_RUN).is_dir():
         run = inputs[0]
-        found = {s.tokens: s for s in discover(snapshots_dir(run / "main"))}
+        found = {s.tokens: s for s in discover(snapshots_dir(run / MAIN_RUN))}
         best = None if last is not None else _best_sma(run)
         if best is not None:
             targets = [best["tokens"] - j * best["v_tokens"] for j in range(best["n"])][::-1]

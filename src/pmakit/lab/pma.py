@@ -40,8 +40,10 @@ from pmakit.formats import read_state
 from pmakit.lab.results import remove_run
 from pmakit.merge import average_states
 from pmakit.runs import (
+    MAIN_RUN,
     RESULTS,
     RESULTS_CSV,
+    anneal_run,
     append_jsonl,
     atomic_open,
     checkpoint_dir,
@@ -184,7 +186,7 @@ def run_pma_study(
     seconds["corpus"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    main = Trainer(cfg, run_dir / "main", corpus=corpus, progress=progress)
+    main = Trainer(cfg, run_dir / MAIN_RUN, corpus=corpus, progress=progress)
     _log_phase(
         f"constant-LR run to {format_tokens(cfg.total_tokens)} tokens "
         f"({main.describe()['parameters'] / 1e6:.2f}M parameters)",
@@ -251,7 +253,7 @@ def _log_phase(what: str, done: int, total: int) -> None:
 
 def _anneal(study: Study, fork: Fork, run_dir: Path, corpus: Any, progress: bool) -> None:
     cfg = study.train
-    branch = run_dir / f"anneal-{fork.fork_tokens}"
+    branch = anneal_run(run_dir, fork.fork_tokens)
     schedule = WSD(
         peak_lr=cfg.lr,
         warmup=cfg.warmup_tokens,
@@ -260,7 +262,7 @@ def _anneal(study: Study, fork: Fork, run_dir: Path, corpus: Any, progress: bool
         shape=study.exp.anneal_shape,
     )
     resume_from = (
-        None if checkpoint_dir(branch).exists() else kept_checkpoint_dir(run_dir / "main", fork.fork_tokens)
+        None if checkpoint_dir(branch).exists() else kept_checkpoint_dir(run_dir / MAIN_RUN, fork.fork_tokens)
     )
     # About five evaluations along each branch, so its curve shows the anneal's shape.
     eval_every = max(1, fork.anneal_tokens // cfg.every_tokens // 5)
@@ -301,7 +303,7 @@ class _Grid:
         self.batches = batches["selection"]
         self.test_batches = batches["test"]
         self.bytes_per_token = bytes_per_token
-        self.snapshots = {s.tokens: s for s in discover(snapshots_dir(run_dir / "main"))}
+        self.snapshots = {s.tokens: s for s in discover(snapshots_dir(run_dir / MAIN_RUN))}
         self._states: dict[int, dict[str, torch.Tensor]] = {}
         self.rows = _current_rows(run_dir)
         self._done = {_key(r) for r in self.rows}
@@ -403,7 +405,7 @@ class _Grid:
             self._latest[tokens, split] = result
             row = {**item, "label": f"latest snapshot ({format_tokens(tokens)})"}
         elif item["model"] == "annealed":
-            branch = checkpoint_dir(self.run_dir / f"anneal-{item['fork_tokens']}")
+            branch = checkpoint_dir(anneal_run(self.run_dir, item["fork_tokens"]))
             result = self._score(read_state(branch), split)
             row = {**item, "label": f"anneal from {format_tokens(item['fork_tokens'])}"}
         elif item["method"] == "tuned":
@@ -614,12 +616,12 @@ def _write_curves(run_dir: Path, study: Study) -> None:
     from pmakit.metrics import read_metrics
 
     rows: list[tuple[str, int, float, float]] = []
-    for r in read_metrics(run_dir / "main"):
+    for r in read_metrics(run_dir / MAIN_RUN):
         if r.get("kind") == "eval":
             rows.append((r["model"], r["tokens"], r["val_loss"], r["val_loss_se"]))
     for fork in study.forks:
         series = f"anneal@{fork.fork_tokens}"
-        for r in read_metrics(run_dir / f"anneal-{fork.fork_tokens}"):
+        for r in read_metrics(anneal_run(run_dir, fork.fork_tokens)):
             if r.get("kind") == "eval" and r.get("model") == "latest":
                 rows.append((series, r["tokens"], r["val_loss"], r["val_loss_se"]))
     seen = set()

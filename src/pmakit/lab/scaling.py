@@ -46,6 +46,7 @@ from pmakit.lab.results import remove_run
 from pmakit.runs import (
     RESULTS,
     RESULTS_CSV,
+    anneal_run,
     append_jsonl,
     atomic_open,
     atomic_write_json,
@@ -249,7 +250,7 @@ def _train_trunk(plan: Plan, run_dir: Path, corpus: Any, clock: _Clock, progress
 def _anneal(plan: Plan, study: ScalingConfig, budget: int, fork: int, run_dir: Path, corpus: Any,
             clock: _Clock, progress: bool) -> None:  # fmt: skip
     """The budget's ground truth: the trunk's state at the fork, LR decayed to 0 by the budget."""
-    branch = run_dir / plan.size.name / f"anneal-{budget}"
+    branch = anneal_run(run_dir / plan.size.name, budget)
     if _trained(branch) >= budget:
         return
     cfg = plan.train
@@ -384,7 +385,7 @@ def _score_references(plan: Plan, study: ScalingConfig, run_dir: Path, score: _S
     name = plan.size.name
     for budget in plan.budgets:
         if (name, budget, "anneal", "") not in test.done:
-            result = score(read_state(checkpoint_dir(run_dir / name / f"anneal-{budget}")), "test")
+            result = score(read_state(checkpoint_dir(anneal_run(run_dir / name, budget))), "test")
             test.add(_row(plan, budget, "anneal", result, label=f"anneal from {format_tokens(budget)}"))
         if (name, budget, "latest", "") not in test.done:
             state = _snapshot_states(run_dir / name / "trunk", [budget])[0]

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from pmakit.errors import PmakitError
-from pmakit.runs import atomic_write_json, snapshots_dir
+from pmakit.runs import MAIN_RUN, atomic_write_json, snapshots_dir
 from pmakit.snapshot import Snapshot
 from pmakit.weights import get_weights
 
@@ -124,7 +124,7 @@ def experiment_spectrum(run_dir: Path, warmup_tokens: int, n: int) -> dict[str, 
     """RUN/spectrum.json from the constant-LR run's stable-phase snapshots (after warmup); None if too few."""
     from pmakit.snapshot import discover
 
-    snaps = [s for s in discover(snapshots_dir(run_dir / "main")) if s.tokens > warmup_tokens]
+    snaps = [s for s in discover(snapshots_dir(run_dir / MAIN_RUN)) if s.tokens > warmup_tokens]
     if len(snaps) < max(8, 2 * n):
         log.info("spectrum: %d stable-phase snapshots, too few for a spectrum; skipped", len(snaps))
         return None

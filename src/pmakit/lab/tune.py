@@ -38,7 +38,7 @@ import torch
 
 from pmakit.errors import PmakitError
 from pmakit.evaluate import EvalResult, evaluate, paired_difference
-from pmakit.runs import atomic_write_json, snapshots_dir
+from pmakit.runs import MAIN_RUN, atomic_write_json, snapshots_dir
 from pmakit.snapshot import Snapshot
 from pmakit.train.data import HeldOut
 from pmakit.weights import get_weights
@@ -381,7 +381,7 @@ def spectrum_hint(snapshots: Sequence[Snapshot], config: TuneConfig) -> dict[str
 def _run_snapshots(run: Path) -> list[Snapshot]:
     from pmakit.snapshot import gather
 
-    experiment_run = snapshots_dir(run / "main")
+    experiment_run = snapshots_dir(run / MAIN_RUN)
     snapshots, _ = gather([experiment_run if experiment_run.is_dir() else run])
     if len(snapshots) < 2:
         raise PmakitError(f"{run}: tuning a merge needs at least 2 snapshots, found {len(snapshots)}")
