@@ -51,7 +51,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -74,6 +74,9 @@ from pmakit.runs import (
 )
 from pmakit.train.loop import TrainConfig, Trainer
 from pmakit.units import format_tokens
+
+if TYPE_CHECKING:
+    from pmakit.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -704,12 +707,7 @@ def _init_seed(ctx: _Ctx, seed: int) -> dict[str, Any]:
     cfg = _seed_config(ctx, seed)
     run_cfg = replace(cfg, total_tokens=spec.init_at)
     run = ctx.run_dir / f"seed-{seed}" / "run"
-    trainer = Trainer(run_cfg, run, corpus=ctx.corpus, progress=ctx.progress)
-    try:
-        trainer.fit()
-        trainer.saver.wait()
-    finally:
-        trainer.close()
+    _train_to_init(ctx, run_cfg, run)
     snaps = {s.tokens: s for s in discover(snapshots_dir(run))}
     v = cfg.every_tokens
     window = [snaps[spec.init_at - k * v] for k in range(spec.n)][::-1]
@@ -729,37 +727,70 @@ def _init_seed(ctx: _Ctx, seed: int) -> dict[str, Any]:
         if ctx.done(seed, "final", arm) is not None:
             continue
         log.info("seed %d: continued training from %s", seed, arm)
-        tr = _fork_arm(
-            ctx, seed, arm, checkpoint, schedule, state, "reset", {"arm": arm, "merged": info["merged"]}
-        )
-        common = {
-            "seed": seed,
-            "model": arm,
-            "method": "latest" if arm == "latest" else spec.method,
-            "n": 1 if arm == "latest" else spec.n,
-            "optimizer": "reset",
-            "resume_lr": info["schedule"],
-            "start_tokens": spec.init_at,
-            "window_start_tokens": window[-1].tokens if arm == "latest" else window[0].tokens,
-        }
-        try:
-            if ctx.done(seed, "start", arm) is None:
-                ctx.append({**common, "stage": "start", "tokens": spec.init_at, **_scores(ctx.scorer(state)),
-                            "label": f"{arm} weights before continued training (seed {seed})"})  # fmt: skip
-            early_end = spec.init_at + spec.early_tokens
-            if ctx.done(seed, "early", arm) is None:
-                if tr.tokens > early_end:
-                    raise PmakitError(f"{tr.run_dir}: resumed past the early point; rerun with --fresh")
-                tr.fit(until_tokens=early_end)
-                ctx.append({**common, "stage": "early", "tokens": tr.tokens, **_scores(tr.score()),
-                            **_grad_stats(tr.run_dir, spec.init_at, early_end),
-                            "label": f"{arm} after {format_tokens(spec.early_tokens)} tokens (seed {seed})"})  # fmt: skip
-            tr.fit()
-            ctx.append({**common, "stage": "final", "tokens": tr.tokens, **_scores(tr.score()),
-                        **_grad_stats(tr.run_dir, spec.init_at, cfg.total_tokens),
-                        "label": f"{arm} at the end of continued training (seed {seed})"})  # fmt: skip
-        finally:
-            tr.close()
+        _continue_init_arm(ctx, seed, arm, state, window, info, checkpoint, schedule)
+    _paired_init(ctx, seed, sma)
+    return info
+
+
+def _train_to_init(ctx: _Ctx, run_cfg: TrainConfig, run: Path) -> None:
+    """The constant-LR base run of one seed, to ``init_at``; its snapshots are written before it returns."""
+    trainer = Trainer(run_cfg, run, corpus=ctx.corpus, progress=ctx.progress)
+    try:
+        trainer.fit()
+        trainer.saver.wait()
+    finally:
+        trainer.close()
+
+
+def _continue_init_arm(
+    ctx: _Ctx,
+    seed: int,
+    arm: str,
+    state: dict[str, torch.Tensor],
+    window: list[Snapshot],
+    info: dict[str, Any],
+    checkpoint: Path,
+    schedule: Callable[[float], float],
+) -> None:
+    """Continued training of one init-study arm from ``state``: its start, early and final rows."""
+    spec = ctx.study.spec
+    assert isinstance(spec, InitStudyConfig)
+    cfg = _seed_config(ctx, seed)
+    tr = _fork_arm(
+        ctx, seed, arm, checkpoint, schedule, state, "reset", {"arm": arm, "merged": info["merged"]}
+    )
+    common = {
+        "seed": seed,
+        "model": arm,
+        "method": "latest" if arm == "latest" else spec.method,
+        "n": 1 if arm == "latest" else spec.n,
+        "optimizer": "reset",
+        "resume_lr": info["schedule"],
+        "start_tokens": spec.init_at,
+        "window_start_tokens": window[-1].tokens if arm == "latest" else window[0].tokens,
+    }
+    try:
+        if ctx.done(seed, "start", arm) is None:
+            ctx.append({**common, "stage": "start", "tokens": spec.init_at, **_scores(ctx.scorer(state)),
+                        "label": f"{arm} weights before continued training (seed {seed})"})  # fmt: skip
+        early_end = spec.init_at + spec.early_tokens
+        if ctx.done(seed, "early", arm) is None:
+            if tr.tokens > early_end:
+                raise PmakitError(f"{tr.run_dir}: resumed past the early point; rerun with --fresh")
+            tr.fit(until_tokens=early_end)
+            ctx.append({**common, "stage": "early", "tokens": tr.tokens, **_scores(tr.score()),
+                        **_grad_stats(tr.run_dir, spec.init_at, early_end),
+                        "label": f"{arm} after {format_tokens(spec.early_tokens)} tokens (seed {seed})"})  # fmt: skip
+        tr.fit()
+        ctx.append({**common, "stage": "final", "tokens": tr.tokens, **_scores(tr.score()),
+                    **_grad_stats(tr.run_dir, spec.init_at, cfg.total_tokens),
+                    "label": f"{arm} at the end of continued training (seed {seed})"})  # fmt: skip
+    finally:
+        tr.close()
+
+
+def _paired_init(ctx: _Ctx, seed: int, sma: str) -> None:
+    """Each stage's merged row paired with the latest row of the same seed (deltas over the same batches)."""
     for stage in ("start", "early", "final"):
         latest = ctx.done(seed, stage, "latest")
         mrow = ctx.done(seed, stage, sma)
@@ -771,7 +802,6 @@ def _init_seed(ctx: _Ctx, seed: int) -> dict[str, Any]:
             changed |= _set_delta(ctx, mrow, "delta_vs_latest", "delta_se", latest)
         if changed:
             _rewrite(ctx)
-    return info
 
 
 def _grad_stats(run_dir: Path, lo: int, hi: int) -> dict[str, float | None]:
