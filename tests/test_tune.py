@@ -294,3 +294,13 @@ def test_a_run_too_big_for_memory_asks_for_eval_cmd(
     with pytest.raises(PmakitError, match="--eval-cmd"):
         _tune(tiny, tmp_path / "big")
     assert not (tmp_path / "big").exists()
+
+
+def test_files_too_unequal_to_divide_whole_are_halved() -> None:
+    # two held-out files of 5 and 20 tokens: whole files would give selection 5 of 25 tokens; halves give 12 and 13
+    small, big = np.arange(1, 6), np.arange(10, 30)
+    small[-1] = big[-1] = 0
+    held = heldout_splits(np.concatenate([small, big]).astype(np.uint16))
+    assert held.mode == "halves" and held.documents == (2, 2)
+    assert held.selection.tolist() == [*small[:2], *big[:10]]
+    assert held.test.tolist() == [*small[2:], *big[10:]]

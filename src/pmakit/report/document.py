@@ -107,7 +107,7 @@ def headline(fork: ForkSummary, index: int, base: int | None) -> list[Block]:
     the z-scores; on the test split when the run has one."""
     t = fork.headline
     where = (
-        "on the TEST split (held-out files disjoint from the selection split on which every choice below was "
+        "on the TEST split (held-out text disjoint from the selection split on which every choice below was "
         "made)"
         if fork.test is not None
         else "on the same held-out batches, which also chose the best merges (an older run: no test split)"
@@ -688,11 +688,11 @@ def build(
         intro += f" Preset: `{exp['preset']}`."
     if any(f.test is not None for f in forks):
         held: dict[str, Any] = exp["heldout"] if isinstance(exp.get("heldout"), dict) else {}
-        split_files = (
-            f" ({held.get('selection_documents')} and {held.get('test_documents')} files)"
-            if held.get("mode") == "by-file"
-            else ""
-        )
+        split_files = {
+            "by-file": f" ({held.get('selection_documents')} and {held.get('test_documents')} files)",
+            "halves": f" (the first and the second half of each of {held.get('selection_documents')} files, "
+            "which were too unequal in size to divide whole)",
+        }.get(str(held.get("mode")), "")
         intro += (
             " The held-out files are divided into a selection split and a disjoint test split"
             + split_files

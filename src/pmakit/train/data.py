@@ -219,9 +219,10 @@ class HeldOut:
     selection: np.ndarray
     """Token ids every choice is made on."""
     test: np.ndarray
-    """Token ids the chosen model is reported on (no file of it is in ``selection``)."""
+    """Token ids the chosen model is reported on (no text of it is in ``selection``; by file, no file)."""
     mode: str
-    """``by-file`` (whole documents) or ``contiguous`` (two halves of one token stream)."""
+    """``by-file`` (whole documents), ``halves`` (the two halves of every document, when whole documents would
+    divide too unevenly) or ``contiguous`` (two halves of one token stream)."""
     documents: tuple[int, int]
     """Documents (files) in (selection, test); (0, 0) for a contiguous division."""
 
@@ -270,9 +271,25 @@ def heldout_of_documents(docs: Sequence[np.ndarray]) -> HeldOut:
         k = 0 if held[0] <= held[1] else 1  # the lighter split takes the next document
         parts[k].append(doc)
         held[k] += len(doc)
+    if 3 * min(held) < sum(held):
+        return _halves_of_documents(docs, held)
     return HeldOut(
         np.concatenate(parts[0]), np.concatenate(parts[1]), "by-file", (len(parts[0]), len(parts[1]))
     )
+
+
+def _halves_of_documents(docs: Sequence[np.ndarray], held: Sequence[int]) -> HeldOut:
+    """A few files of very different sizes (two Markdown files of 5K and 378K tokens) would leave one split too
+    small to choose on: every document's first half goes to selection and its second half to test instead."""
+    log.warning(
+        "the held-out files divide unevenly (%s and %s tokens); selection and test take the first and second "
+        "half of every held-out file instead, so they share files but no text",
+        f"{held[0]:,}",
+        f"{held[1]:,}",
+    )
+    first = [doc[: len(doc) // 2] for doc in docs]
+    second = [doc[len(doc) // 2 :] for doc in docs]
+    return HeldOut(np.concatenate(first), np.concatenate(second), "halves", (len(docs), len(docs)))
 
 
 def corpus_heldout(corpus: Corpus) -> HeldOut:
