@@ -288,7 +288,6 @@ def _merge(
     world: Any,
 ) -> None:
     from pmakit.merge import merge as run_merge
-    from pmakit.merge import plan_increment, plan_merge
     from pmakit.weights import get_weights
 
     chosen = _select(inputs, last, every, until, tokens_per_step, exclude)
@@ -296,34 +295,17 @@ def _merge(
     terms, term_weights, window = chosen, weights, None
     extra: dict[str, Any] = {}
     if from_previous is not None:
-        if custom is not None:
-            raise PmakitError("--from-previous updates sma/ema merges; custom --weights need a full merge")
-        inc = plan_increment(from_previous, chosen, weights, method=method, alpha=alpha)
-        terms, term_weights, window, keep_fp32 = inc.terms, inc.weights, (chosen, weights), True
-        extra["incremental"] = inc.record(from_previous)
-        if not quiet:
-            click.echo(f"incremental update of {from_previous}: {inc.reads} reads instead of {len(chosen)}")
-    plan = plan_merge(
-        terms,
-        term_weights,
-        dtype=dtype,
-        max_shard_size=max_shard_size,
-        ranks=world.size,
-        cast=True if window else None,
-    )
+        terms, term_weights, window, extra["incremental"] = _incremental(
+            from_previous, chosen, weights, method, alpha, custom, quiet
+        )
+        keep_fp32 = True
+    plan = _plan(terms, term_weights, dtype, max_shard_size, world, window)
     if (dry_run and world.rank == 0) or not quiet:
         _print_plan(plan)
     if dry_run:
         return
-    extra.update(
-        {
-            "method": "custom" if custom is not None else method,
-            "alpha": alpha,
-            "selection": {"last": last, "every": every, "until": until, "inputs": [str(p) for p in inputs]},
-        }
-    )
-    share = sum(plan.shard_input_bytes(i) for i in range(len(plan.shards)) if plan.owner(i) == world.rank)
-    with _progress(share, quiet, "merging") as progress:
+    extra.update(_merge_record(inputs, method, alpha, custom, last, every, until))
+    with _progress(_rank_input_bytes(plan, world.rank), quiet, "merging") as progress:
         result = run_merge(
             terms,
             term_weights,
@@ -341,6 +323,64 @@ def _merge(
         )
     if not quiet:
         _print_result(plan, result, output)
+
+
+def _incremental(
+    from_previous: Path,
+    chosen: list[Any],
+    weights: list[float],
+    method: str,
+    alpha: float,
+    custom: list[float] | None,
+    quiet: bool,
+) -> tuple[list[Any], list[float], tuple[list[Any], list[float]], dict[str, Any]]:
+    """The terms, weights, window and manifest record of a --from-previous update of an earlier merge."""
+    from pmakit.merge import plan_increment
+
+    if custom is not None:
+        raise PmakitError("--from-previous updates sma/ema merges; custom --weights need a full merge")
+    inc = plan_increment(from_previous, chosen, weights, method=method, alpha=alpha)
+    if not quiet:
+        click.echo(f"incremental update of {from_previous}: {inc.reads} reads instead of {len(chosen)}")
+    return inc.terms, inc.weights, (chosen, weights), inc.record(from_previous)
+
+
+def _plan(
+    terms: list[Any], term_weights: list[float], dtype: str, max_shard_size: int, world: Any, window: Any
+) -> Any:
+    """The shard plan over the world's ranks; an incremental update's terms may differ in float dtype."""
+    from pmakit.merge import plan_merge
+
+    return plan_merge(
+        terms,
+        term_weights,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        ranks=world.size,
+        cast=True if window else None,
+    )
+
+
+def _merge_record(
+    inputs: tuple[Path, ...],
+    method: str,
+    alpha: float,
+    custom: list[float] | None,
+    last: int | None,
+    every: int | None,
+    until: int | None,
+) -> dict[str, Any]:
+    """How the snapshots were chosen and weighted, for the output's manifest."""
+    return {
+        "method": "custom" if custom is not None else method,
+        "alpha": alpha,
+        "selection": {"last": last, "every": every, "until": until, "inputs": [str(p) for p in inputs]},
+    }
+
+
+def _rank_input_bytes(plan: Any, rank: int) -> int:
+    """Bytes this rank reads: the inputs of the shards it owns (its progress bar's total)."""
+    return sum(plan.shard_input_bytes(i) for i in range(len(plan.shards)) if plan.owner(i) == rank)
 
 
 def _print_result(plan: Any, result: Any, output: Path) -> None:
