@@ -72,20 +72,38 @@ NOT_MODEL = (
 
 @functools.cache
 def _dcp() -> Any:
-    """torch's DCP modules and our two small extensions of them, imported on first use (the import costs seconds
+    """torch's DCP modules and our small extensions of them, imported on first use (the import costs seconds
     and only DCP inputs and outputs need it)."""
     import types
 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
     from torch.distributed.checkpoint.metadata import (
         ChunkStorageMetadata,
         Metadata,
         MetadataIndex,
         TensorStorageMetadata,
     )
+
+    return types.SimpleNamespace(
+        dcp=dcp,
+        FileSystemReader=FileSystemReader,
+        FileSystemWriter=FileSystemWriter,
+        ChunkStorageMetadata=ChunkStorageMetadata,
+        CheckpointException=CheckpointException,
+        Metadata=Metadata,
+        MetadataIndex=MetadataIndex,
+        TensorStorageMetadata=TensorStorageMetadata,
+        **_region_loading(),
+        **_raw_bytes_planners(),
+    )
+
+
+def _region_loading() -> dict[str, type]:
+    """``CachedMetadataReader`` and ``RegionPlanner``: the reader's one-region-at-a-time ``dcp.load``."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
@@ -117,6 +135,14 @@ def _dcp() -> Any:
                 out = out.narrow(dim, offset, length)
             return out
 
+    return {"CachedMetadataReader": CachedMetadataReader, "RegionPlanner": RegionPlanner}
+
+
+def _raw_bytes_planners() -> dict[str, type]:
+    """``RawBytesSavePlanner`` and ``RawBytesLoadPlanner``: non-tensor entries passed through as stored bytes."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import ReadItem
+
     class RawBytesSavePlanner(DefaultSavePlanner):
         """Writes ``io.BytesIO`` values as they are (bytes already serialized, such as Megatron's
         ``_extra_state`` read back from a checkpoint), where torch's planner would pickle them again."""
@@ -134,20 +160,7 @@ def _dcp() -> Any:
         def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
             self.raw[read_item.dest_index.fqn] = value.read()
 
-    return types.SimpleNamespace(
-        dcp=dcp,
-        RawBytesSavePlanner=RawBytesSavePlanner,
-        RawBytesLoadPlanner=RawBytesLoadPlanner,
-        FileSystemReader=FileSystemReader,
-        FileSystemWriter=FileSystemWriter,
-        ChunkStorageMetadata=ChunkStorageMetadata,
-        CheckpointException=CheckpointException,
-        Metadata=Metadata,
-        MetadataIndex=MetadataIndex,
-        TensorStorageMetadata=TensorStorageMetadata,
-        CachedMetadataReader=CachedMetadataReader,
-        RegionPlanner=RegionPlanner,
-    )
+    return {"RawBytesSavePlanner": RawBytesSavePlanner, "RawBytesLoadPlanner": RawBytesLoadPlanner}
 
 
 TRAINER_PACKAGES = ("olmo_core.",)
