@@ -611,16 +611,7 @@ def _build_entry(
 ) -> dict[str, Any]:
     """Read, split, train the tokenizer, encode, and write everything into ``tmp`` (meta.json last)."""
     t0 = time.perf_counter()
-    order = np.random.default_rng(seed).permutation(len(paths))
-    docs, skipped = _select_docs(paths, order=order, max_bytes=max_bytes)
-    if not docs:
-        if kind == "file":
-            raise PmakitError(
-                f"{label} is not UTF-8 text (binary?) or is empty; give a text file or a .npy/.bin"
-            )
-        raise PmakitError(
-            f"the corpus {label} has no text: {len(paths)} file(s), all empty, binary or not UTF-8"
-        )
+    docs, skipped = _read_docs(kind, label, paths, max_bytes, seed)
     train_docs, val_docs, split = _split_docs(docs, val_fraction)
     train_texts = [t for _, t in train_docs]
     val_texts = [t for _, t in val_docs]
@@ -641,10 +632,6 @@ def _build_entry(
     val = encode_docs(tokenizer, val_texts, dtype)
     t2 = time.perf_counter()
 
-    tmp.mkdir(parents=True)
-    save_tokenizer(tokenizer, tmp / "tokenizer")
-    np.save(tmp / "train.npy", train)
-    np.save(tmp / "val.npy", val)
     meta = {
         "version": CACHE_VERSION,
         "source": label,
@@ -666,8 +653,36 @@ def _build_entry(
         "encode_seconds": round(t2 - t1, 3),
         "val_paths": [name for name, _ in val_docs],
     }
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    _write_entry(tmp, tokenizer, train, val, meta)
     return meta
+
+
+def _read_docs(
+    kind: str, label: str, paths: Sequence[Path], max_bytes: int | None, seed: int
+) -> tuple[list[tuple[str, str]], int]:
+    """The documents of ``paths`` in the seed's order (up to ``max_bytes``) and the number skipped; none is an error."""
+    order = np.random.default_rng(seed).permutation(len(paths))
+    docs, skipped = _select_docs(paths, order=order, max_bytes=max_bytes)
+    if not docs:
+        if kind == "file":
+            raise PmakitError(
+                f"{label} is not UTF-8 text (binary?) or is empty; give a text file or a .npy/.bin"
+            )
+        raise PmakitError(
+            f"the corpus {label} has no text: {len(paths)} file(s), all empty, binary or not UTF-8"
+        )
+    return docs, skipped
+
+
+def _write_entry(
+    tmp: Path, tokenizer: Tokenizer, train: np.ndarray, val: np.ndarray, meta: dict[str, Any]
+) -> None:
+    """The cache entry's files, ``meta.json`` last: an entry without it is unfinished."""
+    tmp.mkdir(parents=True)
+    save_tokenizer(tokenizer, tmp / "tokenizer")
+    np.save(tmp / "train.npy", train)
+    np.save(tmp / "val.npy", val)
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
 
 
 def _load_entry(entry: Path) -> Corpus:
