@@ -242,9 +242,12 @@ def _fork_names(forks: Sequence[ForkSummary]) -> list[str]:
     ]
 
 
-def plot_fork_gains(forks: Sequence[ForkSummary], base: int | None, path: Path) -> Path | None:
-    """At each fork: best SMA, best merge of any weighting (when it is not SMA) and the anneal, Δ ± paired s.e."""
-    bars: list[tuple[int, str, str, str, float, float | None]] = []  # fork idx, kind, colour, note, Δ, se
+_GainBar = tuple[int, str, str, str, float, float | None]  # fork idx, kind, colour, note, Δ, se
+
+
+def _fork_gain_bars(forks: Sequence[ForkSummary], base: int | None) -> list[_GainBar]:
+    """One bar per fork and candidate (best SMA, best other merge, anneal) that has a gain over the latest."""
+    bars: list[_GainBar] = []
     for i, f in enumerate(forks):
         candidates = [("best SMA", f.best_sma)]
         if f.best_merge is not None and f.best_merge.method != "sma":
@@ -262,6 +265,25 @@ def plot_fork_gains(forks: Sequence[ForkSummary], base: int | None, path: Path) 
                     f"{weighting_label(weighting_key(row))}\nN={row.n} V={fmt.interval(row.v_tokens, base)}"
                 )
             bars.append((i, kind, color, note, -g.value, g.se))
+    return bars
+
+
+def _fork_gain_legend(ax: Axes, kinds: set[str]) -> None:
+    """A legend entry for each kind of bar that is drawn."""
+    from matplotlib.patches import Patch
+
+    legend = [
+        Patch(facecolor=MERGE, edgecolor="black", label="best SMA merge"),
+        Patch(facecolor="white", edgecolor="black", hatch="//", label="best merge, other weighting"),
+        Patch(facecolor=ANNEAL, edgecolor="black", label="annealed branch"),
+    ]
+    shown = [h for h, kind in zip(legend, ("best SMA", "best merge", "annealed")) if kind in kinds]
+    ax.legend(handles=shown, loc="best", fontsize=9)
+
+
+def plot_fork_gains(forks: Sequence[ForkSummary], base: int | None, path: Path) -> Path | None:
+    """At each fork: best SMA, best merge of any weighting (when it is not SMA) and the anneal, Δ ± paired s.e."""
+    bars = _fork_gain_bars(forks, base)
     if not bars:
         return None
     fig, (ax,) = _new(max(7.0, 2.6 * len(forks) + 1.5), 4.6)
@@ -297,16 +319,7 @@ def plot_fork_gains(forks: Sequence[ForkSummary], base: int | None, path: Path) 
     ax.set_ylabel(DELTA_LABEL)
     ax.margins(y=0.25)
     ax.grid(axis="y", alpha=0.3)
-    from matplotlib.patches import Patch
-
-    kinds = {b[1] for b in bars}
-    legend = [
-        Patch(facecolor=MERGE, edgecolor="black", label="best SMA merge"),
-        Patch(facecolor="white", edgecolor="black", hatch="//", label="best merge, other weighting"),
-        Patch(facecolor=ANNEAL, edgecolor="black", label="annealed branch"),
-    ]
-    shown = [h for h, kind in zip(legend, ("best SMA", "best merge", "annealed")) if kind in kinds]
-    ax.legend(handles=shown, loc="best", fontsize=9)
+    _fork_gain_legend(ax, {b[1] for b in bars})
     ax.set_title("Gain over the latest snapshot at each fork\n(error bars: paired s.e.)", fontsize=11)
     return _save(fig, path)
 
