@@ -670,16 +670,8 @@ def run_blocks(experiment: dict[str, Any], run_dir: Path) -> list[Block]:
 # --- the whole document ----------------------------------------------------------------------------------
 
 
-def build(
-    data: RunData,
-    forks: Sequence[ForkSummary],
-    stable: Sequence[StablePoint],
-    figs: Figures,
-    base: int | None,
-) -> list[Block]:
-    """All blocks of the report, in reading order."""
-    exp = data.experiment
-    blocks: list[Block] = [Heading(f"PMA experiment report: {data.run_dir.name}", 1)]
+def _intro(exp: dict[str, Any], forks: Sequence[ForkSummary]) -> str:
+    """The opening paragraph: what is compared, the preset, and which held-out split each part describes."""
     intro = (
         "Pre-trained Model Averaging: snapshots of a constant-LR run are merged and compared with the latest "
         "snapshot and with a real anneal of the LR, all evaluated on the same held-out batches."
@@ -703,7 +695,20 @@ def build(
             "describe the selection split. The fixed recipe (SMA of 10 snapshots at the configured V) involves "
             "no choice at all."
         )
-    blocks.append(Paragraph(intro))
+    return intro
+
+
+def build(
+    data: RunData,
+    forks: Sequence[ForkSummary],
+    stable: Sequence[StablePoint],
+    figs: Figures,
+    base: int | None,
+) -> list[Block]:
+    """All blocks of the report, in reading order."""
+    exp = data.experiment
+    blocks: list[Block] = [Heading(f"PMA experiment report: {data.run_dir.name}", 1)]
+    blocks.append(Paragraph(_intro(exp, forks)))
     for note in [*data.notes, *figs.failures]:
         blocks.append(Paragraph(note, note=True))
     if forks:
