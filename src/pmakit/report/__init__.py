@@ -191,6 +191,37 @@ def _headline_rows(f: ForkSummary, base: int | None) -> list[str]:
     return lines
 
 
+def _forks_summary(forks: list[ForkSummary], base: int | None) -> list[str]:
+    """The final fork's headline and verdict, then the best merge at each of the last six forks."""
+    lines: list[str] = []
+    f = forks[-1].headline
+    split = "test split; merges chosen on the selection split" if forks[-1].test else "one held-out split"
+    lines.append(
+        f"Final fork F{len(forks)}: forked at {fmt.tokens(f.fork_tokens)}, anneal {fmt.tokens(f.anneal_tokens)}, "
+        f"evaluated at {fmt.tokens(f.eval_tokens)} tokens ({split})"
+    )
+    lines += _headline_rows(f, base)
+    g_best = f.gain(f.best_merge)
+    if g_best is not None:
+        lines.append("  " + verdict(g_best.z, "The best merge") + ".")
+    rec = f.recovered(f.best_merge)
+    if rec is not None:
+        lines.append(
+            f"  It recovers {document.recovered_text(rec)} of the anneal's gain over the latest snapshot."
+        )
+    elif f.annealed is None:
+        lines.append("  No annealed branch in the results: nothing to compare the merge with.")
+    if len(forks) > 1:
+        lines.append("Each fork: best merge Δ ± s.e. (Δ/s.e.), share of the anneal's gain recovered")
+        for i, fk in enumerate((f.headline for f in forks[-6:]), start=len(forks) - min(6, len(forks)) + 1):
+            g = fk.gain(fk.best_merge)
+            lines.append(
+                f"  F{i} at {fmt.tokens(fk.fork_tokens):>7}: {document.delta_text(g)} ({document.z_text(g)}), "
+                f"recovered {document.recovered_text(fk.recovered(fk.best_merge))}"
+            )
+    return lines
+
+
 def summary_text(run_dir: str | Path) -> str:
     """The headline numbers and the report's paths, in one terminal screen (about 25 lines at most)."""
     run_dir = Path(run_dir)
@@ -213,33 +244,7 @@ def summary_text(run_dir: str | Path) -> str:
     extras.append(f"total {fmt.seconds(total)}" if isinstance(total, int | float) else "")
     lines = [head + (f" ({', '.join(e for e in extras if e)})" if any(extras) else "")]
     if forks:
-        f = forks[-1].headline
-        split = "test split; merges chosen on the selection split" if forks[-1].test else "one held-out split"
-        lines.append(
-            f"Final fork F{len(forks)}: forked at {fmt.tokens(f.fork_tokens)}, anneal {fmt.tokens(f.anneal_tokens)}, "
-            f"evaluated at {fmt.tokens(f.eval_tokens)} tokens ({split})"
-        )
-        lines += _headline_rows(f, base)
-        g_best = f.gain(f.best_merge)
-        if g_best is not None:
-            lines.append("  " + verdict(g_best.z, "The best merge") + ".")
-        rec = f.recovered(f.best_merge)
-        if rec is not None:
-            lines.append(
-                f"  It recovers {document.recovered_text(rec)} of the anneal's gain over the latest snapshot."
-            )
-        elif f.annealed is None:
-            lines.append("  No annealed branch in the results: nothing to compare the merge with.")
-        if len(forks) > 1:
-            lines.append("Each fork: best merge Δ ± s.e. (Δ/s.e.), share of the anneal's gain recovered")
-            for i, fk in enumerate(
-                (f.headline for f in forks[-6:]), start=len(forks) - min(6, len(forks)) + 1
-            ):
-                g = fk.gain(fk.best_merge)
-                lines.append(
-                    f"  F{i} at {fmt.tokens(fk.fork_tokens):>7}: {document.delta_text(g)} ({document.z_text(g)}), "
-                    f"recovered {document.recovered_text(fk.recovered(fk.best_merge))}"
-                )
+        lines += _forks_summary(forks, base)
     elif data.rows:
         lines.append("No fork comparison in results.csv.")
     for note in data.notes[:3]:
