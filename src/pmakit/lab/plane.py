@@ -241,27 +241,15 @@ def cross_terms(
     if k < 2:
         raise PmakitError("the cross-term analysis needs at least 2 snapshots")
     mean = torch.stack(list(thetas)).mean(0)
-    end = thetas[-1]
     li = [score(t) for t in thetas] if member_losses is None else list(member_losses)
     lbar = score(mean) if merge_loss is None else merge_loss
     members = np.stack(li)  # (k, batches)
     gap = lbar - members.mean(0)  # < 0: the merge beats its average member
     invariant = 2 * k * k * gap  # C - (k-1) D, the same for any reference when the loss is quadratic
-
-    # reference = the merge: q_i = L(mean + d_i) + L(mean - d_i) - 2 L(mean); sum_i d_i = 0 forces C = -D
-    q_merge = np.stack([li[i] + score(2 * mean - thetas[i]) - 2 * lbar for i in range(k)])
-    d_merge = q_merge.sum(0)
-    # reference = the newest snapshot: d_k = 0, so k - 1 curvatures
-    q_end = np.stack([li[i] + score(2 * end - thetas[i]) - 2 * li[-1] for i in range(k - 1)])
-    d_end = q_end.sum(0)
-    c_end = invariant + (k - 1) * d_end
-
-    dev_merge = [t - mean for t in thetas]
-    dev_end = [t - end for t in thetas[:-1]]
+    merge_reference = _merge_reference(thetas, score, mean, li, lbar, gap)
+    end_reference = _end_reference(thetas, score, li, invariant)
     steps = [b - a for a, b in zip(thetas, thetas[1:])]
-    cos_merge, cos_end = _cosines(dev_merge), _cosines(dev_end)
     step_cos = [float(_cosines([a, b])[0][1]) for a, b in zip(steps, steps[1:])]
-    dm, de, ce = float(d_merge.mean()), float(d_end.mean()), float(c_end.mean())
     return {
         "k": k,
         "method": "central second differences of held-out losses (forward passes only); see pmakit.lab.plane",
@@ -271,28 +259,66 @@ def cross_terms(
         "gap": _mean_se(gap),
         "invariant": _mean_se(invariant),
         "condition_holds": bool(float(gap.mean()) < 0),
-        "merge_reference": {
-            "D": _mean_se(d_merge),
-            "C": _mean_se(-d_merge),
-            "curvatures": [float(q.mean()) for q in q_merge],
-            "predicted_gap": _mean_se(-d_merge / (2 * k)),
-            "explained": float(-dm / (2 * k) / float(gap.mean())) if float(gap.mean()) != 0 else None,
-            "deviation_norms": [float(d.norm()) for d in dev_merge],
-            "cosines": cos_merge,
-            "mean_cosine": _mean_offdiag(cos_merge),
-            "cosine_note": "deviations from their mean sum to zero: with equal norms the mean cosine is -1/(k-1)",
-        },
-        "end_reference": {
-            "D": _mean_se(d_end),
-            "C": _mean_se(c_end),
-            "curvatures": [float(q.mean()) for q in q_end] + [0.0],
-            "ratio": ce / ((k - 1) * de) if de != 0 else None,
-            "deviation_norms": [float(d.norm()) for d in dev_end] + [0.0],
-            "cosines": cos_end,
-            "mean_cosine": _mean_offdiag(cos_end),
-        },
+        "merge_reference": merge_reference,
+        "end_reference": end_reference,
         "step_cosines": step_cos,
         "mean_step_cosine": float(np.mean(step_cos)) if step_cos else None,
+    }
+
+
+def _merge_reference(
+    thetas: Sequence[torch.Tensor],
+    score: Callable[[torch.Tensor], np.ndarray],
+    mean: torch.Tensor,
+    li: list[np.ndarray],
+    lbar: np.ndarray,
+    gap: np.ndarray,
+) -> dict[str, Any]:
+    """The terms with the merge as reference point (k more evaluations)."""
+    k = len(thetas)
+    # reference = the merge: q_i = L(mean + d_i) + L(mean - d_i) - 2 L(mean); sum_i d_i = 0 forces C = -D
+    q_merge = np.stack([li[i] + score(2 * mean - thetas[i]) - 2 * lbar for i in range(k)])
+    d_merge = q_merge.sum(0)
+    dev_merge = [t - mean for t in thetas]
+    cos_merge = _cosines(dev_merge)
+    dm = float(d_merge.mean())
+    return {
+        "D": _mean_se(d_merge),
+        "C": _mean_se(-d_merge),
+        "curvatures": [float(q.mean()) for q in q_merge],
+        "predicted_gap": _mean_se(-d_merge / (2 * k)),
+        "explained": float(-dm / (2 * k) / float(gap.mean())) if float(gap.mean()) != 0 else None,
+        "deviation_norms": [float(d.norm()) for d in dev_merge],
+        "cosines": cos_merge,
+        "mean_cosine": _mean_offdiag(cos_merge),
+        "cosine_note": "deviations from their mean sum to zero: with equal norms the mean cosine is -1/(k-1)",
+    }
+
+
+def _end_reference(
+    thetas: Sequence[torch.Tensor],
+    score: Callable[[torch.Tensor], np.ndarray],
+    li: list[np.ndarray],
+    invariant: np.ndarray,
+) -> dict[str, Any]:
+    """The terms with the newest snapshot as reference point (k - 1 more evaluations)."""
+    k = len(thetas)
+    end = thetas[-1]
+    # reference = the newest snapshot: d_k = 0, so k - 1 curvatures
+    q_end = np.stack([li[i] + score(2 * end - thetas[i]) - 2 * li[-1] for i in range(k - 1)])
+    d_end = q_end.sum(0)
+    c_end = invariant + (k - 1) * d_end
+    dev_end = [t - end for t in thetas[:-1]]
+    cos_end = _cosines(dev_end)
+    de, ce = float(d_end.mean()), float(c_end.mean())
+    return {
+        "D": _mean_se(d_end),
+        "C": _mean_se(c_end),
+        "curvatures": [float(q.mean()) for q in q_end] + [0.0],
+        "ratio": ce / ((k - 1) * de) if de != 0 else None,
+        "deviation_norms": [float(d.norm()) for d in dev_end] + [0.0],
+        "cosines": cos_end,
+        "mean_cosine": _mean_offdiag(cos_end),
     }
 
 
@@ -371,14 +397,19 @@ def loss_plane(
         "cost": {"plane": grid_record},
     }
     if cross:
-        before = score.count, score.cpu
-        result["e11"] = cross_terms(thetas, score, member_losses=member, merge_loss=merged)
-        result["cost"]["e11"] = {
-            "evaluations": score.count - before[0],
-            "cpu_seconds": round(score.cpu - before[1], 3),
-        }
+        result["e11"], result["cost"]["e11"] = _costed_cross_terms(thetas, score, member, merged)
     result["cost"]["total"] = score.record()
     return result
+
+
+def _costed_cross_terms(
+    thetas: list[torch.Tensor], score: _Scorer, member: list[np.ndarray], merged: np.ndarray
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``cross_terms`` of the window and what its extra evaluations cost."""
+    before = score.count, score.cpu
+    terms = cross_terms(thetas, score, member_losses=member, merge_loss=merged)
+    cost = {"evaluations": score.count - before[0], "cpu_seconds": round(score.cpu - before[1], 3)}
+    return terms, cost
 
 
 def _anchors(k: int, anchors: tuple[int, int, int] | None) -> tuple[int, int, int]:
