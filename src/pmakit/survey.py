@@ -7,7 +7,7 @@ import os
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pmakit.errors import PmakitError
 from pmakit.layouts import open_weights
@@ -20,6 +20,9 @@ from pmakit.snapshot import (
     sort_snapshots,
 )
 from pmakit.units import format_bytes, format_tokens
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 
 def _rows(
@@ -140,33 +143,13 @@ def render(report: dict[str, Any], *, show_all: bool = False) -> None:
     """Print the report: a summary line, then the snapshots the default merge takes (``show_all``: every one),
     named relative to their run directory so the table fits 80 columns."""
     from rich.console import Console
-    from rich.table import Table
 
     console = Console()
     rows = report["snapshots"]
     console.print(_summary(rows), highlight=False)
     window = set(report.get("merge", {}).get("snapshots", []))
     shown = rows if show_all or not window else [r for r in rows if r["path"] in window or not r["complete"]]
-    paths = [r["path"] for r in rows] or ["."]
-    base = os.path.commonpath(paths) if len(paths) > 1 else str(Path(paths[0]).parent)
-    title = (
-        "snapshots" if shown is rows else f"the default merge's {len(window)} snapshots (--all: every one)"
-    )
-    table = Table(title=f"{title}, in {base}", title_justify="left")
-    for col in ("snapshot", "layout", "step", "tokens", "lr", "loss", "size"):
-        table.add_column(col, justify="left" if col in ("snapshot", "layout") else "right", no_wrap=True)
-    for row in shown:
-        if row["complete"]:  # incomplete ones are listed with their reason below
-            table.add_row(
-                os.path.relpath(row["path"], base),
-                row["layout"],
-                _s(row["step"]),
-                format_tokens(row["tokens"]),
-                _g(row["lr"]),
-                _g(row["loss"]),
-                format_bytes(row["bytes"]),
-            )
-    console.print(table)
+    console.print(_snapshot_table(rows, shown, window))
     for row in report["snapshots"]:
         if not row["complete"]:
             console.print(f"[yellow]incomplete:[/yellow] {row['reason']}", highlight=False)
@@ -200,6 +183,32 @@ def render(report: dict[str, Any], *, show_all: bool = False) -> None:
             f"{format_bytes(merge['memory_bytes'])} of work memory",
             highlight=False,
         )
+
+
+def _snapshot_table(rows: list[dict[str, Any]], shown: list[dict[str, Any]], window: set[str]) -> Table:
+    """The complete snapshots of ``shown``, named relative to the run directory they share."""
+    from rich.table import Table
+
+    paths = [r["path"] for r in rows] or ["."]
+    base = os.path.commonpath(paths) if len(paths) > 1 else str(Path(paths[0]).parent)
+    title = (
+        "snapshots" if shown is rows else f"the default merge's {len(window)} snapshots (--all: every one)"
+    )
+    table = Table(title=f"{title}, in {base}", title_justify="left")
+    for col in ("snapshot", "layout", "step", "tokens", "lr", "loss", "size"):
+        table.add_column(col, justify="left" if col in ("snapshot", "layout") else "right", no_wrap=True)
+    for row in shown:
+        if row["complete"]:  # incomplete ones are listed with their reason below
+            table.add_row(
+                os.path.relpath(row["path"], base),
+                row["layout"],
+                _s(row["step"]),
+                format_tokens(row["tokens"]),
+                _g(row["lr"]),
+                _g(row["loss"]),
+                format_bytes(row["bytes"]),
+            )
+    return table
 
 
 def _s(x: Any) -> str:
