@@ -791,21 +791,7 @@ class SpikeRecovery(Callback):
         """
         cfg = self.config
         done = int(getattr(trainer.state, "recoveries", len(self.events)))
-        trainer.metrics.write(
-            {
-                "kind": "event",
-                "event": "spike",
-                "tokens": trainer.tokens,
-                "step": trainer.step,
-                **spike.to_dict(),
-            }
-        )
-        log.warning("%s", spike.describe())
-        if done >= cfg.max_recoveries:
-            raise StopTraining(
-                f"{spike.describe()}; {done} recoveries already (max_recoveries={cfg.max_recoveries}): the run "
-                "does not stay on track at this learning rate; lower it, or allow more recoveries"
-            )
+        self._record_spike(trainer, spike, done)
         trainer.saver.wait()  # snapshots in flight must be complete (or failed) before choosing among them
         from pmakit.snapshot import discover
 
@@ -849,6 +835,25 @@ class SpikeRecovery(Callback):
             cfg.optimizer,
         )
         return reason
+
+    def _record_spike(self, trainer: Any, spike: Spike, done: int) -> None:
+        """The spike as an event in the run's metrics and a warning; past ``max_recoveries`` the run stops."""
+        cfg = self.config
+        trainer.metrics.write(
+            {
+                "kind": "event",
+                "event": "spike",
+                "tokens": trainer.tokens,
+                "step": trainer.step,
+                **spike.to_dict(),
+            }
+        )
+        log.warning("%s", spike.describe())
+        if done >= cfg.max_recoveries:
+            raise StopTraining(
+                f"{spike.describe()}; {done} recoveries already (max_recoveries={cfg.max_recoveries}): the run "
+                "does not stay on track at this learning rate; lower it, or allow more recoveries"
+            )
 
     def _optimizer_for(
         self, trainer: Any, before: int, snapshots: Sequence[Snapshot]
