@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from itertools import product
@@ -241,21 +242,20 @@ def fit(points: Sequence[Point], *, bootstrap: int = 400, seed: int = 0, delta: 
     law, value = fit_law(points, delta=delta)
     log_n, log_d, log_l = _logs(points)
     rng = np.random.default_rng(seed)
-    samples: list[list[float]] = []
+    jobs: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]] = []
     failed = 0
     for _ in range(bootstrap):
         idx = rng.integers(0, len(points), len(points))
         if len(set(log_n[idx])) < 2 or len(set(log_d[idx])) < 2:
             failed += 1  # a resample with one size (or one budget) cannot identify the law
             continue
-        n_, d_, l_ = log_n[idx], log_d[idx], log_l[idx]
-        starts = [_theta(law), *_grid_starts(n_, d_, l_, 1, delta)]
-        best = _minimise(starts, n_, d_, l_, delta)
-        if best is None:
+        jobs.append((_theta(law), log_n[idx], log_d[idx], log_l[idx], delta))
+    samples: list[list[float]] = []
+    for refit in _map_refits(jobs):
+        if refit is None:
             failed += 1
-            continue
-        s = Law.from_theta(best[0])
-        samples.append([s.E, s.A, s.B, s.alpha, s.beta])
+        else:
+            samples.append(refit)
     arr = np.asarray(samples) if samples else np.full((1, 5), np.nan)
     lo, hi = np.percentile(arr, [2.5, 97.5], axis=0)
     residual = np.log(law(np.exp(log_n), np.exp(log_d))) - log_l
@@ -271,6 +271,41 @@ def fit(points: Sequence[Point], *, bootstrap: int = 400, seed: int = 0, delta: 
         samples=samples,
         at_bound=_at_bound(_theta(law)),
     )
+
+
+def _refit(job: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]) -> list[float] | None:
+    """One bootstrap refit: (E, A, B, alpha, beta), or None when no start converged."""
+    theta, n_, d_, l_, delta = job
+    best = _minimise([theta, *_grid_starts(n_, d_, l_, 1, delta)], n_, d_, l_, delta)
+    if best is None:
+        return None
+    s = Law.from_theta(best[0])
+    return [s.E, s.A, s.B, s.alpha, s.beta]
+
+
+def _map_refits(jobs: Sequence[Any]) -> list[list[float] | None]:
+    """The refits in order, over the machine's cores: each is a small single-threaded L-BFGS-B (BLAS threads only
+    spin on its 5x5 products, so every worker runs with one), and the order keeps the numbers the serial ones."""
+    workers = min(4, os.cpu_count() or 1)
+    if workers < 2 or len(jobs) < 64:
+        return [_refit(job) for job in jobs]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    single = {k: "1" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+    saved = {k: os.environ.get(k) for k in single}
+    os.environ.update(
+        single
+    )  # read by the workers' numpy at import (spawned, so nothing of this process is forked)
+    try:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return list(pool.map(_refit, jobs, chunksize=max(1, len(jobs) // (4 * workers))))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _at_bound(theta: np.ndarray) -> list[str]:
