@@ -34,7 +34,14 @@ import torch
 from torch import nn
 
 from pmakit.errors import PmakitError
-from pmakit.train.replicas import ReplicaConfig, SingleCopy
+from pmakit.train.replicas import (
+    ReplicaConfig,
+    SingleCopy,
+    check_sync_interval,
+    load_outer,
+    outer_optimizer,
+    outer_state,
+)
 
 log = logging.getLogger(__name__)
 
@@ -95,14 +102,7 @@ class FaultTolerantCopies(SingleCopy):
     def attach(self, model: nn.Module) -> None:
         """Keep the model; every copy starts from the same seeded weights (and torchft syncs step 0 anyway)."""
         self._model = model
-        if self.config.outer != "average":
-            self._global = [p.detach().clone() for p in _params(model)]
-            self._outer = torch.optim.SGD(
-                self._global,
-                lr=self.config.outer_lr,
-                momentum=self.config.outer_momentum,
-                nesterov=self.config.outer == "nesterov",
-            )
+        self._global, self._outer = outer_optimizer(self.config, _params(model))
 
     def join(self, trainer: Any) -> None:
         """Join the other copies: start the Manager and take part in their next sync, healing if behind."""
@@ -219,10 +219,7 @@ class FaultTolerantCopies(SingleCopy):
             "synced": list(self._synced),
             "all_reduces": self.all_reduces,
         }
-        if self._outer is not None:
-            state["global"] = [g.detach().clone() for g in self._global]
-            state["outer"] = self._outer.state_dict()
-        return state
+        return {**state, **outer_state(self._global, self._outer)}
 
     def _load(self, state: dict[str, Any]) -> None:
         trainer = self._trainer
@@ -233,11 +230,7 @@ class FaultTolerantCopies(SingleCopy):
         )
         self._synced = (int(state["synced"][0]), int(state["synced"][1]))
         self.all_reduces = int(state["all_reduces"])
-        if self._outer is not None:
-            with torch.no_grad():
-                for g, saved in zip(self._global, state["global"]):
-                    g.copy_(saved)
-            self._outer.load_state_dict(state["outer"])
+        load_outer(self._global, self._outer, state)
         self._healed = True
         if trainer.step == 0:
             return  # the first quorum of a fresh start: every copy takes copy 0's (identical) weights
@@ -259,10 +252,7 @@ class FaultTolerantCopies(SingleCopy):
             "size": self.replicas,
             "backend": "torchft",
         }
-        if self._outer is not None:
-            state["global"] = [g.detach().clone() for g in self._global]
-            state["outer"] = self._outer.state_dict()
-        return state
+        return {**state, **outer_state(self._global, self._outer)}
 
     def load_state_dict(self, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
         if state.get("size") != self.replicas or state.get("label") != self.config.label:
@@ -274,20 +264,10 @@ class FaultTolerantCopies(SingleCopy):
         copies = state.get("copies") or []
         if copies:
             optimizer.load_state_dict(copies[0]["optimizer"])
-        if self._outer is not None and "outer" in state:
-            with torch.no_grad():
-                for g, saved in zip(self._global, state["global"]):
-                    g.copy_(saved)
-            self._outer.load_state_dict(state["outer"])
+        load_outer(self._global, self._outer, state)
 
     def check_interval(self, every_tokens: int, tokens_per_step: int) -> None:
-        per_sync = self.config.sync_every * tokens_per_step * self.replicas
-        if every_tokens % per_sync:
-            raise PmakitError(
-                f"snapshot and checkpoint intervals ({every_tokens:,} tokens) must be multiples of the tokens between "
-                f"syncs ({per_sync:,} = sync_every {self.config.sync_every} x {self.replicas} copies x "
-                f"{tokens_per_step:,} tokens per step), so that every snapshot is of the synced model"
-            )
+        check_sync_interval(self.config, self.replicas, every_tokens, tokens_per_step)
 
 
 def _params(model: nn.Module) -> list[nn.Parameter]:

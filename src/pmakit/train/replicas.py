@@ -152,14 +152,8 @@ class Replicas(SingleCopy):
                 dist.broadcast(
                     p.data, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group
                 )
-        if self.config.sync == "weights" and self.config.outer != "average":
-            self._global = [p.detach().clone() for p in _params(model)]
-            self._outer = torch.optim.SGD(
-                self._global,
-                lr=self.config.outer_lr,
-                momentum=self.config.outer_momentum,
-                nesterov=self.config.outer == "nesterov",
-            )
+        if self.config.sync == "weights":
+            self._global, self._outer = outer_optimizer(self.config, _params(model))
 
     def reduce_gradients(self, model: nn.Module) -> None:
         if self.config.sync != "gradients":
@@ -221,10 +215,7 @@ class Replicas(SingleCopy):
             "label": self.config.label,
             "size": self.size,
         }
-        if self._outer is not None:
-            state["global"] = [g.detach().clone() for g in self._global]
-            state["outer"] = self._outer.state_dict()
-        return state
+        return {**state, **outer_state(self._global, self._outer)}
 
     def load_state_dict(self, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
         if state.get("size") != self.size or state.get("label") != self.config.label:
@@ -236,26 +227,58 @@ class Replicas(SingleCopy):
         copies = state.get("copies") or []
         if len(copies) == self.size:
             optimizer.load_state_dict(copies[self.rank]["optimizer"])
-        if self._outer is not None and "outer" in state:
-            with torch.no_grad():
-                for g, saved in zip(self._global, state["global"]):
-                    g.copy_(saved)
-            self._outer.load_state_dict(state["outer"])
+        load_outer(self._global, self._outer, state)
 
     def check_interval(self, every_tokens: int, tokens_per_step: int) -> None:
-        if self.config.sync != "weights":
-            return
-        per_sync = self.config.sync_every * tokens_per_step * self.size
-        if every_tokens % per_sync:
-            raise PmakitError(
-                f"snapshot and checkpoint intervals ({every_tokens:,} tokens) must be multiples of the tokens between syncs ({per_sync:,} = "
-                f"sync_every {self.config.sync_every} x {self.size} copies x {tokens_per_step:,} tokens per step), "
-                "so that every snapshot is of the synced model"
-            )
+        if self.config.sync == "weights":
+            check_sync_interval(self.config, self.size, every_tokens, tokens_per_step)
 
 
 def _params(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def outer_optimizer(
+    config: ReplicaConfig, params: list[nn.Parameter]
+) -> tuple[list[torch.Tensor], torch.optim.Optimizer | None]:
+    """DiLoCo's global weights and their outer SGD (Nesterov for ``nesterov``); none for local SGD."""
+    if config.outer == "average":
+        return [], None
+    weights = [p.detach().clone() for p in params]
+    outer = torch.optim.SGD(
+        weights, lr=config.outer_lr, momentum=config.outer_momentum, nesterov=config.outer == "nesterov"
+    )
+    return weights, outer
+
+
+def outer_state(weights: list[torch.Tensor], outer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """The checkpoint entries of ``outer_optimizer``'s state (none for local SGD)."""
+    if outer is None:
+        return {}
+    return {"global": [g.detach().clone() for g in weights], "outer": outer.state_dict()}
+
+
+def load_outer(
+    weights: list[torch.Tensor], outer: torch.optim.Optimizer | None, state: dict[str, Any]
+) -> None:
+    """Restore what ``outer_state`` saved."""
+    if outer is None or "outer" not in state:
+        return
+    with torch.no_grad():
+        for g, saved in zip(weights, state["global"]):
+            g.copy_(saved)
+    outer.load_state_dict(state["outer"])
+
+
+def check_sync_interval(config: ReplicaConfig, copies: int, every_tokens: int, tokens_per_step: int) -> None:
+    """Snapshot and checkpoint intervals must fall on syncs, so that every snapshot is of the synced model."""
+    per_sync = config.sync_every * tokens_per_step * copies
+    if every_tokens % per_sync:
+        raise PmakitError(
+            f"snapshot and checkpoint intervals ({every_tokens:,} tokens) must be multiples of the tokens between syncs ({per_sync:,} = "
+            f"sync_every {config.sync_every} x {copies} copies x {tokens_per_step:,} tokens per step), "
+            "so that every snapshot is of the synced model"
+        )
 
 
 def from_env(config: ReplicaConfig | None) -> SingleCopy:
