@@ -44,8 +44,10 @@ $(VENV)/.chromium: | $(VENV)/.torch
 demo: install
 	$(VENV)/bin/pmakit experiment -o runs/demo
 
+# Both cores: pytest-xdist, with the tests that share a session- or module-scoped fixture (a framework's training
+# run, the study's smoke run) kept on one worker (tests/conftest.py gives them an xdist_group).
 test: $(VENV)/.installed-test $(VENV)/.chromium
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=25
 
 check: install
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -122,3 +122,48 @@ def scaling_smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     proc = run_cli("experiment", "--preset", "scaling-smoke", "-o", run, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run, proc.stdout
+
+
+# --- Running the suite on both cores (pytest-xdist, `make test` passes -n 2 --dist loadgroup) -------------------
+# A session- or module-scoped fixture here builds something slow once (a study run, a framework's checkpoints). Tests
+# that share one must run in the same worker, or each worker builds it again. Every test gets the xdist_group of the
+# shared fixtures it needs, joined across tests (union-find), so whole families land in one worker and the rest of
+# the suite is spread test by test.
+_TESTS = Path(__file__).resolve().parent
+
+
+def _shared_fixtures(item: pytest.Item) -> list[str]:
+    info = getattr(item, "_fixtureinfo", None)
+    keys = []
+    for name, defs in info.name2fixturedefs.items() if info else ():
+        fixture = defs[-1]
+        if fixture.scope not in ("session", "module"):
+            continue
+        try:
+            source = Path(sys.modules[fixture.func.__module__].__file__ or "").resolve()
+        except (KeyError, TypeError):
+            continue
+        if _TESTS not in source.parents:  # pytest's own (tmp_path_factory, ...)
+            continue
+        keys.append(name if fixture.scope == "session" else f"{item.module.__name__}::{name}")  # type: ignore[attr-defined]
+    # Fixtures a test takes with request.getfixturevalue, named by @pytest.mark.shares(...)
+    keys += [name for mark in item.iter_markers("shares") for name in mark.args]
+    return keys
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    parent: dict[str, str] = {}
+
+    def root(key: str) -> str:
+        while parent.setdefault(key, key) != key:
+            key = parent[key]
+        return key
+
+    shared = {item.nodeid: _shared_fixtures(item) for item in items}
+    for keys in shared.values():
+        for other in keys[1:]:
+            parent[root(other)] = root(keys[0])
+    for item in items:
+        if shared[item.nodeid]:
+            item.add_marker(pytest.mark.xdist_group(root(shared[item.nodeid][0]).replace("::", ".")))

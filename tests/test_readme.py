@@ -342,6 +342,7 @@ def _blocks_to_run() -> list[Block]:
     return [b for b in readme_blocks() if b.key in RECIPES and RECIPES[b.key].skip is None]
 
 
+@pytest.mark.shares("smoke_experiment", "scaling_smoke")
 @pytest.mark.parametrize("block", _blocks_to_run(), ids=lambda b: f"line{b.line}")
 def test_readme_example_runs_as_written(block: Block, scratch: Path, request: pytest.FixtureRequest) -> None:
     recipe = RECIPES[block.key]

@@ -121,6 +121,42 @@ def test_rollback_and_stop(corpus_dir: Path, tmp_path: Path) -> None:
     assert trainer.lr_at(1600) == pytest.approx(trainer.schedule(1600))
 
 
+def test_bf16_autocast_trains_in_bf16_and_keeps_weights_snapshots_and_evals_fp32(
+    corpus_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[torch.dtype] = []
+    original = torch.nn.functional.linear
+
+    def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        out = original(x, w, b)
+        seen.append(out.dtype)
+        return out
+
+    monkeypatch.setattr(torch.nn.functional, "linear", linear)
+    fp32 = Trainer(tiny(corpus_dir, total_tokens=128 * 6, eval_every=0), tmp_path / "a").fit()
+    fp32.close()
+    assert set(seen) == {torch.float32}
+    seen.clear()
+    bf16 = Trainer(
+        tiny(corpus_dir, total_tokens=128 * 6, eval_every=0, precision="bf16"), tmp_path / "b"
+    ).fit()
+    bf16.close()
+    assert set(seen) == {torch.bfloat16}  # the step's matmuls ran in bf16
+    assert all(p.dtype == torch.float32 for p in bf16.model.parameters())
+    from safetensors.torch import load_file  # snapshots hold the fp32 master weights, not bf16 copies
+
+    snap = load_file(discover(tmp_path / "b")[-1].path / "model.safetensors")
+    assert {v.dtype for v in snap.values()} == {torch.float32}
+    # Not the same trajectory, but the same training: the losses stay close after 6 steps.
+    a, b = ([r for r in read_metrics(tmp_path / d) if r["kind"] == "train"][-1]["loss"] for d in ("a", "b"))
+    assert abs(a - b) < 0.1 * a
+    seen.clear()
+    from pmakit.evaluate import evaluate
+
+    evaluate(bf16.model, [(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))])
+    assert set(seen) == {torch.float32}  # evaluation is outside the autocast
+
+
 def test_bad_config_is_one_error(corpus_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(PmakitError, match="multiple of the tokens per step"):
         tiny(corpus_dir, every_tokens=100)
@@ -128,6 +164,8 @@ def test_bad_config_is_one_error(corpus_dir: Path, tmp_path: Path) -> None:
         TrainConfig.from_dict({"lr_max": 1})
     with pytest.raises(PmakitError, match="unknown train.model config keys: hiden; known: heads, hidden"):
         TrainConfig.from_dict({"model": {"hiden": 32}})
+    with pytest.raises(PmakitError, match="unknown precision 'fp16'; use fp32 or bf16"):
+        tiny(corpus_dir, precision="fp16")
     # The averaging hook reads the window back from disk: the trainer may not delete it first.
     with pytest.raises(PmakitError, match="keep_last=2 < last=3"):
         Trainer(tiny(corpus_dir, keep_last=2), tmp_path / "run")

@@ -142,6 +142,36 @@ def test_tune_record_is_complete_and_the_merge_loads(
     assert json.loads((out / "pmakit-merge.json").read_text())["method"] == "tune"
 
 
+def test_the_search_starts_from_the_baselines_the_hints_and_an_sma_lattice(tiny: dict[str, Path]) -> None:
+    """Fixed first trials (up to half the budget), then TPE; a primed score is reused, never recomputed."""
+    from pmakit.evaluate import EvalResult
+
+    config = TuneConfig(budget_evals=12, seed=0)
+    space = tune_mod.Space.of(tune_mod._run_snapshots(tiny["run"]), config)
+    evaluated: list[tuple[Any, ...]] = []
+
+    def fake(candidate: tune_mod.Candidate, split: str) -> EvalResult:
+        evaluated.append(candidate.key)
+        loss = 1.0 + abs(len(candidate.snapshots) - 6) / 10  # smooth in N, so TPE has a slope to follow
+        return EvalResult(loss, 0.1, None, [loss, loss])
+
+    scorer = tune_mod.Scorer(fake)
+    sma = {"end_back": 0, "v_mult": 1, "family": "sma"}
+    primed = space.candidate({**sma, "n": 4})
+    scorer.prime(primed, "selection", EvalResult(0.5, 0.1, None, [0.5, 0.5]))  # as if the grid had scored it
+    hint = {"end_back": 1, "v_mult": 1, "n": 3, "family": "wma"}
+    trials = tune_mod.search(space, scorer, config, [hint])
+
+    assert len(trials) == 12
+    lattice = space.lattice()
+    assert lattice[:3] == [{**sma, "n": 2}, {**sma, "n": 4}, {**sma, "n": 8}]  # N doubling, at every V
+    assert all(len(space.window(0, p["n"], p["v_mult"])) == p["n"] for p in lattice)  # whole windows only
+    assert [t["params"] for t in trials[:6]] == [{**sma, "n": 1}, {**sma, "n": 10}, hint, *lattice[:3]]
+    assert primed.key not in evaluated  # the primed score was used as is
+    assert len(evaluated) == scorer.evaluations["selection"] == len(set(evaluated))  # each candidate once
+    assert tune_mod.chosen_candidate(space, trials).key == primed.key  # the lowest selection loss wins
+
+
 def test_the_choice_ignores_the_test_split(
     tiny: dict[str, Path], cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -253,6 +283,9 @@ def test_experiment_headline_chosen_on_selection_reported_on_test(smoke_experime
         assert test["fixed"]["method"] == "sma" and test["fixed"]["n"] == 10
         assert test["fixed"]["v_tokens"] == exp["base_every_tokens"]
         assert test["tuned"]["tune"]["trials"] == exp["config"]["experiment"]["tune_evals"]
+        # the search starts from the grid's best cells (their scores reused): it never picks worse on selection
+        assert test["tuned"]["tune"]["selection_loss"] <= chosen["val_loss"]
+        assert test["tuned"]["tune"]["evaluations"] < test["tuned"]["tune"]["trials"]
         latest = test["latest"]["batch_losses"]
         assert len(latest) == exp["heldout"]["batches"]["test"]
         for role in ("best", "fixed", "tuned"):

@@ -28,7 +28,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -56,6 +56,9 @@ from pmakit.snapshot import Snapshot, discover
 from pmakit.train.loop import TrainConfig, Trainer
 from pmakit.units import format_tokens
 from pmakit.weights import get_weights
+
+if TYPE_CHECKING:
+    from pmakit.lab.tune import Scorer, Space
 
 FIXED_N = 10
 """N of the fixed recipe row (the paper's default SMA at the configured V): no selection at all."""
@@ -440,6 +443,37 @@ class _Grid:
         with swapped(self.trainer.model, state):
             return evaluate(self.trainer.model, self._batches(split), bytes_per_token=self.bytes_per_token)
 
+    def _grid_cells(self, item: Mapping[str, Any], space: Space, scorer: Scorer) -> list[dict[str, Any]]:
+        """The fork's grid merges as the tuner's parameters, best first on the selection split, each primed into
+        the scorer with its measured score (the same batches), so the search starts from the grid at no cost."""
+        from pmakit.lab.tune import EMA_FAMILIES
+
+        rows = [
+            r
+            for r in self.rows
+            if r["model"] == "merged"
+            and r["split"] == "selection"
+            and r["fork_tokens"] == item["fork_tokens"]
+            and r["method"] in space.config.families
+            and r.get("batch_losses")
+            and space.interval
+            and r["v_tokens"] % space.interval == 0
+        ]
+        cells = []
+        for r in sorted(rows, key=lambda r: r["val_loss"]):
+            params = {
+                "end_back": 0,
+                "v_mult": r["v_tokens"] // space.interval,
+                "n": r["n"],
+                "family": r["method"],
+            }
+            if r["method"] in EMA_FAMILIES:
+                params["alpha"] = r.get("alpha") or 0.2
+            result = EvalResult(r["val_loss"], r["val_loss_se"], r.get("bpb"), list(r["batch_losses"]))
+            scorer.prime(space.candidate(params), "selection", result)
+            cells.append(params)
+        return cells
+
     def _tune(self, item: Mapping[str, Any]) -> tuple[list[Snapshot], list[float], dict[str, Any]]:
         """``pmakit tune``'s search over the snapshots up to the fork's end, scored on the selection split."""
         from pmakit.lab.tune import Scorer, Space, TuneConfig, chosen_candidate, search, spectrum_hint
@@ -448,14 +482,15 @@ class _Grid:
         config = TuneConfig(
             budget_evals=exp.tune_evals,
             seed=self.study.train.seed,
-            max_n=max((*exp.ns, FIXED_N)),
+            max_n=2 * max((*exp.ns, FIXED_N)),  # room past the grid's edge
             v_multiples=tuple(sorted({1, *exp.v_multiples})),
         )
         pool = [s for t, s in sorted(self.snapshots.items()) if t <= item["tokens"]]
         space = Space.of(pool, config)
         scorer = Scorer(lambda c, split: self._score(self._average(c.snapshots, c.weights), split))
         hint = spectrum_hint(pool, config)  # the same first guess as `pmakit tune`
-        trials = search(space, scorer, config, [hint["params"]] if hint else [])
+        grid = self._grid_cells(item, space, scorer)
+        trials = search(space, scorer, config, [*grid[:5], *([hint["params"]] if hint else [])])
         c = chosen_candidate(space, trials)
         chosen, p = list(c.snapshots), c.params
         alpha = f"({p['alpha']:.2g})" if p.get("alpha") else ""
@@ -473,6 +508,7 @@ class _Grid:
             "tune": {
                 **c.record(),
                 "trials": len(trials),
+                "evaluations": scorer.evaluations["selection"],  # the rest were the grid's, reused
                 "selection_loss": min(t["selection_loss"] for t in trials),
             },
         }

@@ -169,6 +169,20 @@ class Space:
         fixed = {"end_back": 0, "n": FIXED_N, "v_mult": 1, "family": "sma"}
         return {"last": self.candidate(last), "fixed": self.candidate(fixed)}
 
+    def lattice(self) -> list[dict[str, Any]]:
+        """A coarse SMA grid ending at the newest snapshot (N doubling up to ``max_n``, every V multiple): the
+        search's start, so TPE refines from the shape of the loss over N and V instead of from random draws."""
+        cfg = self.config
+        if "sma" not in cfg.families:
+            return []
+        ns = sorted({*(2**k for k in range(1, cfg.max_n.bit_length()) if 2**k <= cfg.max_n), cfg.max_n} - {1})
+        return [
+            {"end_back": 0, "v_mult": v, "n": n, "family": "sma"}
+            for v in cfg.v_multiples
+            for n in ns
+            if len(self.window(0, n, v)) == n  # a window cut short would repeat a smaller one
+        ]
+
     def suggest(self, trial: Any) -> Candidate:
         """The trial's candidate; conditional parameters (alpha, free weights) only where they mean something."""
         cfg = self.config
@@ -197,6 +211,10 @@ class Scorer:
         self._evaluate = evaluate_state
         self._cache: dict[tuple[Any, ...], EvalResult] = {}
         self.evaluations = {split: 0 for split in SPLITS}
+
+    def prime(self, candidate: Candidate, split: str, result: EvalResult) -> None:
+        """Record a score already measured on the same batches (the experiment's grid), so it is not recomputed."""
+        self._cache.setdefault((split, *candidate.key), result)
 
     def __call__(self, candidate: Candidate, split: str) -> EvalResult:
         key = (split, *candidate.key)
@@ -436,21 +454,27 @@ def _check_memory(snapshots: Sequence[Snapshot]) -> None:
 def search(
     space: Space, scorer: Scorer, config: TuneConfig, hints: Sequence[Mapping[str, Any]] = ()
 ) -> list[dict[str, Any]]:
-    """Run the TPE study on the selection split; every trial's record, in order. ``hints`` are parameter sets
-    tried right after the baselines (e.g. the window the trajectory's spectrum suggests)."""
+    """Run the TPE study on the selection split; every trial's record, in order.
+
+    The first trials are fixed: both baselines (so what the search returns is never worse than them on selection),
+    the ``hints`` (the window the trajectory's spectrum suggests, the experiment's best grid cells) and then the
+    coarse SMA ``lattice``, up to half the trial budget; TPE samples from there on."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     startup = max(2, min(10, (config.budget_evals or 40) // 3))
     sampler = optuna.samplers.TPESampler(seed=config.seed, n_startup_trials=startup)
     study = optuna.create_study(direction="minimize", sampler=sampler)
+    first: list[dict[str, Any]] = []
     if 1 in config.v_multiples and "sma" in config.families:
-        # The search starts from both baselines, so what it returns is never worse than them on selection.
         for base in space.baselines().values():
             n = min(base.params["n"], config.max_n)
-            study.enqueue_trial({"end_back": 0, "v_mult": 1, "n": n, "family": "sma"}, skip_if_exists=True)
-    for hint in hints:
-        study.enqueue_trial(dict(hint), skip_if_exists=True)
+            first.append({"end_back": 0, "v_mult": 1, "n": n, "family": "sma"})
+    first += [dict(h) for h in hints]
+    room = max(len(first), (config.budget_evals or 10**9) // 2)
+    first += space.lattice()
+    for params in [p for i, p in enumerate(first) if p not in first[:i]][:room]:
+        study.enqueue_trial(params)
     records: list[dict[str, Any]] = []
 
     def objective(trial: Any) -> float:
