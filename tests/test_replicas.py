@@ -23,6 +23,7 @@ train:
   total_tokens: TOTAL
   lr: 0.05
   optimizer: OPT
+  precision: fp32            # the identities below are exact in fp32 (bf16 rounding would part the two ways)
   warmup_tokens: 0
   grad_clip: 0
   every_tokens: 1280

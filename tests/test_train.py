@@ -155,6 +155,13 @@ def test_bf16_autocast_trains_in_bf16_and_keeps_weights_snapshots_and_evals_fp32
 
     evaluate(bf16.model, [(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))])
     assert set(seen) == {torch.float32}  # evaluation is outside the autocast
+    from pmakit.evaluate import native_bf16
+
+    auto = Trainer(tiny(corpus_dir, total_tokens=128 * 6, eval_every=0, precision="auto"), tmp_path / "c")
+    assert auto.bf16 == native_bf16() and auto.describe()["precision"] == (
+        "bf16 autocast" if auto.bf16 else "fp32"
+    )
+    auto.close()
 
 
 def test_bad_config_is_one_error(corpus_dir: Path, tmp_path: Path) -> None:
@@ -164,7 +171,7 @@ def test_bad_config_is_one_error(corpus_dir: Path, tmp_path: Path) -> None:
         TrainConfig.from_dict({"lr_max": 1})
     with pytest.raises(PmakitError, match="unknown train.model config keys: hiden; known: heads, hidden"):
         TrainConfig.from_dict({"model": {"hiden": 32}})
-    with pytest.raises(PmakitError, match="unknown precision 'fp16'; use fp32 or bf16"):
+    with pytest.raises(PmakitError, match="unknown precision 'fp16'; use fp32, bf16 or auto"):
         tiny(corpus_dir, precision="fp16")
     # The averaging hook reads the window back from disk: the trainer may not delete it first.
     with pytest.raises(PmakitError, match="keep_last=2 < last=3"):

@@ -192,7 +192,7 @@ def run_pma_study(
     main = Trainer(cfg, run_dir / MAIN_RUN, corpus=corpus, progress=progress)
     _log_phase(
         f"constant-LR run to {format_tokens(cfg.total_tokens)} tokens "
-        f"({main.describe()['parameters'] / 1e6:.2f}M parameters)",
+        f"({main.describe()['parameters'] / 1e6:.2f}M parameters, {main.describe()['precision']})",
         main.tokens,
         cfg.total_tokens,
     )

@@ -8,7 +8,7 @@ chosen by a computed z-score, never written in advance.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -560,10 +560,27 @@ def _headline_merge(info: Any, run_dir: Path) -> list[Block]:
     return [Paragraph(f"Merged model written by the experiment{label}: `{shown.as_posix()}`.")]
 
 
-def compute_blocks(experiment: dict[str, Any]) -> list[Block]:
+def _tune_records(run_dir: Path) -> list[dict[str, Any]]:
+    """results.jsonl's tuned rows (their ``tune`` record: trials, evaluations), [] without the file."""
+    path = run_dir / "results.jsonl"
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("tune"), dict):
+            records.append(record)
+    return records
+
+
+def compute_blocks(experiment: dict[str, Any], records: Sequence[Mapping[str, Any]] = ()) -> list[Block]:
     """What each way to the annealed quality costs: the anneal's extra training tokens against reading N snapshots
     and the tuner's forward-only evaluations, in training-token equivalents (a forward pass is about a third of a
-    training step's compute, 2N vs 6N FLOPs per token)."""
+    training step's compute, 2N vs 6N FLOPs per token). ``records``: results.jsonl's records; a tuned row's
+    ``tune.evaluations`` (trials the grid had not already scored) is what the search cost, else every trial."""
     forks = [f for f in experiment.get("forks") or [] if isinstance(f, dict)]
     config = experiment.get("config") or {}
     train, exp = config.get("train") or {}, config.get("experiment") or {}
@@ -576,20 +593,26 @@ def compute_blocks(experiment: dict[str, Any]) -> list[Block]:
     per_eval = _product(batches, train.get("batch_size"), seq)
     if not forks or not params or per_eval is None:
         return []
-    trials = int(exp.get("tune_evals") or 0)
-    rows = []
+    budget = int(exp.get("tune_evals") or 0)
+    tuned = {r.get("fork_tokens"): r["tune"] for r in records if isinstance(r.get("tune"), dict)}
+    table = []
     for i, f in enumerate(forks, start=1):
         d, e = f.get("anneal_tokens"), f.get("eval_tokens")
         if not isinstance(d, int) or not isinstance(e, int) or d <= 0:
             continue
-        tuner = trials * per_eval / 3  # forward-only tokens, in training-token equivalents
-        rows.append(
+        record = tuned.get(f.get("fork_tokens"), {})
+        trials = int(record.get("trials") or budget)
+        evals = int(record.get("evaluations", trials))
+        tuner = evals * per_eval / 3  # forward-only tokens, in training-token equivalents
+        reused = f" ({trials - evals} of {trials} trials reused the grid's scores)" if evals < trials else ""
+        table.append(
             [
                 f"F{i}",
                 fmt.tokens(d),
                 f"{100 * d / e:.1f}%",
                 f"{10 * params * 4 / 1e6:.1f} MB",
-                f"{trials} x {fmt.tokens(per_eval)} = {fmt.tokens(tuner)} ({100 * tuner / d:.0f}% of D)"
+                f"{evals} x {fmt.tokens(per_eval)} tokens / 3 = {fmt.tokens(tuner)} ({100 * tuner / d:.0f}% of D)"
+                + reused
                 if trials
                 else "–",
             ]
@@ -610,7 +633,7 @@ def compute_blocks(experiment: dict[str, Any]) -> list[Block]:
             "trials' forward-only evaluations on the selection split, counted in training-token equivalents "
             "(a forward pass is about a third of a training step)." + timing
         ),
-        Table(["fork", "anneal D", "D / run", "fixed recipe reads", "tuner evaluations"], rows, "lrrrr"),
+        Table(["fork", "anneal D", "D / run", "fixed recipe reads", "tuner evaluations"], table, "lrrrr"),
     ]
 
 
@@ -717,7 +740,7 @@ def build(
         from pmakit.report import seeds
 
         blocks += seeds.blocks(data.run_dir)
-        blocks += compute_blocks(exp)
+        blocks += compute_blocks(exp, _tune_records(data.run_dir))
     elif data.rows:
         blocks.append(Paragraph("No result row has a fork point, so there is no fork comparison.", note=True))
     if stable:

@@ -113,9 +113,9 @@ class TrainConfig:
     threads: int | None = None
     """Torch intra-op threads (default: the cores available)."""
     precision: str = "fp32"
-    """Training step's forward and backward: ``fp32``, or ``bf16`` (autocast to bfloat16 on CPU or GPU; weights,
-    optimizer state, snapshots and every evaluation stay fp32). ``bf16`` pays on CPUs with native bf16 (AVX512-BF16,
-    AMX): ``make bench-flops`` prints the step time both ways."""
+    """Training step's forward and backward: ``fp32``; ``bf16`` (autocast to bfloat16 on CPU or GPU; weights,
+    optimizer state, snapshots and every evaluation stay fp32); ``auto``: bf16 where the hardware multiplies bf16
+    natively (AVX512-BF16 or AMX CPUs, bf16 GPUs), else fp32. ``make bench-flops`` prints the step time both ways."""
 
     def __post_init__(self) -> None:
         if self.total_tokens <= 0 or self.every_tokens <= 0 or self.batch_size <= 0:
@@ -131,8 +131,8 @@ class TrainConfig:
             raise PmakitError("average_last must be at least 1")
         if self.optimizer not in ("adamw", "sgd"):
             raise PmakitError(f"unknown optimizer {self.optimizer!r}; use adamw or sgd")
-        if self.precision not in ("fp32", "bf16"):
-            raise PmakitError(f"unknown precision {self.precision!r}; use fp32 or bf16")
+        if self.precision not in ("fp32", "bf16", "auto"):
+            raise PmakitError(f"unknown precision {self.precision!r}; use fp32, bf16 or auto")
 
     @property
     def tokens_per_step(self) -> int:
@@ -186,9 +186,11 @@ class Trainer:
         progress: bool = False,
         copies: SingleCopy | None = None,
     ) -> None:
-        from pmakit.evaluate import cpu_threads
+        from pmakit.evaluate import cpu_threads, native_bf16
 
         self.config = config
+        # The training step runs under bf16 autocast (``precision``: bf16, or auto on bf16-native hardware).
+        self.bf16 = config.precision == "bf16" or (config.precision == "auto" and native_bf16())
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # Model copies (``pmakit train --replicas``): rank 0 writes the run; the others only train and log.
@@ -395,7 +397,7 @@ class Trainer:
         lr = self.lr_at(self.tokens + step_tokens)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             loss = batch_loss(self.model, x, y)
         loss.backward()
         loss_value = loss.item()
@@ -635,6 +637,7 @@ class Trainer:
             "vocab_size": self.corpus.vocab_size,
             "seq_len": self.config.model.seq_len,
             "tokens_per_step": self.config.tokens_per_step,
+            "precision": "bf16 autocast" if self.bf16 else "fp32",
         }
 
 
