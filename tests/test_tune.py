@@ -299,7 +299,10 @@ def test_experiment_headline_chosen_on_selection_reported_on_test(smoke_experime
     compute = report.split("## Compute: anneal vs merge")[1].split("\n## ")[0]
     per_eval = exp["heldout"]["batches"]["selection"] * 16 * 128  # batches x batch size x seq_len (smoke)
     trials = exp["config"]["experiment"]["tune_evals"]
-    assert f"{trials} x {format_tokens(per_eval)} = {format_tokens(trials * per_eval / 3)}" in compute
+    for record in (r["tune"] for r in rows if r.get("tune")):  # the search's cost: the evaluations it made
+        made = record["evaluations"]
+        assert f"{made} x {format_tokens(per_eval)} tokens / 3 = {format_tokens(made * per_eval / 3)}" in compute
+        assert f"({trials - made} of {trials} trials reused the grid's scores)" in compute
 
 
 def test_rows_of_an_older_run_are_set_aside_not_mixed(tmp_path: Path) -> None:
