@@ -190,9 +190,10 @@ def run_pma_study(
 
     t = time.perf_counter()
     main = Trainer(cfg, run_dir / MAIN_RUN, corpus=corpus, progress=progress)
+    model = main.describe()
     _log_phase(
         f"constant-LR run to {format_tokens(cfg.total_tokens)} tokens "
-        f"({main.describe()['parameters'] / 1e6:.2f}M parameters, {main.describe()['precision']})",
+        f"({model['parameters'] / 1e6:.2f}M parameters, {model['precision']})",
         main.tokens,
         cfg.total_tokens,
     )
