@@ -301,7 +301,9 @@ def test_experiment_headline_chosen_on_selection_reported_on_test(smoke_experime
     trials = exp["config"]["experiment"]["tune_evals"]
     for record in (r["tune"] for r in rows if r.get("tune")):  # the search's cost: the evaluations it made
         made = record["evaluations"]
-        assert f"{made} x {format_tokens(per_eval)} tokens / 3 = {format_tokens(made * per_eval / 3)}" in compute
+        assert (
+            f"{made} x {format_tokens(per_eval)} tokens / 3 = {format_tokens(made * per_eval / 3)}" in compute
+        )
         assert f"({trials - made} of {trials} trials reused the grid's scores)" in compute
 
 

@@ -469,7 +469,7 @@ class _Grid:
                 "family": r["method"],
             }
             if r["method"] in EMA_FAMILIES:
-                params["alpha"] = r.get("alpha") or 0.2
+                params["alpha"] = r["alpha"]
             result = EvalResult(r["val_loss"], r["val_loss_se"], r.get("bpb"), list(r["batch_losses"]))
             scorer.prime(space.candidate(params), "selection", result)
             cells.append(params)

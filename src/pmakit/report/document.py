@@ -8,7 +8,7 @@ chosen by a computed z-score, never written in advance.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -560,27 +560,11 @@ def _headline_merge(info: Any, run_dir: Path) -> list[Block]:
     return [Paragraph(f"Merged model written by the experiment{label}: `{shown.as_posix()}`.")]
 
 
-def _tune_records(run_dir: Path) -> list[dict[str, Any]]:
-    """results.jsonl's tuned rows (their ``tune`` record: trials, evaluations), [] without the file."""
-    path = run_dir / "results.jsonl"
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("tune"), dict):
-            records.append(record)
-    return records
-
-
-def compute_blocks(experiment: dict[str, Any], records: Sequence[Mapping[str, Any]] = ()) -> list[Block]:
+def compute_blocks(experiment: dict[str, Any], rows: Sequence[Row] = ()) -> list[Block]:
     """What each way to the annealed quality costs: the anneal's extra training tokens against reading N snapshots
     and the tuner's forward-only evaluations, in training-token equivalents (a forward pass is about a third of a
-    training step's compute, 2N vs 6N FLOPs per token). ``records``: results.jsonl's records; a tuned row's
-    ``tune.evaluations`` (trials the grid had not already scored) is what the search cost, else every trial."""
+    training step's compute, 2N vs 6N FLOPs per token). A tuned row's evaluations (trials the grid had not already
+    scored) are what the search cost; without that record, every trial counts."""
     forks = [f for f in experiment.get("forks") or [] if isinstance(f, dict)]
     config = experiment.get("config") or {}
     train, exp = config.get("train") or {}, config.get("experiment") or {}
@@ -594,15 +578,15 @@ def compute_blocks(experiment: dict[str, Any], records: Sequence[Mapping[str, An
     if not forks or not params or per_eval is None:
         return []
     budget = int(exp.get("tune_evals") or 0)
-    tuned = {r.get("fork_tokens"): r["tune"] for r in records if isinstance(r.get("tune"), dict)}
+    tuned = {r.fork_tokens: r for r in rows if r.tune_trials is not None}
     table = []
     for i, f in enumerate(forks, start=1):
         d, e = f.get("anneal_tokens"), f.get("eval_tokens")
         if not isinstance(d, int) or not isinstance(e, int) or d <= 0:
             continue
-        record = tuned.get(f.get("fork_tokens"), {})
-        trials = int(record.get("trials") or budget)
-        evals = int(record.get("evaluations", trials))
+        row = tuned.get(f.get("fork_tokens"))
+        trials = (row and row.tune_trials) or budget
+        evals = row.tune_evaluations if row and row.tune_evaluations is not None else trials
         tuner = evals * per_eval / 3  # forward-only tokens, in training-token equivalents
         reused = f" ({trials - evals} of {trials} trials reused the grid's scores)" if evals < trials else ""
         table.append(
@@ -740,7 +724,7 @@ def build(
         from pmakit.report import seeds
 
         blocks += seeds.blocks(data.run_dir)
-        blocks += compute_blocks(exp, _tune_records(data.run_dir))
+        blocks += compute_blocks(exp, data.rows)
     elif data.rows:
         blocks.append(Paragraph("No result row has a fork point, so there is no fork comparison.", note=True))
     if stable:

@@ -75,6 +75,10 @@ class Row:
     role: str = ""
     """On the test split: 'best' / 'best-sma' (chosen on the selection split), 'fixed' (SMA N=10, no choice),
     'tuned' (pmakit tune's search on the selection split); '' otherwise."""
+    tune_trials: int | None = None
+    """A tuned row (results.jsonl only): the search's trials."""
+    tune_evaluations: int | None = None
+    """... and the evaluations it made (the rest reused the grid's scores); None: every trial was evaluated."""
 
     @property
     def key(self) -> tuple[object, ...]:
@@ -142,7 +146,10 @@ def _losses(value: Any) -> tuple[float, ...] | None:
 
 def parse_row(record: dict[str, Any]) -> Row:
     """One results record (CSV dict or JSON object) -> Row."""
+    tune: dict[str, Any] = record["tune"] if isinstance(record.get("tune"), dict) else {}
     return Row(
+        tune_trials=_int(tune.get("trials")),
+        tune_evaluations=_int(tune.get("evaluations")),
         batch_losses=_losses(record.get("batch_losses")),
         fork_tokens=_int(record.get("fork_tokens")),
         model=_text(record.get("model")).lower(),
@@ -200,9 +207,16 @@ def read_results(run_dir: Path, notes: list[str]) -> list[Row]:
     except (OSError, csv.Error) as e:
         notes.append(f"results are unreadable ({e.__class__.__name__}): no evaluation results to show.")
         return []
-    # per-batch losses live in the JSONL only; the last record of a model wins, as in the CSV
+    # per-batch losses and the tuner's record live in the JSONL only; the last record of a model wins, as in the CSV
     losses = {r.key: r.batch_losses for r in jsonl if r.batch_losses}
     rows = [replace(r, batch_losses=losses.get(r.key)) if r.batch_losses is None else r for r in rows]
+    tuned = {r.key: r for r in jsonl if r.tune_trials is not None}
+    rows = [
+        replace(r, tune_trials=t.tune_trials, tune_evaluations=t.tune_evaluations)
+        if r.tune_trials is None and (t := tuned.get(r.key))
+        else r
+        for r in rows
+    ]
     usable = [r for r in rows if r.model and r.val_loss is not None]
     if len(usable) < len(rows):
         notes.append(
