@@ -196,3 +196,45 @@ def test_train_cli_writes_a_run_and_resumes(corpus_dir: Path, tmp_path: Path) ->
     assert again.returncode == 0 and "trained 1,536 tokens" in again.stdout  # nothing left to do
     bad = run_cli("train", config, "-o", tmp_path / "r2", "--corpus", tmp_path / "missing", env=env_cache)
     assert bad.returncode != 0 and "Traceback" not in bad.stderr and bad.stderr.startswith("Error: ")
+
+
+def test_compiled_evaluation_scores_swapped_states_like_eager_and_falls_back(
+    corpus_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The experiment's ``compile_eval``: one compile per model, every swapped-in state scored as the eager forward
+    scores it (weights are the graph's inputs, not constants baked in), and a compiler failure costs a warning."""
+    from pmakit.evaluate import evaluate
+    from pmakit.train.loop import swapped
+
+    trainer = Trainer(tiny(corpus_dir, total_tokens=128 * 6, eval_every=0), tmp_path / "a").fit()
+    trainer.close()
+    model, batches = trainer.model, trainer.val
+    states = [
+        {k: v + 0.01 * i * torch.randn_like(v) for k, v in model.state_dict().items()} for i in range(3)
+    ]
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    for state in states:
+        with swapped(model, state):
+            eager = evaluate(model, batches)
+            compiled = evaluate(model, batches, compiled=True)
+        assert compiled.batch_losses == pytest.approx(eager.batch_losses, rel=1e-5, abs=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1  # compiled once, reused for every state
+    assert model.training and "_pmakit_eval_forward" not in model.state_dict()
+
+    def broken(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("no C++ compiler\nmore detail")
+
+    fresh = Trainer(tiny(corpus_dir, total_tokens=128 * 3, eval_every=0), tmp_path / "b")
+    fresh.close()
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: broken)
+    with caplog.at_level("WARNING"):
+        result = evaluate(fresh.model, fresh.val, compiled=True)
+    assert result.batch_losses == evaluate(fresh.model, fresh.val).batch_losses
+    assert "torch.compile failed (RuntimeError: no C++ compiler): evaluating without it" in caplog.text
+    from pmakit.lab.pma import ExperimentConfig
+
+    with pytest.raises(PmakitError, match="experiment.compile_eval must be off, on or auto, got 'yes'"):
+        ExperimentConfig(compile_eval="yes")
+    assert not ExperimentConfig().compiled and ExperimentConfig(compile_eval="on").compiled

@@ -6,9 +6,12 @@ models can be given a paired standard error over batches: the batch-to-batch var
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import shutil
 from collections.abc import Sequence
+from typing import Any
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +20,7 @@ import torch.nn.functional as F
 from pmakit.errors import PmakitError
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -53,20 +57,64 @@ def batch_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torc
 
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module, batches: Sequence[Batch], *, bytes_per_token: float | None = None
+    model: torch.nn.Module,
+    batches: Sequence[Batch],
+    *,
+    bytes_per_token: float | None = None,
+    compiled: bool = False,
 ) -> EvalResult:
-    """Score ``model`` on ``batches`` in eval mode (restoring its training mode after)."""
+    """Score ``model`` on ``batches`` in eval mode (restoring its training mode after).
+
+    ``compiled``: run the forward through ``torch.compile`` (built once per model on the first call, then reused:
+    weights swapped in place are the graph's inputs, so a new state does not recompile). It pays when a process
+    scores many states of one model (the experiment's grid and tuner); if the compiler fails, a warning and the
+    eager forward from then on.
+    """
     if not batches:
         raise PmakitError("no validation batches to evaluate on")
     was_training = model.training
     model.eval()
     try:
-        losses = [batch_loss(model, x, y).item() for x, y in batches]
+        forward = _eval_forward(model) if compiled else model
+        try:
+            losses = [batch_loss(forward, x, y).item() for x, y in batches]
+        except Exception as exc:  # any compiler failure: the eager forward from then on
+            if forward is model:
+                raise
+            log.warning("torch.compile failed (%s): evaluating without it", _first_line(exc))
+            model.__dict__[_COMPILED] = model
+            losses = [batch_loss(model, x, y).item() for x, y in batches]
     finally:
         model.train(was_training)
     mean, se = _mean_se(losses)
     bpb = mean / (math.log(2) * bytes_per_token) if bytes_per_token else None
     return EvalResult(mean, se, bpb, losses)
+
+
+_COMPILED = "_pmakit_eval_forward"
+
+
+def _eval_forward(model: torch.nn.Module) -> Any:
+    """The model's compiled forward for evaluation, kept on the model (outside its submodules and state dict)."""
+    forward = model.__dict__.get(_COMPILED)
+    if forward is None:
+        forward = torch.compile(model, dynamic=False)
+        model.__dict__[_COMPILED] = forward
+    return forward
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def can_compile() -> bool:
+    """Whether ``torch.compile`` can build kernels here: on CPU its inductor backend needs a C++ compiler."""
+    if torch.cuda.is_available():
+        import importlib.util
+
+        return importlib.util.find_spec("triton") is not None
+    return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
 
 
 def paired_difference(a: EvalResult, b: EvalResult) -> tuple[float, float]:

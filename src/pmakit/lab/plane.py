@@ -722,7 +722,7 @@ def experiment_plane(grid: Any, run_dir: Path, *, size: int, batches: int) -> di
 
     def score(state: State) -> list[float]:
         with swapped(model, state):
-            return evaluate(model, held_out).batch_losses
+            return evaluate(model, held_out, compiled=grid.compiled).batch_losses
 
     t0 = time.perf_counter()
     result = loss_plane(
