@@ -227,6 +227,17 @@ def test_cli_runs_and_prints_both_splits(tiny: dict[str, Path], tmp_path: Path) 
     assert proc.returncode == 0, proc.stderr
     assert "chosen on the selection split" in proc.stdout and "test: tuned - fixed" in proc.stdout
     assert (out / "tune.json").is_file()
+    # --compile: the same search through torch.compile, the same choice and (to float rounding) the same scores
+    proc = run_cli(
+        "tune", tiny["run"], "-o", tmp_path / "compiled", "--budget-evals", "4", "--batches", "2", "--compile",
+        env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "torch.compile failed" not in proc.stderr, proc.stderr
+    eager, compiled = (json.loads((d / "tune.json").read_text()) for d in (out, tmp_path / "compiled"))
+    assert [t["merge"] for t in eager["trials"]] == [t["merge"] for t in compiled["trials"]]
+    assert [t["selection_loss"] for t in compiled["trials"]] == pytest.approx(
+        [t["selection_loss"] for t in eager["trials"]], rel=1e-5
+    )
 
 
 @pytest.mark.parametrize(

@@ -908,6 +908,12 @@ def analyze(
     "disk; {model} is its directory, {split} is 'selection' or 'test'; the last number it prints is the loss "
     "(no paired s.e. then).",
 )
+@click.option(
+    "--compile",
+    is_flag=True,
+    help="Evaluate through torch.compile: ~20 s once, then each batch ~0.8x as long on CPU (pays for long "
+    "searches; needs a C++ compiler, else a warning and the eager forward).",
+)
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it is a merge pmakit wrote.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def tune(run_dir: Path, data: str | None, output: Path, quiet: bool, **options: Any) -> None:

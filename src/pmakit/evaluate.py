@@ -11,8 +11,8 @@ import math
 import os
 import shutil
 from collections.abc import Sequence
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
