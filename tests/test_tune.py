@@ -297,6 +297,15 @@ def test_experiment_headline_chosen_on_selection_reported_on_test(smoke_experime
         # the search starts from the grid's best cells (their scores reused): it never picks worse on selection
         assert test["tuned"]["tune"]["selection_loss"] <= chosen["val_loss"]
         assert test["tuned"]["tune"]["evaluations"] < test["tuned"]["tune"]["trials"]
+        # experiment.oracle (smoke preset): every SMA cell of the grid scored on test too, none chosen from them
+        oracle = [r for r in at if r["split"] == "test" and r["role"] == "oracle"]
+        sma = {(r["n"], r["v_tokens"]) for r in grid if r["method"] == "sma"}
+        assert sorted((r["n"], r["v_tokens"]) for r in oracle) == sorted(sma) and len(sma) >= 4
+        if test["best"]["method"] == "sma":  # the same window, scored on the same test batches
+            twin = next(
+                r for r in oracle if (r["n"], r["v_tokens"]) == (test["best"]["n"], test["best"]["v_tokens"])
+            )
+            assert twin["batch_losses"] == pytest.approx(test["best"]["batch_losses"])
         latest = test["latest"]["batch_losses"]
         assert len(latest) == exp["heldout"]["batches"]["test"]
         for role in ("best", "fixed", "tuned"):
@@ -304,6 +313,7 @@ def test_experiment_headline_chosen_on_selection_reported_on_test(smoke_experime
             assert test[role]["delta_vs_latest"] == pytest.approx(sum(diffs) / len(diffs))
     report = (run / "report.md").read_text()
     assert "on the TEST split" in report and "fixed recipe, no selection" in report
+    assert "oracle, not a choice" in report and "For scale, not a choice: the best of" in report
     assert "chosen on selection" in report
     from pmakit.units import format_tokens
 

@@ -102,6 +102,10 @@ class ExperimentConfig:
     """Loss plane (E11, E12) at the final fork for the best SMA window: grid points per axis (0: skip it)."""
     plane_batches: int = 4
     """Held-out batches per evaluation of the loss plane."""
+    oracle: bool = False
+    """Also score every SMA cell of the grid on the test split (role ``oracle``): the best that a choice made on
+    the test split itself could reach, for scale only. Nothing is chosen from these rows; the report says how far
+    the selection's pick is from them."""
     compile_eval: str = "off"
     """Score the grid, the tuner's trials and the headline through ``torch.compile``: ``off``, ``on``, or ``auto``
     (on where it can build kernels: a C++ compiler on CPU). Compiling once costs ~20 s and makes each held-out batch
@@ -396,6 +400,11 @@ class _Grid:
             items.append({**base, **fixed})
             if self.study.exp.tune_evals:
                 items.append({**base, "model": "merged", "method": "tuned", "role": "tuned"})
+            if self.study.exp.oracle:  # for scale: scored on test, never chosen from
+                for n in self.study.exp.ns:
+                    for vm in self.study.exp.v_multiples:
+                        cell = {"method": "sma", "n": n, "v_tokens": vm * v0}
+                        items.append({**base, **cell, "model": "merged", "role": "oracle"})
         return items
 
     def run(self, progress: bool, plan: list[dict[str, Any]] | None = None) -> None:
@@ -730,7 +739,7 @@ def _jsonable(x: Any) -> Any:
     return json.loads(json.dumps(x, default=str))
 
 
-_ANALYSIS_ONLY = ("plane_grid", "plane_batches", "compile_eval")
+_ANALYSIS_ONLY = ("plane_grid", "plane_batches", "compile_eval", "oracle")
 
 
 def _check_same_config(run_dir: Path, study: Study) -> None:

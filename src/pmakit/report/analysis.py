@@ -147,6 +147,12 @@ class ForkSummary:
             return self.role("best-sma") or best  # the experiment scores one row when the two choices agree
         return min((r for r in self.merges if r.method == "sma" and not r.role), key=_loss, default=None)
 
+    @property
+    def oracle(self) -> Row | None:
+        """The lowest of the SMA cells scored on this split for scale (role 'oracle': ``experiment.oracle``), a
+        minimum taken after the fact, never a choice."""
+        return min((r for r in self.merges if r.role == "oracle"), key=_loss, default=None)
+
     def role(self, role: str) -> Row | None:
         """The merge of a headline role ('best', 'best-sma', 'fixed', 'tuned'), if evaluated."""
         return next((r for r in self.merges if r.role == role), None)

@@ -168,6 +168,10 @@ def headline_models(t: ForkSummary, base: int | None) -> list[tuple[str, Row | N
         row = t.role(role)
         if row is not None:
             out.append((f"{name}: {describe(row, base) if role == 'fixed' else row.label}", row))
+    if t.oracle is not None:
+        out.append(
+            (f"best SMA on this split itself (oracle, not a choice): {describe(t.oracle, base)}", t.oracle)
+        )
     out.append(("annealed branch", t.annealed))
     return out
 
@@ -217,6 +221,15 @@ def headline_sentences(fork: ForkSummary, base: int | None) -> list[str]:
             if gap is not None and anneal is not None:
                 text += f"; − annealed: {gap_text(gap)} ({gap_verdict(gap)})"
             out.append(text + ".")
+    oracle = t.oracle
+    gap = t.gap_to_anneal(oracle)
+    if oracle is not None and gap is not None and anneal is not None:
+        cells = sum(r.role == "oracle" for r in t.merges)
+        out.append(
+            f"For scale, not a choice: the best of {cells} SMA windows scored on this split itself "
+            f"({describe(oracle, base)}) − annealed: {gap_text(gap)} ({gap_verdict(gap)}); no choice among those "
+            "windows, however made, does better here."
+        )
     if anneal is None:
         out.append(
             "No annealed branch is in results.csv for this fork, so the merge cannot be compared to it."
