@@ -295,6 +295,7 @@ class _FakeGrid:
         g = torch.Generator().manual_seed(1)
         self.batches = [(x, x) for x in (torch.randint(0, 300, (2, 32), generator=g) for _ in range(6))]
         self.trainer = SimpleNamespace(model=model)
+        self.compiled = False  # experiment.compile_eval resolved
         self.study = SimpleNamespace(
             forks=[SimpleNamespace(fork_tokens=64), SimpleNamespace(fork_tokens=128)]
         )
