@@ -107,9 +107,9 @@ class ExperimentConfig:
     the test split itself could reach, for scale only. Nothing is chosen from these rows; the report says how far
     the selection's pick is from them."""
     compile_eval: str = "off"
-    """Score the grid, the tuner's trials and the headline through ``torch.compile``: ``off``, ``on``, or ``auto``
-    (on where it can build kernels: a C++ compiler on CPU). Compiling once costs ~20 s and makes each held-out batch
-    ~0.8x as long: it pays for the hundreds of evaluations of the demo, not for a smoke run."""
+    """Score the grid, the tuner's trials, the headline and the loss plane through ``torch.compile``: ``off``,
+    ``on``, or ``auto`` (on where it can build kernels: a C++ compiler on CPU). Compiling once costs ~20 s and makes
+    each held-out batch ~0.8x as long: it pays for the hundreds of evaluations of the demo, not for a smoke run."""
 
     def __post_init__(self) -> None:
         if not self.forks:
