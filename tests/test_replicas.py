@@ -203,3 +203,26 @@ def test_report_of_an_unfinished_replicas_study_is_one_line(tmp_path: Path) -> N
         proc.stderr.strip()
         == f"Error: {tmp_path} has no scores yet (results.jsonl, curves.csv): run the study to its end first"
     )
+
+
+def test_a_finished_run_tears_down_only_the_process_group_it_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy that exits with a gloo group up can abort at interpreter exit ("terminate called without an active
+    exception"): the copies that ``from_env`` joined into a group take it down after a clean run; a group someone
+    else started (torchrun's caller, a test) is left to its owner."""
+    import torch.distributed as dist
+
+    from pmakit.train.replicas import ReplicaConfig, Replicas, from_env
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # from_env's check; the group itself is one process here
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        joined = from_env(ReplicaConfig(sync_every=4))
+        assert isinstance(joined, Replicas) and not joined.owns_group
+        joined.finish()
+        assert dist.is_initialized()  # not ours: left up
+        joined.owns_group = True  # as when from_env started it
+        joined.finish()
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -700,6 +700,7 @@ def train(
         progress=copies.is_writer,
         copies=copies,
     )
+    copies.finish()
     if not copies.is_writer:
         return
     click.echo(

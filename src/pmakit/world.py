@@ -76,15 +76,23 @@ def init_from_env(device: str = "cpu") -> World:
 
 
 def shutdown(world: World) -> None:
-    """Tear the process group down (quietly; torch warns when a process exits with it up)."""
+    """Tear the merge's process group down."""
     if world.distributed:
-        import torch.distributed as dist
+        teardown_process_group()
 
-        if dist.is_initialized():
-            # Everyone past its last collective first: a rank that tears down while a peer still finishes an
-            # all-reduce makes gloo abort that peer.
-            dist.barrier()
-            dist.destroy_process_group()
+
+def teardown_process_group() -> None:
+    """Every process past its last collective, then the default process group down, after a run that succeeded.
+
+    A rank that tears down while a peer still finishes an all-reduce makes gloo abort that peer; a process that
+    exits with a gloo group up can abort at interpreter exit ("terminate called without an active exception",
+    SIGABRT: its worker threads outlive the interpreter).
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def split_by_bytes(sizes: Sequence[int], parts: int) -> list[int]:

@@ -94,6 +94,9 @@ class SingleCopy:
     def close(self) -> None:
         """Called when the trainer closes."""
 
+    def finish(self) -> None:
+        """Called once the run has finished without error: every copy is done with the others."""
+
     def reduce_gradients(self, model: nn.Module) -> None:
         """After backward, before clipping."""
 
@@ -138,10 +141,18 @@ class Replicas(SingleCopy):
         self.all_reduces = 0
         self._global: list[torch.Tensor] = []
         self._outer: torch.optim.Optimizer | None = None
+        self.owns_group = False
+        """Whether ``from_env`` started the process group (then ``finish`` tears it down)."""
 
     @property
     def is_writer(self) -> bool:
         return self.rank == 0
+
+    def finish(self) -> None:
+        if self.owns_group:
+            from pmakit.world import teardown_process_group
+
+            teardown_process_group()
 
     def attach(self, model: nn.Module) -> None:
         """Start every copy from rank 0's weights; DiLoCo keeps the global weights and their outer optimizer."""
@@ -291,6 +302,9 @@ def from_env(config: ReplicaConfig | None) -> SingleCopy:
         )
     import torch.distributed as dist
 
-    if not dist.is_initialized():
+    started = not dist.is_initialized()
+    if started:
         dist.init_process_group("gloo")  # pmakit's trainer keeps its model on the CPU
-    return Replicas(config)
+    copies = Replicas(config)
+    copies.owns_group = started
+    return copies
