@@ -377,6 +377,18 @@ def stream_average(
     finished chunks, in order, to the writer thread. Threads of our own rather than torch's intra-op pool: its
     threads wait for each other at every op and stall whenever another process holds a core.
     """
+    with _Clock("wall"):  # the pass, from the writer thread's start to its end
+        return _stream(plan, readers, directory, progress, fsync, device)
+
+
+def _stream(
+    plan: MergePlan,
+    readers: Sequence[Reader],
+    directory: Path,
+    progress: Callable[[int], None] | None,
+    fsync: bool,
+    device: str,
+) -> list[dict[str, Any]]:
     chunks = list(_chunks(plan))
     itemsize = max([4] + [dtype.itemsize for _, dtype in plan.tensors.values()])
     writer = _Writer(plan, directory, plan.chunk_elems * itemsize, plan.n_buffers, fsync)
@@ -397,26 +409,25 @@ def stream_average(
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        with _Clock("wall"):
-            for i, chunk in enumerate(chunks):
-                with _Clock("read"):
-                    _prefetch(readers, chunks, i)
-                while len(pending) >= workers:
-                    hand_over()
-                # Reads stay on this thread and in order: a reader may load (not map) and expect to move forward.
-                with _Clock("read"):
-                    views = [readers[src].read(chunk.name, chunk.start, chunk.stop) for src in chunk.sources]
-                if not chunk.average:
-                    done: Future[tuple[torch.Tensor, bool]] = Future()
-                    done.set_result((views[0], True))
-                    pending.append((chunk, done, None))
-                else:
-                    with _Clock("wait_buffer"):
-                        buf = writer.buffer()
-                    pending.append((chunk, pool.submit(work, chunk, views, buf), buf))
-            while pending:
+        for i, chunk in enumerate(chunks):
+            with _Clock("read"):
+                _prefetch(readers, chunks, i)
+            while len(pending) >= workers:
                 hand_over()
-            return writer.finish()
+            # Reads stay on this thread and in order: a reader may load (not map) and expect to move forward.
+            with _Clock("read"):
+                views = [readers[src].read(chunk.name, chunk.start, chunk.stop) for src in chunk.sources]
+            if not chunk.average:
+                done: Future[tuple[torch.Tensor, bool]] = Future()
+                done.set_result((views[0], True))
+                pending.append((chunk, done, None))
+            else:
+                with _Clock("wait_buffer"):
+                    buf = writer.buffer()
+                pending.append((chunk, pool.submit(work, chunk, views, buf), buf))
+        while pending:
+            hand_over()
+        return writer.finish()
     except BaseException:
         pool.shutdown(wait=True, cancel_futures=True)
         writer.abort()
