@@ -128,7 +128,7 @@ class SingleCopy:
 class Replicas(SingleCopy):
     """R copies in a torch.distributed process group (this process is one of them)."""
 
-    def __init__(self, config: ReplicaConfig, group: Any = None) -> None:
+    def __init__(self, config: ReplicaConfig, group: Any = None, *, owns_group: bool = False) -> None:
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
@@ -141,8 +141,8 @@ class Replicas(SingleCopy):
         self.all_reduces = 0
         self._global: list[torch.Tensor] = []
         self._outer: torch.optim.Optimizer | None = None
-        self.owns_group = False
-        """Whether ``from_env`` started the process group (then ``finish`` tears it down)."""
+        self.owns_group = owns_group
+        """Whether this process started the process group for the copies (then ``finish`` tears it down)."""
 
     @property
     def is_writer(self) -> bool:
@@ -305,6 +305,4 @@ def from_env(config: ReplicaConfig | None) -> SingleCopy:
     started = not dist.is_initialized()
     if started:
         dist.init_process_group("gloo")  # pmakit's trainer keeps its model on the CPU
-    copies = Replicas(config)
-    copies.owns_group = started
-    return copies
+    return Replicas(config, owns_group=started)
