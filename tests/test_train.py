@@ -238,3 +238,28 @@ def test_compiled_evaluation_scores_swapped_states_like_eager_and_falls_back(
     with pytest.raises(PmakitError, match="experiment.compile_eval must be off, on or auto, got 'yes'"):
         ExperimentConfig(compile_eval="yes")
     assert not ExperimentConfig().compiled and ExperimentConfig(compile_eval="on").compiled
+
+
+def test_a_copy_that_is_not_the_writer_leaves_the_writers_save_in_flight_alone(
+    corpus_dir: Path, tmp_path: Path
+) -> None:
+    """A restarted model copy (not the writer) sets up its trainer while the writer may be saving: the hidden
+    directory of that save is not a leftover to remove (seen once in CI: the writer's rename then failed)."""
+    from pmakit.train.replicas import SingleCopy
+
+    class SecondCopy(SingleCopy):
+        rank = 1
+        size = 2
+
+        @property
+        def is_writer(self) -> bool:
+            return False
+
+    run = tmp_path / "run"
+    in_flight = run / "snapshots" / ".step-00000040.pmakit-partial"
+    in_flight.mkdir(parents=True)
+    (in_flight / "model.safetensors").write_bytes(b"being written")
+    Trainer(tiny(corpus_dir), run, copies=SecondCopy()).close()
+    assert (in_flight / "model.safetensors").exists()
+    Trainer(tiny(corpus_dir), run).close()  # the writer, restarted, tidies its own leftovers
+    assert not in_flight.exists()

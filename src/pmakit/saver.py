@@ -202,6 +202,9 @@ class SnapshotSaver:
         dtype: cast floating-point weights to this dtype in the snapshot (None: as they are).
         max_shard_size: bytes per safetensors file; larger states are sharded with an HF index.
         fsync: flush each snapshot to disk before it is renamed into place (survives power loss, not just crashes).
+        tidy: remove the hidden leftovers of an interrupted save at start. False in a process that shares the
+            directory with the one that writes (a model copy that is not the writer): a leftover there may be the
+            writer's save in flight.
     """
 
     def __init__(
@@ -218,6 +221,7 @@ class SnapshotSaver:
         dtype: torch.dtype | None = None,
         max_shard_size: int = 5 * 10**9,
         fsync: bool = True,
+        tidy: bool = True,
     ) -> None:
         if every_tokens < 1:
             raise PmakitError(f"every_tokens must be a positive number of tokens, got {every_tokens}")
@@ -249,7 +253,8 @@ class SnapshotSaver:
         self.timings = SaverTimings()
         """Where the saving time goes: the training thread's share and the writer thread's CPU."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._remove_stale_partials()
+        if tidy:
+            self._remove_stale_partials()
 
     # -- when -------------------------------------------------------------------------------------------------
 

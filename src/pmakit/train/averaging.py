@@ -100,6 +100,7 @@ class Averaging:
         extra_files: list[Path] | None = None,
         *,
         rebuild: bool = True,
+        writer: bool = True,
     ) -> None:
         """Set up at the start (or resumption, at ``tokens``) of training.
 
@@ -109,6 +110,8 @@ class Averaging:
             extra_files: files copied into every snapshot (config, tokenizer).
             rebuild: an empty window is rebuilt from the snapshots in ``save_dir`` up to ``tokens`` (a restarted
                 callback without state); False when the caller restores the window itself (``load_state_dict``).
+            writer: this process writes the snapshots; False for a model copy that only keeps the saver's token
+                marks (it leaves the directory, and any save in flight there, to the writer).
         """
         if self.saver is not None:
             return
@@ -122,6 +125,7 @@ class Averaging:
             extra_files=extra_files or [],
             extra_text=_config_text(model),
             dtype=self.dtype,
+            tidy=writer,
         )
         if rebuild and self.averager.count == 0:
             earlier = [s for s in discover(self.save_dir) if s.tokens <= tokens]

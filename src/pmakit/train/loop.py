@@ -256,7 +256,9 @@ class Trainer:
             keep_last=config.keep_last,
             metrics=self.metrics,
         )
-        self.averaging.start(None, 0, self._extra_files(), rebuild=False)  # the checkpoint brings the window
+        # The checkpoint brings the window. A copy that is not the writer keeps only the token marks: a restarted
+        # one must not tidy the directory while the writer's save is in flight there.
+        self.averaging.start(None, 0, self._extra_files(), rebuild=False, writer=self.copies.is_writer)
         self._last_snapshot: Any = None
 
     def _start_from(
