@@ -102,6 +102,31 @@ def test_merge_killed_at_random_moments_then_run_again(tmp_path: Path) -> None:
     assert outcomes["killed"] >= 10, outcomes
 
 
+@pytest.mark.parametrize("how", ["TERM", "INT"])
+def test_a_merge_stopped_by_a_signal_keeps_its_work_for_the_same_command(tmp_path: Path, how: str) -> None:
+    """SIGTERM (torchrun stopping the other ranks when one dies; a scheduler's preemption) or Ctrl-C mid-merge:
+    one line saying where the work is kept, nothing that looks finished, and the same command finishes it."""
+    run = build_run(tmp_path)
+    cmd = ["merge", run, "--last", "3", "--max-shard-size", "300KB", "-q"]
+    ref = CliRunner().invoke(cli, list(map(str, [*cmd, "-o", tmp_path / "ref"])))
+    assert ref.exit_code == 0, ref.output
+    out = tmp_path / "out"
+    env = {**ENV, "PMAKIT_TEST_KILL": "after-shard:2", "PMAKIT_TEST_KILL_SIGNAL": how}
+    stopped = subprocess.run(pmakit(*cmd, "-o", out), env=env, capture_output=True, text=True, timeout=120)
+    assert stopped.returncode != 0 and "Traceback" not in stopped.stderr, stderr_tail(stopped)
+    partial = tmp_path / ".out.pmakit-partial"
+    assert f"merge interrupted; what it wrote is kept in {partial}" in stopped.stderr, stderr_tail(stopped)
+    assert not out.exists() and partial.is_dir()
+    again = subprocess.run(pmakit(*cmd, "-o", out), env=ENV, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "continuing the interrupted merge" in again.stderr, stderr_tail(again)
+    assert weights_of(out) == weights_of(tmp_path / "ref") and not partial.exists()
+    manifest_matches_bytes(out)
+
+
+def stderr_tail(proc: subprocess.CompletedProcess[str]) -> str:
+    return proc.stderr[-3000:]
+
+
 def test_concurrent_force_merges_into_one_output(tmp_path: Path) -> None:
     run = build_run(tmp_path)
     out = tmp_path / "out"

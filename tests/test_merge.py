@@ -312,7 +312,7 @@ def test_existing_output_needs_force_and_force_replaces_only_when_done(
     assert not (out / "marker").exists() and (out / "pmakit-merge.json").exists()
 
 
-def test_interrupt_leaves_no_output(
+def test_interrupt_leaves_no_output_and_keeps_its_work(
     make_run: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     snaps = discover(make_run(3))
@@ -326,7 +326,13 @@ def test_interrupt_leaves_no_output(
 
     with pytest.raises(KeyboardInterrupt):
         merge(snaps, [1 / 3] * 3, tmp_path / "out", progress=progress)
-    assert not (tmp_path / "out").exists() and not partial_dir(tmp_path / "out").exists()
+    # Nothing that looks finished; the hidden partial output stays for the same call to continue.
+    assert not (tmp_path / "out").exists() and partial_dir(tmp_path / "out").is_dir()
+    merge(snaps, [1 / 3] * 3, tmp_path / "out")
+    merge(snaps, [1 / 3] * 3, tmp_path / "ref")
+    assert not partial_dir(tmp_path / "out").exists()
+    for f in (tmp_path / "ref").glob("*.safetensors"):
+        assert f.read_bytes() == (tmp_path / "out" / f.name).read_bytes()
 
 
 def test_disk_full_is_one_error_and_cleans_up(

@@ -25,6 +25,10 @@ TIMEOUT = datetime.timedelta(hours=12)
 """How long a rank waits for the others at an agreement point (a rank's share of a 70B merge takes hours)."""
 
 
+class RankLost(PmakitError):
+    """Another rank stopped (killed, out of memory, its node gone) while this one waited for it at an agreement."""
+
+
 @dataclass(frozen=True)
 class World:
     """This process's place among the ranks of a merge."""
@@ -47,7 +51,11 @@ class World:
         import torch.distributed as dist
 
         flag = torch.tensor([1 if ok else 0], device=self._collective_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        except Exception as e:  # gloo / NCCL: a peer's process is gone
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise RankLost(f"another rank stopped while rank {self.rank} waited for it ({reason})") from e
         return bool(flag.item())
 
     def _collective_device(self) -> torch.device:

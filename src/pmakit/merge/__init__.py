@@ -63,7 +63,7 @@ from pmakit.merge.plan import (
     plan_merge,
 )
 from pmakit.snapshot import Snapshot
-from pmakit.world import World
+from pmakit.world import RankLost, World
 
 __all__ = [
     "CHUNK_ELEMS",
@@ -157,13 +157,29 @@ def merge(
             owned = True
             manifest = _manifest_of(job, readers, dtype, manifest_extra or {}, narrow, window)
             result = _write_and_finish(job, readers, stack, manifest)
-    except BaseException:
+    except BaseException as e:
         if owned and world.rank == 0:
-            shutil.rmtree(job.partial, ignore_errors=True)
+            if _interrupted(e, world) and job.partial.exists():
+                log.warning(
+                    "merge interrupted; what it wrote is kept in %s: the same command continues it "
+                    "(--force starts over)",
+                    job.partial,
+                )
+            else:
+                shutil.rmtree(job.partial, ignore_errors=True)
         raise
     finally:
         torch.set_num_threads(previous_threads)
     return MergeResult(out, plan, time.perf_counter() - start, result or {})
+
+
+def _interrupted(error: BaseException, world: World) -> bool:
+    """Stopped from outside rather than failed: Ctrl-C, SIGTERM (torchrun stopping the group), a lost rank. Its
+    partial output is kept for the same command to continue; a failure (bad input, disk full) removes it."""
+    if isinstance(error, (KeyboardInterrupt, SystemExit, RankLost)):
+        return True
+    # A collective other than our agreements (a layout writer's) failing under torchrun: a peer is gone.
+    return world.distributed and not isinstance(error, (PmakitError, OSError))
 
 
 def _output_format(plan: MergePlan, out_format: str | None) -> str:

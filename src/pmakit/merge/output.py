@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import signal
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -107,7 +108,8 @@ FP32_DIR = "pmakit-fp32"
 PROGRESS_DIR = ".pmakit-progress"
 """Inside the partial directory: the plan's fingerprint and one checksum record per finished shard."""
 KILL_ENV = "PMAKIT_TEST_KILL"
-"""Test hook: ``after-shard:K``, ``in-shard:K`` or ``before-rename`` makes the process SIGKILL itself there."""
+"""Test hook: ``after-shard:K``, ``in-shard:K`` or ``before-rename`` makes the process SIGKILL itself there
+(``PMAKIT_TEST_KILL_SIGNAL=TERM``: SIGTERM, what torchrun sends the other ranks when one dies)."""
 
 
 def sha256_file(path: Path) -> str:
@@ -175,10 +177,12 @@ class Killer:
     def __init__(self) -> None:
         point, _, k = os.environ.get(KILL_ENV, "").partition(":")
         self.point, self.k, self.shards = point, int(k or 0), 0
+        self.signal = getattr(signal, "SIG" + os.environ.get(KILL_ENV + "_SIGNAL", "KILL"))
 
     def at(self, point: str) -> None:
         if point == self.point and (point == "before-rename" or self.shards == self.k):
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), self.signal)
+            time.sleep(5)  # the signal's handler (SIGTERM) runs in the main thread, not necessarily this one
 
 
 def write_pass(
