@@ -159,7 +159,8 @@ save_file(out, sys.argv[1] + "/model.safetensors", metadata={"format": "pt"})
 
 TIMED = """
 import json, sys
-from pmakit.cli import cli
+from pmakit._env import start_quickly
+cli = start_quickly("pmakit.cli").cli  # as the `pmakit` command starts
 from pmakit.merge import stream
 with stream.timed() as stats:
     cli.main(sys.argv[2:], prog_name="pmakit", standalone_mode=False)

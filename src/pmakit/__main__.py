@@ -1,6 +1,5 @@
 """``python -m pmakit`` is the ``pmakit`` command."""
 
-import pmakit._env  # noqa: F401  (before torch)
-from pmakit.cli import main
+from pmakit._env import run_cli
 
-main()
+run_cli()
