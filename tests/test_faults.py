@@ -112,7 +112,16 @@ def test_a_merge_stopped_by_a_signal_keeps_its_work_for_the_same_command(tmp_pat
     assert ref.exit_code == 0, ref.output
     out = tmp_path / "out"
     env = {**ENV, "PMAKIT_TEST_KILL": "after-shard:2", "PMAKIT_TEST_KILL_SIGNAL": how}
-    stopped = subprocess.run(pmakit(*cmd, "-o", out), env=env, capture_output=True, text=True, timeout=120)
+    stopped = subprocess.run(
+        pmakit(*cmd, "-o", out),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        # A job a shell starts in the background ignores SIGINT (a CI runner may start the suite so), and a Python
+        # started with SIGINT ignored never raises KeyboardInterrupt: restore it for the child.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler),
+    )
     assert stopped.returncode != 0 and "Traceback" not in stopped.stderr, stderr_tail(stopped)
     partial = tmp_path / ".out.pmakit-partial"
     assert f"merge interrupted; what it wrote is kept in {partial}" in stopped.stderr, stderr_tail(stopped)

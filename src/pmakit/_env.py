@@ -12,10 +12,10 @@ def start_quickly(module: str) -> ModuleType:
 
     With torch imported the interpreter holds ~10^6 objects: the cyclic garbage collector runs over them while
     torch imports (~0.15 s here) and again at exit (~0.5 s of a 3 s merge). They are never garbage: the collector
-    is off while the modules import, and what exists at the end is frozen (left out of the interpreter's final
-    collection; ``gc.freeze``). Files, process groups and outputs are closed by the code that opened them.
+    is off while the modules import, and they are frozen after it (``gc.freeze``: left out of every later
+    collection, the interpreter's last one included). What the command itself makes is collected as usual (frozen
+    too, triton's nanobind objects are reported as leaked at exit).
     """
-    import atexit
     import gc
     import importlib
 
@@ -25,7 +25,6 @@ def start_quickly(module: str) -> ModuleType:
     finally:
         gc.enable()
     gc.freeze()
-    atexit.register(gc.freeze)  # registered before the command's own: runs after them, as the interpreter ends
     return loaded
 
 
