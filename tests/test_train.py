@@ -240,6 +240,39 @@ def test_compiled_evaluation_scores_swapped_states_like_eager_and_falls_back(
     assert not ExperimentConfig().compiled and ExperimentConfig(compile_eval="on").compiled
 
 
+def test_compiled_training_follows_eager_training_and_falls_back(
+    corpus_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``train.compile``: the compiled step's losses and weights follow the eager run's (same data, same init; only
+    floating-point order differs), compiled once for the run; a compiler failure costs a warning, then eager."""
+    cfg = dict(total_tokens=128 * 8, eval_every=0, warmup_tokens=0, precision="fp32")
+    eager = Trainer(tiny(corpus_dir, **cfg), tmp_path / "eager").fit()
+    eager.close()
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled = Trainer(tiny(corpus_dir, compile="on", **cfg), tmp_path / "compiled").fit()
+    compiled.close()
+    assert compiled.compiled and compiled.describe()["compiled"] and not eager.describe()["compiled"]
+    assert counters["stats"]["unique_graphs"] == 1  # one graph for the whole run
+    losses = [[r["loss"] for r in read_metrics(t.run_dir) if r["kind"] == "train"] for t in (eager, compiled)]
+    assert len(losses[0]) == 8 and losses[1] == pytest.approx(losses[0], rel=1e-4)
+    for k, v in eager.model.state_dict().items():
+        assert torch.allclose(compiled.model.state_dict()[k], v, rtol=1e-3, atol=1e-5), k
+
+    def broken(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("no C++ compiler\nmore detail")
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: broken)
+    with caplog.at_level("WARNING"):
+        fallback = Trainer(tiny(corpus_dir, compile="on", **cfg), tmp_path / "fallback").fit()
+    fallback.close()
+    assert caplog.text.count("torch.compile failed (RuntimeError: no C++ compiler): training without it") == 1
+    assert [r["loss"] for r in read_metrics(fallback.run_dir) if r["kind"] == "train"] == losses[0]
+    with pytest.raises(PmakitError, match="train.compile must be off, on or auto, got 'yes'"):
+        tiny(corpus_dir, compile="yes")
+
+
 def test_a_copy_that_is_not_the_writer_leaves_the_writers_save_in_flight_alone(
     corpus_dir: Path, tmp_path: Path
 ) -> None:

@@ -81,7 +81,7 @@ def evaluate(
         except Exception as exc:  # any compiler failure: the eager forward from then on
             if forward is model:
                 raise
-            log.warning("torch.compile failed (%s): evaluating without it", _first_line(exc))
+            log.warning("torch.compile failed (%s): evaluating without it", first_line(exc))
             model.__dict__[_COMPILED] = model
             losses = [batch_loss(model, x, y).item() for x, y in batches]
     finally:
@@ -103,7 +103,8 @@ def _eval_forward(model: torch.nn.Module) -> Any:
     return forward
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """``Type: first line of the message``: an exception named in one line of a warning."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
