@@ -664,7 +664,7 @@ class Trainer:
             "seq_len": self.config.model.seq_len,
             "tokens_per_step": self.config.tokens_per_step,
             "precision": "bf16 autocast" if self.bf16 else "fp32",
-            "compiled": self.compiled,
+            "compile": "training step through torch.compile" if self.compiled else "off",
         }
 
 
