@@ -273,6 +273,17 @@ def test_compiled_training_follows_eager_training_and_falls_back(
     assert [r["loss"] for r in read_metrics(fallback.run_dir) if r["kind"] == "train"] == losses[0]
     with pytest.raises(PmakitError, match="train.compile must be off, on or auto, got 'yes'"):
         tiny(corpus_dir, compile="yes")
+    # auto: only where kernels can be built and the steps left repay the compile (8 steps here do not)
+    import pmakit.train.loop as loop
+
+    short = Trainer(tiny(corpus_dir, compile="auto", **cfg), tmp_path / "auto")
+    short.close()
+    assert not short.compiled
+    monkeypatch.setattr(loop, "AUTO_COMPILE_STEPS", 8)
+    monkeypatch.setattr(loop, "can_compile", lambda: True)
+    long = Trainer(tiny(corpus_dir, compile="auto", **cfg), tmp_path / "auto2")
+    long.close()
+    assert long.compiled
 
 
 def test_a_copy_that_is_not_the_writer_leaves_the_writers_save_in_flight_alone(

@@ -31,7 +31,7 @@ import torch
 
 from pmakit.config import Tokens, from_mapping
 from pmakit.errors import PmakitError
-from pmakit.evaluate import EvalResult, batch_loss, evaluate, first_line
+from pmakit.evaluate import EvalResult, batch_loss, can_compile, evaluate, first_line
 from pmakit.metrics import MetricsLog
 from pmakit.online import OnlineAverager
 from pmakit.runs import (
@@ -50,6 +50,11 @@ from pmakit.train.model import ModelConfig, build_model, count_parameters
 from pmakit.train.replicas import SingleCopy
 
 log = logging.getLogger(__name__)
+
+AUTO_COMPILE_STEPS = 1000
+"""``compile: auto`` compiles the training step of a run with at least this many steps left: a compile costs ~15 s
+(~4 s from inductor's cache), ~200 steps of what it saves at the demo's size, and a short run (a smoke study, a
+test, an anneal branch of a few hundred steps) would spend more compiling than training."""
 
 
 @dataclass(frozen=True)
@@ -118,8 +123,9 @@ class TrainConfig:
     natively (AVX512-BF16 or AMX CPUs, bf16 GPUs), else fp32. ``make bench-flops`` prints the step time both ways."""
     compile: str = "off"
     """The training step's forward and loss through ``torch.compile`` (its backward with them): ``off``, ``on``, or
-    ``auto`` (on where it can build kernels: a C++ compiler on CPU, triton on CUDA). The demo's model: 0.77x the step
-    time after a ~15 s compile (~4 s from inductor's on-disk cache). A compiler failure is one warning, then eager."""
+    ``auto`` (on where it can build kernels, a C++ compiler on CPU or triton on CUDA, for a run with at least
+    ``AUTO_COMPILE_STEPS`` steps left). The demo's model: 0.77x the step time after a ~15 s compile (~4 s from
+    inductor's on-disk cache). A compiler failure is one warning, then eager."""
 
     def __post_init__(self) -> None:
         if self.total_tokens <= 0 or self.every_tokens <= 0 or self.batch_size <= 0:
@@ -192,13 +198,12 @@ class Trainer:
         progress: bool = False,
         copies: SingleCopy | None = None,
     ) -> None:
-        from pmakit.evaluate import can_compile, cpu_threads, native_bf16
+        from pmakit.evaluate import cpu_threads, native_bf16
 
         self.config = config
         # The training step runs under bf16 autocast (``precision``: bf16, or auto on bf16-native hardware).
         self.bf16 = config.precision == "bf16" or (config.precision == "auto" and native_bf16())
-        # ... and its forward + loss through torch.compile (``compile``: on, or auto where kernels can be built).
-        self.compiled = config.compile == "on" or (config.compile == "auto" and can_compile())
+        self.compiled = config.compile == "on"  # auto: decided once the run's starting point is known (below)
         self._compiled_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -219,6 +224,11 @@ class Trainer:
         self._start_from(init_from=init_from, resume_from=resume_from, resume=resume)
         # tokens at the last step the copies agreed on (every step for one copy)
         self._synced_tokens = self.tokens
+        # The step's forward + loss through torch.compile: ``compile: on``, or auto where kernels can be built and
+        # the steps left to train repay the compile.
+        steps_left = (config.total_tokens - self.tokens) // config.tokens_per_step
+        if config.compile == "auto" and steps_left >= AUTO_COMPILE_STEPS and can_compile():
+            self.compiled = True
 
     # ------------------------------------------------------------------ set-up steps
 
