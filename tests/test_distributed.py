@@ -190,3 +190,32 @@ def test_device_fold_matches_the_cpu_fold() -> None:
     assert torch.equal(a, b) and all(torch.equal(v, k) for v, k in zip(views, keep))  # inputs untouched
     views[0][3] = float("nan")
     assert not _fold_on("cpu", views, weights, a)
+
+
+def test_a_lost_rank_is_one_line_and_an_interruption_not_a_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer gone mid-merge (gloo: "Connection closed by peer") reaches the user as one line naming what happened,
+    and the merge treats it like Ctrl-C or SIGTERM (the partial output is kept), not like a bad input."""
+    import torch.distributed as dist
+
+    from pmakit.merge import _interrupted
+    from pmakit.world import RankLost, World
+
+    def closed(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(
+            "[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234\nmore"
+        )
+
+    monkeypatch.setattr(dist, "all_reduce", closed)
+    two = World(0, 2)
+    with pytest.raises(
+        RankLost, match=r"^another rank stopped while rank 0 waited for it \(\[gloo.*peer"
+    ) as lost:
+        two.agree(True)
+    assert "\n" not in str(lost.value) and isinstance(lost.value, PmakitError)
+    one = World()
+    assert _interrupted(lost.value, two) and _interrupted(KeyboardInterrupt(), one)
+    assert _interrupted(SystemExit(143), one) and _interrupted(RuntimeError("a layout's collective"), two)
+    assert not _interrupted(PmakitError("non-finite values"), two) and not _interrupted(
+        OSError(28, "full"), one
+    )
+    assert not _interrupted(RuntimeError("a bug"), one)
