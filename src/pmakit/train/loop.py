@@ -125,7 +125,9 @@ class TrainConfig:
     """The training step's forward and loss through ``torch.compile`` (its backward with them): ``off``, ``on``, or
     ``auto`` (on where it can build kernels, a C++ compiler on CPU or triton on CUDA, for a run with at least
     ``AUTO_COMPILE_STEPS`` steps left). The demo's model: 0.77x the step time after a ~15 s compile (~4 s from
-    inductor's on-disk cache). A compiler failure is one warning, then eager."""
+    inductor's on-disk cache). A compiler failure is one warning, then eager. Not bitwise reproducible on CPU (the
+    compiled kernels' reductions): two runs of one config drift apart, so a resumed run is not the uninterrupted one
+    bit for bit; the presets leave it off."""
 
     def __post_init__(self) -> None:
         if self.total_tokens <= 0 or self.every_tokens <= 0 or self.batch_size <= 0:
