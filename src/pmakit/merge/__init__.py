@@ -159,18 +159,23 @@ def merge(
             result = _write_and_finish(job, readers, stack, manifest)
     except BaseException as e:
         if owned and world.rank == 0:
-            if _interrupted(e, world) and job.partial.exists():
-                log.warning(
-                    "merge interrupted; what it wrote is kept in %s: the same command continues it "
-                    "(--force starts over)",
-                    job.partial,
-                )
-            else:
-                shutil.rmtree(job.partial, ignore_errors=True)
+            _leave_partial(job.partial, e, world)
         raise
     finally:
         torch.set_num_threads(previous_threads)
     return MergeResult(out, plan, time.perf_counter() - start, result or {})
+
+
+def _leave_partial(partial: Path, error: BaseException, world: World) -> None:
+    """After a merge stopped on ``error``: an interruption's partial output stays for the same command to continue;
+    a failure's is removed."""
+    if _interrupted(error, world) and partial.exists():
+        log.warning(
+            "merge interrupted; what it wrote is kept in %s: the same command continues it (--force starts over)",
+            partial,
+        )
+    else:
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def _interrupted(error: BaseException, world: World) -> bool:
