@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pmakit.errors import PmakitError
+from pmakit.errors import PmakitError, first_line
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 log = logging.getLogger(__name__)
@@ -101,12 +101,6 @@ def _eval_forward(model: torch.nn.Module) -> Any:
         forward = torch.compile(model, dynamic=False)
         model.__dict__[_COMPILED] = forward
     return forward
-
-
-def first_line(exc: BaseException) -> str:
-    """``Type: first line of the message``: an exception named in one line of a warning."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 def can_compile() -> bool:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pmakit.errors import PmakitError
+from pmakit.errors import PmakitError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +54,9 @@ class World:
         try:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         except Exception as e:  # gloo / NCCL: a peer's process is gone
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise RankLost(f"another rank stopped while rank {self.rank} waited for it ({reason})") from e
+            raise RankLost(
+                f"another rank stopped while rank {self.rank} waited for it ({first_line(e)})"
+            ) from e
         return bool(flag.item())
 
     def _collective_device(self) -> torch.device:

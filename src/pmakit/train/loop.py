@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from pmakit.config import Tokens, from_mapping
-from pmakit.errors import PmakitError
-from pmakit.evaluate import EvalResult, batch_loss, can_compile, evaluate, first_line
+from pmakit.errors import PmakitError, first_line
+from pmakit.evaluate import EvalResult, batch_loss, can_compile, evaluate
 from pmakit.metrics import MetricsLog
 from pmakit.online import OnlineAverager
 from pmakit.runs import (
