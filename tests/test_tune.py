@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from conftest import run_cli
 from pmakit.cli import cli
 from pmakit.errors import PmakitError
+from pmakit.evaluate import EvalResult as EvalResultType
 from pmakit.formats import read_state
 from pmakit.lab import tune as tune_mod
 from pmakit.lab.tune import TuneConfig, tune
@@ -150,10 +151,10 @@ def test_the_search_starts_from_the_baselines_the_hints_and_an_sma_lattice(tiny:
     space = tune_mod.Space.of(tune_mod._run_snapshots(tiny["run"]), config)
     evaluated: list[tuple[Any, ...]] = []
 
-    def fake(candidate: tune_mod.Candidate, split: str) -> EvalResult:
+    def fake(candidate: tune_mod.Candidate, split: str) -> Iterator[float]:
         evaluated.append(candidate.key)
         loss = 1.0 + abs(len(candidate.snapshots) - 6) / 10  # smooth in N, so TPE has a slope to follow
-        return EvalResult(loss, 0.1, None, [loss, loss])
+        yield from (loss, loss)
 
     scorer = tune_mod.Scorer(fake)
     sma = {"end_back": 0, "v_mult": 1, "family": "sma"}
@@ -170,6 +171,101 @@ def test_the_search_starts_from_the_baselines_the_hints_and_an_sma_lattice(tiny:
     assert primed.key not in evaluated  # the primed score was used as is
     assert len(evaluated) == scorer.evaluations["selection"] == len(set(evaluated))  # each candidate once
     assert tune_mod.chosen_candidate(space, trials).key == primed.key  # the lowest selection loss wins
+
+
+def _noisy(base: float, n: int = 16, seed: int = 0) -> list[float]:
+    """Per-batch losses: a batch-to-batch spread (the text) shared by every model, plus a little model noise."""
+    text = np.random.default_rng(99).normal(0, 0.3, n)
+    own = np.random.default_rng(seed).normal(0, 0.002, n)
+    return [float(base + t + o) for t, o in zip(text, own)]
+
+
+def test_racing_stops_a_clearly_worse_trial_early_and_nothing_else(tiny: dict[str, Path]) -> None:
+    """Paired against the best on the same batches: a trial 0.05 worse stops at the first look (4 of 16 batches),
+    its evaluation closed there; one a hair worse (within the noise) or better is scored in full."""
+    from pmakit.evaluate import result_of
+
+    config = TuneConfig(budget_evals=12)
+    space = tune_mod.Space.of(tune_mod._run_snapshots(tiny["run"]), config)
+    level = {1: 1.05, 2: 1.0002, 3: 0.98}  # by N: clearly worse, within noise, better than the best (1.0)
+    started, closed = [], []
+
+    def losses(candidate: tune_mod.Candidate, split: str) -> Iterator[float]:
+        n = len(candidate.snapshots)
+        started.append(n)
+        try:
+            yield from _noisy(level[n], seed=n)
+        finally:
+            closed.append(n)
+
+    scorer = tune_mod.Scorer(losses)
+    best = result_of(_noisy(1.0, seed=7))
+    sma = {"end_back": 0, "v_mult": 1, "family": "sma"}
+    worse, close, better = (space.candidate({**sma, "n": n}) for n in (1, 2, 3))
+
+    stopped = scorer.race(worse, "selection", best)
+    assert isinstance(stopped, tune_mod.Stopped) and (stopped.batches, stopped.of) == (4, 16)
+    assert stopped.delta == pytest.approx(0.05, abs=0.005) and stopped.delta > 10 * stopped.delta_se
+    assert closed == [1] and scorer.batches["selection"] == 4 and scorer.stopped == 1
+    assert scorer.race(worse, "selection", best) is stopped and started == [1]  # stays stopped, at no cost
+    for candidate in (close, better):
+        assert isinstance(scorer.race(candidate, "selection", best), EvalResultType)
+    assert scorer.batches["selection"] == 4 + 16 + 16 and scorer.stopped == 1
+    full = scorer(worse, "selection")  # asked for its full score (the test split's confirm): all 16 batches
+    assert len(full.batch_losses) == 16 and full.loss - best.loss == pytest.approx(0.05, abs=0.005)
+    small = tune_mod.Scorer(losses)  # 4 batches: every look would come before the 4th, too few to judge
+    assert isinstance(small.race(worse, "selection", result_of(_noisy(1.0, n=4))), EvalResultType)
+
+
+def test_a_search_with_racing_keeps_the_baselines_whole_and_picks_a_complete_trial(
+    tiny: dict[str, Path],
+) -> None:
+    """Trials far from the best N stop early (optuna marks them pruned); the baselines and the choice are
+    scored on every batch, and the choice is the best of the complete trials."""
+    config = TuneConfig(budget_evals=16, seed=0)
+    space = tune_mod.Space.of(tune_mod._run_snapshots(tiny["run"]), config)
+
+    def losses(candidate: tune_mod.Candidate, split: str) -> Iterator[float]:
+        n = len(candidate.snapshots)
+        yield from _noisy(1.0 + abs(n - 6) / 20, seed=n)
+
+    scorer = tune_mod.Scorer(losses)
+    trials = tune_mod.search(space, scorer, config)
+    stopped = [t for t in trials if t["selection_loss"] is None]
+    assert len(trials) == 16 and stopped and scorer.stopped == len(stopped)
+    assert all(t["stopped"]["batches"] < 16 and t["stopped"]["delta"] > 0 for t in stopped)
+    assert trials[0]["selection_loss"] is not None and trials[1]["selection_loss"] is not None  # baselines
+    assert scorer.batches["selection"] < 16 * scorer.evaluations["selection"]
+    chosen = tune_mod.chosen_candidate(space, trials)
+    best = min(t["selection_loss"] for t in tune_mod.scored(trials))
+    assert scorer(chosen, "selection").loss == best
+    for t in stopped:  # no stopped trial would have won: each one's full score is worse than the choice's
+        full = scorer(space.candidate(t["params"]), "selection")
+        assert full.loss > best
+    no_race = tune_mod.search(space, tune_mod.Scorer(losses), TuneConfig(budget_evals=16, seed=0, race=False))
+    assert all(t["selection_loss"] is not None for t in no_race)
+
+
+def test_a_stopped_trial_leaves_the_model_as_it_was(tiny: dict[str, Path], cache: Path) -> None:
+    """Stopping an in-memory evaluation part way restores the model's own weights and its training mode."""
+    from pmakit.evaluate import result_of
+
+    config = TuneConfig(batches=8)
+    snapshots = tune_mod._run_snapshots(tiny["run"])
+    space = tune_mod.Space.of(snapshots, config)
+    evaluator, _, _ = tune_mod._evaluator(tiny["run"], tiny["root"] / "x", snapshots, None, config)
+    model = evaluator.model
+    model.train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    scorer = tune_mod.Scorer(evaluator)
+    sma = {"end_back": 0, "v_mult": 1, "family": "sma"}
+    good = scorer(space.candidate({**sma, "n": 8}), "selection")
+    best = result_of([x - 1.0 for x in good.batch_losses])  # a rival 1 nat better: every trial stops at once
+    stopped = scorer.race(space.candidate({**sma, "n": 2}), "selection", best)
+    assert isinstance(stopped, tune_mod.Stopped) and (stopped.batches, stopped.of) == (4, 8)  # the first look
+    assert model.training
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
 
 
 def test_the_choice_ignores_the_test_split(
@@ -318,14 +414,16 @@ def test_experiment_headline_chosen_on_selection_reported_on_test(smoke_experime
     from pmakit.units import format_tokens
 
     compute = report.split("## Compute: anneal vs merge")[1].split("\n## ")[0]
-    per_eval = exp["heldout"]["batches"]["selection"] * 16 * 128  # batches x batch size x seq_len (smoke)
     trials = exp["config"]["experiment"]["tune_evals"]
-    for record in (r["tune"] for r in rows if r.get("tune")):  # the search's cost: the evaluations it made
-        made = record["evaluations"]
+    per_batch = 16 * 128
+    for record in (r["tune"] for r in rows if r.get("tune")):  # the search's cost: the batches it scored
+        made, scored = record["evaluations"], record["batches_scored"]
+        assert record["evaluations"] * exp["heldout"]["batches"]["selection"] >= scored
         assert (
-            f"{made} x {format_tokens(per_eval)} tokens / 3 = {format_tokens(made * per_eval / 3)}" in compute
+            f"{scored} batches x {format_tokens(per_batch)} tokens / 3 = {format_tokens(scored * per_batch / 3)}"
+            in compute
         )
-        assert f"({trials - made} of {trials} trials reused the grid's scores)" in compute
+        assert f"({trials - made} of {trials} trials reused the grid's scores" in compute
 
 
 def test_rows_of_an_older_run_are_set_aside_not_mixed(tmp_path: Path) -> None:

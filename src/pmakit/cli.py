@@ -915,6 +915,14 @@ def analyze(
     help="Evaluate through torch.compile: ~20 s once, then each batch ~0.8x as long on CPU (pays for long "
     "searches; needs a C++ compiler, else a warning and the eager forward).",
 )
+@click.option(
+    "--race/--no-race",
+    default=True,
+    show_default=True,
+    help="Stop a trial part way once it is worse than the best so far beyond doubt (paired t over the batches "
+    "seen, one-sided p < 0.001, looked at after 1/4, 1/2 and 3/4 of them, from 4 batches on). --no-race: "
+    "every trial on every batch.",
+)
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it is a merge pmakit wrote.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def tune(run_dir: Path, data: str | None, output: Path, quiet: bool, **options: Any) -> None:

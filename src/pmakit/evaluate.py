@@ -10,7 +10,7 @@ import logging
 import math
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,7 +55,6 @@ def batch_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torc
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
 
 
-@torch.no_grad()
 def evaluate(
     model: torch.nn.Module,
     batches: Sequence[Batch],
@@ -70,25 +69,41 @@ def evaluate(
     scores many states of one model (the experiment's grid and tuner); if the compiler fails, a warning and the
     eager forward from then on.
     """
-    if not batches:
-        raise PmakitError("no validation batches to evaluate on")
+    return result_of(list(batch_losses(model, batches, compiled=compiled)), bytes_per_token)
+
+
+def batch_losses(
+    model: torch.nn.Module, batches: Sequence[Batch], *, compiled: bool = False
+) -> Generator[float, None, None]:
+    """``model``'s loss on each of ``batches`` in turn (eval mode, no grad), so a caller can stop after any of them
+    (``pmakit tune`` drops a trial once it is clearly worse than the best). Close the iterator when stopping early:
+    that restores the model's training mode. ``compiled``: as in ``evaluate``."""
     was_training = model.training
     model.eval()
     try:
         forward = _eval_forward(model) if compiled else model
-        try:
-            losses = [batch_loss(forward, x, y).item() for x, y in batches]
-        except Exception as exc:  # any compiler failure: the eager forward from then on
-            if forward is model:
-                raise
-            log.warning("torch.compile failed (%s): evaluating without it", first_line(exc))
-            model.__dict__[_COMPILED] = model
-            losses = [batch_loss(model, x, y).item() for x, y in batches]
+        for x, y in batches:
+            with torch.no_grad():
+                try:
+                    loss = batch_loss(forward, x, y).item()
+                except Exception as exc:  # any compiler failure: the eager forward from then on
+                    if forward is model:
+                        raise
+                    log.warning("torch.compile failed (%s): evaluating without it", first_line(exc))
+                    forward = model.__dict__[_COMPILED] = model
+                    loss = batch_loss(model, x, y).item()
+            yield loss
     finally:
         model.train(was_training)
+
+
+def result_of(losses: Sequence[float], bytes_per_token: float | None = None) -> EvalResult:
+    """The ``EvalResult`` of per-batch losses (equal-sized batches: each weighs the same)."""
+    if not losses:
+        raise PmakitError("no validation batches to evaluate on")
     mean, se = _mean_se(losses)
     bpb = mean / (math.log(2) * bytes_per_token) if bytes_per_token else None
-    return EvalResult(mean, se, bpb, losses)
+    return EvalResult(mean, se, bpb, list(losses))
 
 
 _COMPILED = "_pmakit_eval_forward"

@@ -25,7 +25,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,7 +35,7 @@ import torch
 import pmakit
 from pmakit.config import Tokens, from_mapping
 from pmakit.errors import PmakitError
-from pmakit.evaluate import EvalResult, evaluate, paired_difference
+from pmakit.evaluate import EvalResult, batch_losses, paired_difference, result_of
 from pmakit.formats import read_state
 from pmakit.lab.results import remove_run
 from pmakit.merge import average_states
@@ -462,15 +462,14 @@ class _Grid:
         return self.test_batches if split == "test" else self.batches
 
     def _score(self, state: Mapping[str, torch.Tensor], split: str) -> EvalResult:
+        return result_of(list(self._losses(state, split)), self.bytes_per_token)
+
+    def _losses(self, state: Mapping[str, torch.Tensor], split: str) -> Generator[float, None, None]:
+        """``state``'s loss on each batch of ``split`` in turn (the tuner may stop part way)."""
         from pmakit.train.loop import swapped
 
         with swapped(self.trainer.model, state):
-            return evaluate(
-                self.trainer.model,
-                self._batches(split),
-                bytes_per_token=self.bytes_per_token,
-                compiled=self.compiled,
-            )
+            yield from batch_losses(self.trainer.model, self._batches(split), compiled=self.compiled)
 
     def _grid_cells(self, item: Mapping[str, Any], space: Space, scorer: Scorer) -> list[dict[str, Any]]:
         """The fork's grid merges as the tuner's parameters, best first on the selection split, each primed into
@@ -505,7 +504,7 @@ class _Grid:
 
     def _tune(self, item: Mapping[str, Any]) -> tuple[list[Snapshot], list[float], dict[str, Any]]:
         """``pmakit tune``'s search over the snapshots up to the fork's end, scored on the selection split."""
-        from pmakit.lab.tune import Scorer, Space, TuneConfig, chosen_candidate, search, spectrum_hint
+        from pmakit.lab.tune import Scorer, Space, TuneConfig, chosen_candidate, scored, search, spectrum_hint
 
         exp = self.study.exp
         config = TuneConfig(
@@ -516,7 +515,10 @@ class _Grid:
         )
         pool = [s for t, s in sorted(self.snapshots.items()) if t <= item["tokens"]]
         space = Space.of(pool, config)
-        scorer = Scorer(lambda c, split: self._score(self._average(c.snapshots, c.weights), split))
+        scorer = Scorer(
+            lambda c, split: self._losses(self._average(c.snapshots, c.weights), split),
+            bytes_per_token=self.bytes_per_token,
+        )
         hint = spectrum_hint(pool, config)  # the same first guess as `pmakit tune`
         grid = self._grid_cells(item, space, scorer)
         trials = search(space, scorer, config, [*grid[:5], *([hint["params"]] if hint else [])])
@@ -538,7 +540,9 @@ class _Grid:
                 **c.record(),
                 "trials": len(trials),
                 "evaluations": scorer.evaluations["selection"],  # the rest were the grid's, reused
-                "selection_loss": min(t["selection_loss"] for t in trials),
+                "stopped_early": scorer.stopped,
+                "batches_scored": scorer.batches["selection"],
+                "selection_loss": min(t["selection_loss"] for t in scored(trials)),
             },
         }
         return chosen, list(c.weights), row

@@ -590,6 +590,7 @@ def compute_blocks(experiment: dict[str, Any], rows: Sequence[Row] = ()) -> list
     per_eval = _product(batches, train.get("batch_size"), seq)
     if not forks or not params or per_eval is None:
         return []
+    per_batch = per_eval // int(batches or 1)  # per_eval is a product of positive ints, batches one of them
     budget = int(exp.get("tune_evals") or 0)
     tuned = {r.fork_tokens: r for r in rows if r.tune_trials is not None}
     table = []
@@ -598,20 +599,13 @@ def compute_blocks(experiment: dict[str, Any], rows: Sequence[Row] = ()) -> list
         if not isinstance(d, int) or not isinstance(e, int) or d <= 0:
             continue
         row = tuned.get(f.get("fork_tokens"))
-        trials = (row and row.tune_trials) or budget
-        evals = row.tune_evaluations if row and row.tune_evaluations is not None else trials
-        tuner = evals * per_eval / 3  # forward-only tokens, in training-token equivalents
-        reused = f" ({trials - evals} of {trials} trials reused the grid's scores)" if evals < trials else ""
         table.append(
             [
                 f"F{i}",
                 fmt.tokens(d),
                 f"{100 * d / e:.1f}%",
                 f"{10 * params * 4 / 1e6:.1f} MB",
-                f"{evals} x {fmt.tokens(per_eval)} tokens / 3 = {fmt.tokens(tuner)} ({100 * tuner / d:.0f}% of D)"
-                + reused
-                if trials
-                else "–",
+                _tuner_cost(row, budget, per_eval, per_batch, d),
             ]
         )
     seconds: dict[str, Any] = experiment["seconds"] if isinstance(experiment.get("seconds"), dict) else {}
@@ -627,11 +621,30 @@ def compute_blocks(experiment: dict[str, Any], rows: Sequence[Row] = ()) -> list
         Paragraph(
             "The anneal costs D more training tokens per fork point (its share of the run at F + D below). The "
             "fixed recipe costs reading 10 snapshots (fp32 size shown) and no training; the tuner costs its "
-            "trials' forward-only evaluations on the selection split, counted in training-token equivalents "
-            "(a forward pass is about a third of a training step)." + timing
+            "trials' forward-only evaluations on the selection split (a trial stopped early, clearly worse than "
+            "the best so far, counts the batches it scored), in training-token equivalents (a forward pass is "
+            "about a third of a training step)." + timing
         ),
         Table(["fork", "anneal D", "D / run", "fixed recipe reads", "tuner evaluations"], table, "lrrrr"),
     ]
+
+
+def _tuner_cost(row: Row | None, budget: int, per_eval: int, per_batch: int, anneal: int) -> str:
+    """The tuner's forward-only tokens at one fork, in training-token equivalents (a third of a training token)."""
+    trials = (row and row.tune_trials) or budget
+    if not trials:
+        return "–"
+    evals = row.tune_evaluations if row and row.tune_evaluations is not None else trials
+    notes = [f"{trials - evals} of {trials} trials reused the grid's scores"] if evals < trials else []
+    if row and row.tune_batches is not None:  # racing: trials stopped early scored fewer batches
+        scored = f"{row.tune_batches} batches x {fmt.tokens(per_batch)}"
+        tuner = row.tune_batches * per_batch / 3
+        if row.tune_stopped:
+            notes.append(f"{row.tune_stopped} stopped early, clearly worse")
+    else:
+        scored, tuner = f"{evals} x {fmt.tokens(per_eval)}", evals * per_eval / 3
+    tail = f" ({'; '.join(notes)})" if notes else ""
+    return f"{scored} tokens / 3 = {fmt.tokens(tuner)} ({100 * tuner / anneal:.0f}% of D){tail}"
 
 
 def _product(*xs: Any) -> int | None:

@@ -79,6 +79,10 @@ class Row:
     """A tuned row (results.jsonl only): the search's trials."""
     tune_evaluations: int | None = None
     """... and the evaluations it made (the rest reused the grid's scores); None: every trial was evaluated."""
+    tune_batches: int | None = None
+    """... and the selection batches they scored (trials stopped early by racing scored fewer); None: unknown."""
+    tune_stopped: int | None = None
+    """... how many of them were stopped early."""
 
     @property
     def key(self) -> tuple[object, ...]:
@@ -150,6 +154,8 @@ def parse_row(record: dict[str, Any]) -> Row:
     return Row(
         tune_trials=_int(tune.get("trials")),
         tune_evaluations=_int(tune.get("evaluations")),
+        tune_batches=_int(tune.get("batches_scored")),
+        tune_stopped=_int(tune.get("stopped_early")),
         batch_losses=_losses(record.get("batch_losses")),
         fork_tokens=_int(record.get("fork_tokens")),
         model=_text(record.get("model")).lower(),
@@ -212,7 +218,13 @@ def read_results(run_dir: Path, notes: list[str]) -> list[Row]:
     rows = [replace(r, batch_losses=losses.get(r.key)) if r.batch_losses is None else r for r in rows]
     tuned = {r.key: r for r in jsonl if r.tune_trials is not None}
     rows = [
-        replace(r, tune_trials=t.tune_trials, tune_evaluations=t.tune_evaluations)
+        replace(
+            r,
+            tune_trials=t.tune_trials,
+            tune_evaluations=t.tune_evaluations,
+            tune_batches=t.tune_batches,
+            tune_stopped=t.tune_stopped,
+        )
         if r.tune_trials is None and (t := tuned.get(r.key))
         else r
         for r in rows
