@@ -105,9 +105,15 @@ def test_tune_record_is_complete_and_the_merge_loads(
     record = _tune(tiny, out)
     saved = json.loads((out / "tune.json").read_text())
     assert saved["best_trial"] == record["best_trial"]
-    assert len(saved["trials"]) == 12  # the budget, baselines included
+    assert len(saved["trials"]) == 12 + 1  # the budget, baselines included, then the learned weights
+    learned = saved["trials"][-1]
+    assert learned["merge"]["family"] == "learned" and learned["learn"] == saved["learned"]
+    merges = [t for t in tune_mod.scored(saved["trials"][:-1]) if len(t["merge"]["tokens"]) > 1]
+    source = min(merges, key=lambda t: t["selection_loss"])  # the best trial that merges: its window
+    assert learned["params"]["learned_from"] == source["number"]
+    assert learned["merge"]["tokens"] == source["merge"]["tokens"]
     for t in saved["trials"]:
-        assert {"number", "params", "merge", "selection_loss"} <= set(t)
+        assert {"number", "params", "merge"} <= set(t) and (t["selection_loss"] is not None or t["stopped"])
         assert abs(sum(t["merge"]["weights"]) - 1) < 1e-5
     assert saved["trials"][0]["merge"]["tokens"] == [3840]  # the newest snapshot, enqueued first
     hint = saved[
@@ -115,7 +121,7 @@ def test_tune_record_is_complete_and_the_merge_loads(
     ]  # the SMA the trajectory's spectrum suggests, tried right after the baselines
     assert 2 <= hint["n"] <= 15 and hint["params"] in [t["params"] for t in saved["trials"][:3]]
     assert len(saved["trials"][1]["merge"]["tokens"]) == 10  # the fixed recipe, SMA of the last 10
-    best = min(saved["trials"], key=lambda t: t["selection_loss"])
+    best = min(tune_mod.scored(saved["trials"]), key=lambda t: t["selection_loss"])
     models = saved["models"]
     assert models["tuned"]["selection_loss"] == best["selection_loss"]
     assert models["tuned"]["selection_loss"] <= min(
@@ -268,6 +274,38 @@ def test_a_stopped_trial_leaves_the_model_as_it_was(tiny: dict[str, Path], cache
         torch.testing.assert_close(v, before[k], rtol=0, atol=0)
 
 
+def test_learned_weights_fit_the_selection_split_and_leave_the_model_alone(
+    tiny: dict[str, Path], cache: Path
+) -> None:
+    """The learned soup: weights on the simplex, a lower loss than the SMA it starts from on the batches it was fit
+    on, the model's own weights and mode untouched; the search keeps it only if it is better on selection."""
+    config = TuneConfig(batches=4, learn_steps=15)
+    snapshots = tune_mod._run_snapshots(tiny["run"])
+    space = tune_mod.Space.of(snapshots, config)
+    evaluator, _, _ = tune_mod._evaluator(tiny["run"], tiny["root"] / "x", snapshots, None, config)
+    model = evaluator.model
+    model.train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    sma = space.candidate({"end_back": 0, "v_mult": 1, "family": "sma", "n": 8})
+    weights, spent = evaluator.learn(sma, 15)
+    assert len(weights) == 8 and sum(weights) == pytest.approx(1) and min(weights) > 0
+    assert spent == 15 * tune_mod.LEARN_BATCHES and weights != pytest.approx(sma.weights, abs=1e-3)
+    scorer = tune_mod.Scorer(evaluator)
+    learned = tune_mod.Candidate(sma.snapshots, tuple(weights), {**sma.params, "family": "learned"})
+    assert scorer(learned, "selection").loss < scorer(sma, "selection").loss
+    assert model.training  # its mode restored
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+    # in a search: one more trial after the budget, chosen only if it is the best on selection
+    trials = tune_mod.search(space, scorer, TuneConfig(budget_evals=6, batches=4))
+    record = tune_mod.add_learned_trial(space, scorer, trials, evaluator.learn, config)
+    assert record is trials[-1] and record["learn"]["batches"] == spent and len(trials) == 7
+    chosen = tune_mod.chosen_candidate(space, trials)
+    best = min(tune_mod.scored(trials), key=lambda t: t["selection_loss"])
+    assert (chosen.params["family"] == "learned") == (best is record)
+    assert tune_mod.add_learned_trial(space, scorer, trials, None, config) is None  # --eval-cmd: no gradients
+
+
 def test_the_choice_ignores_the_test_split(
     tiny: dict[str, Path], cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -389,7 +427,8 @@ def test_experiment_headline_chosen_on_selection_reported_on_test(smoke_experime
         assert test["best"]["val_loss"] != chosen["val_loss"]  # ... scored again, on other files
         assert test["fixed"]["method"] == "sma" and test["fixed"]["n"] == 10
         assert test["fixed"]["v_tokens"] == exp["base_every_tokens"]
-        assert test["tuned"]["tune"]["trials"] == exp["config"]["experiment"]["tune_evals"]
+        learned = 1 if test["tuned"]["tune"]["learned_batches"] else 0  # the learned weights: one more trial
+        assert test["tuned"]["tune"]["trials"] == exp["config"]["experiment"]["tune_evals"] + learned
         # the search starts from the grid's best cells (their scores reused): it never picks worse on selection
         assert test["tuned"]["tune"]["selection_loss"] <= chosen["val_loss"]
         assert test["tuned"]["tune"]["evaluations"] < test["tuned"]["tune"]["trials"]
@@ -414,16 +453,17 @@ def test_experiment_headline_chosen_on_selection_reported_on_test(smoke_experime
     from pmakit.units import format_tokens
 
     compute = report.split("## Compute: anneal vs merge")[1].split("\n## ")[0]
-    trials = exp["config"]["experiment"]["tune_evals"]
     per_batch = 16 * 128
     for record in (r["tune"] for r in rows if r.get("tune")):  # the search's cost: the batches it scored
-        made, scored = record["evaluations"], record["batches_scored"]
-        assert record["evaluations"] * exp["heldout"]["batches"]["selection"] >= scored
+        made, scored, fit = record["evaluations"], record["batches_scored"], record["learned_batches"]
+        assert record["evaluations"] * exp["heldout"]["batches"]["selection"] >= scored and fit > 0
+        cost = format_tokens(scored * per_batch / 3 + fit * per_batch)  # a fit's batch: forward and backward
         assert (
-            f"{scored} batches x {format_tokens(per_batch)} tokens / 3 = {format_tokens(scored * per_batch / 3)}"
-            in compute
+            f"{scored} batches x {format_tokens(per_batch)} tokens / 3 + learned weights {fit} x "
+            f"{format_tokens(per_batch)} = {cost}" in compute
         )
-        assert f"({trials - made} of {trials} trials reused the grid's scores" in compute
+        n = record["trials"]
+        assert f"({n - made} of {n} trials reused the grid's scores" in compute
 
 
 def test_rows_of_an_older_run_are_set_aside_not_mixed(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import logging
 import math
 import os
 import shutil
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,8 +49,9 @@ def _mean_se(xs: Sequence[float]) -> tuple[float, float]:
     return mean, math.sqrt(var / n)
 
 
-def batch_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of next-token predictions; ``y`` is ``x`` shifted by one (no shift happens here)."""
+def batch_loss(model: Callable[..., Any], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of next-token predictions; ``y`` is ``x`` shifted by one (no shift happens here).
+    ``model``: a causal LM, or any callable taking ``input_ids=`` and returning an output with ``.logits``."""
     logits = model(input_ids=x).logits
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
 

@@ -58,7 +58,7 @@ from pmakit.units import format_tokens
 from pmakit.weights import get_weights
 
 if TYPE_CHECKING:
-    from pmakit.lab.tune import Scorer, Space
+    from pmakit.lab.tune import Candidate, Scorer, Space
 
 FIXED_N = 10
 """N of the fixed recipe row (the paper's default SMA at the configured V): no selection at all."""
@@ -98,6 +98,8 @@ class ExperimentConfig:
     """Held-out batches per split: the grid is scored on the selection split, the headline on the test split."""
     tune_evals: int = 0
     """Trials of ``pmakit tune``'s search (selection split) for a tuned merge at each fork (0: none)."""
+    tune_learn_steps: int = 20
+    """Steps of the tuner's learned weights over its best window (``pmakit.lab.tune.learn_weights``; 0: none)."""
     plane_grid: int = 0
     """Loss plane (E11, E12) at the final fork for the best SMA window: grid points per axis (0: skip it)."""
     plane_batches: int = 4
@@ -504,11 +506,21 @@ class _Grid:
 
     def _tune(self, item: Mapping[str, Any]) -> tuple[list[Snapshot], list[float], dict[str, Any]]:
         """``pmakit tune``'s search over the snapshots up to the fork's end, scored on the selection split."""
-        from pmakit.lab.tune import Scorer, Space, TuneConfig, chosen_candidate, scored, search, spectrum_hint
+        from pmakit.lab.tune import (
+            Scorer,
+            Space,
+            TuneConfig,
+            add_learned_trial,
+            chosen_candidate,
+            scored,
+            search,
+            spectrum_hint,
+        )
 
         exp = self.study.exp
         config = TuneConfig(
             budget_evals=exp.tune_evals,
+            learn_steps=exp.tune_learn_steps,
             seed=self.study.train.seed,
             max_n=2 * max((*exp.ns, FIXED_N)),  # room past the grid's edge
             v_multiples=tuple(sorted({1, *exp.v_multiples})),
@@ -522,6 +534,7 @@ class _Grid:
         hint = spectrum_hint(pool, config)  # the same first guess as `pmakit tune`
         grid = self._grid_cells(item, space, scorer)
         trials = search(space, scorer, config, [*grid[:5], *([hint["params"]] if hint else [])])
+        learned = add_learned_trial(space, scorer, trials, self._learn, config)
         c = chosen_candidate(space, trials)
         chosen, p = list(c.snapshots), c.params
         alpha = f"({p['alpha']:.2g})" if p.get("alpha") else ""
@@ -542,10 +555,17 @@ class _Grid:
                 "evaluations": scorer.evaluations["selection"],  # the rest were the grid's, reused
                 "stopped_early": scorer.stopped,
                 "batches_scored": scorer.batches["selection"],
+                "learned_batches": learned["learn"]["batches"] if learned else 0,
                 "selection_loss": min(t["selection_loss"] for t in scored(trials)),
             },
         }
         return chosen, list(c.weights), row
+
+    def _learn(self, candidate: Candidate, steps: int) -> tuple[list[float], int]:
+        from pmakit.lab.tune import learn_weights
+
+        states = [self._state(s) for s in candidate.snapshots]
+        return learn_weights(self.trainer.model, states, candidate.weights, self.batches, steps=steps)
 
     def _latest_result(self, tokens: int, split: str) -> EvalResult:
         if (tokens, split) not in self._latest:

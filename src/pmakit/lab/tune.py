@@ -11,7 +11,10 @@ and the fixed recipe: SMA of the last 10 snapshots at the run's interval), so th
 that is worse on selection than either. The other trials race (``race``): each is scored against the best trial so
 far on the same batches, and dropped once it is worse beyond doubt (paired t over the batches seen, one-sided p <
 0.001, looked at after a quarter, a half and three quarters of them), so a bad trial costs a fraction of an
-evaluation (the "racing" of Maron & Moore 1994 and irace; optuna records it as pruned). The chosen merge and both baselines are then scored once on the test
+evaluation (the "racing" of Maron & Moore 1994 and irace; optuna records it as pruned). Last, the weights over the
+best trial's window are fitted by gradient descent on the selection split (``learn_weights``: the "learned soup" of
+Wortsman et al. 2022, w = softmax(z), ``learn_steps`` Adam steps from the trial's own weights), scored in full on
+selection and kept as one more trial: chosen only if better there. The chosen merge and both baselines are then scored once on the test
 split, with paired standard errors over the test batches, and the chosen merge is written by the streaming engine
 (``pmakit.merge.merge``) into OUT, which loads like any merge; OUT/tune.json records every trial.
 
@@ -40,7 +43,7 @@ import numpy as np
 import torch
 
 from pmakit.errors import PmakitError
-from pmakit.evaluate import EvalResult, batch_losses, paired_difference, result_of
+from pmakit.evaluate import EvalResult, batch_loss, batch_losses, paired_difference, result_of
 from pmakit.runs import MAIN_RUN, atomic_write_json, snapshots_dir
 from pmakit.snapshot import Snapshot
 from pmakit.train.data import HeldOut
@@ -83,6 +86,8 @@ class TuneConfig:
     selection or test; it prints the loss as the last number on stdout."""
     force: bool = False
     """Replace OUT if it is a previous merge."""
+    learn_steps: int = 20
+    """Steps of the learned weights over the best trial's window (``learn_weights``; 0: none). In memory only."""
     race: bool = True
     """Stop a trial once it is clearly worse than the best so far (``Scorer.race``); False: every trial in full."""
     compile: bool = False
@@ -101,6 +106,8 @@ class TuneConfig:
             raise PmakitError(
                 f"--batches must be at least 2 (a standard error needs two), got {self.batches}"
             )
+        if self.learn_steps < 0:
+            raise PmakitError(f"--learn-steps must be 0 (none) or positive, got {self.learn_steps}")
         if self.max_n < 1 or min(self.v_multiples, default=0) < 1:
             raise PmakitError("max_n and the V multiples must be positive")
         unknown = sorted(set(self.families) - set(FAMILIES))
@@ -339,6 +346,52 @@ class InMemory:
         with swapped(self.model, state):
             yield from batch_losses(self.model, self.batches[split], compiled=self.compiled)
 
+    def learn(self, candidate: Candidate, steps: int) -> tuple[list[float], int]:
+        """``learn_weights`` over the candidate's snapshots on the selection split."""
+        states = [self._state(s) for s in candidate.snapshots]
+        return learn_weights(self.model, states, candidate.weights, self.batches["selection"], steps=steps)
+
+
+Learn = Callable[[Candidate, int], tuple[list[float], int]]
+"""Fits a candidate's weights on the selection split: (weights, forward-backward batches it took)."""
+LEARN_LR = 0.1
+LEARN_BATCHES = 8
+"""Selection batches per step of ``learn_weights`` (taken in turn)."""
+
+
+def learn_weights(
+    model: torch.nn.Module,
+    states: Sequence[Mapping[str, torch.Tensor]],
+    start: Sequence[float],
+    batches: Sequence[Any],
+    *,
+    steps: int,
+) -> tuple[list[float], int]:
+    """Merge weights fitted by gradient descent (the "learned soup" of Wortsman et al. 2022, arXiv 2203.05482):
+    w = softmax(z) over the snapshots, z from ``start``; Adam on the mean loss of ``LEARN_BATCHES`` batches of the
+    given split a step, taken in turn. Weights stay on the simplex; the model's own weights are untouched.
+    Returns the weights and the forward-backward batches spent."""
+    names = [k for k, v in states[0].items() if v.is_floating_point()]
+    stacked = {k: torch.stack([s[k].float() for s in states]) for k in names}
+    z = torch.tensor([math.log(max(w, 1e-4)) for w in start], requires_grad=True)
+    optimizer = torch.optim.Adam([z], lr=LEARN_LR)
+    was_training, spent = model.training, 0
+    model.eval()
+    try:
+        for step in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            w = torch.softmax(z, 0)
+            merged = {k: torch.einsum("n,n...->...", w, v) for k, v in stacked.items()}
+            chunk = [batches[(step * LEARN_BATCHES + i) % len(batches)] for i in range(LEARN_BATCHES)]
+            for x, y in chunk:
+                loss = batch_loss(_with_params(model, merged), x, y)
+                (loss / len(chunk)).backward(retain_graph=True)
+            spent += len(chunk)
+            optimizer.step()
+    finally:
+        model.train(was_training)
+    return torch.softmax(z.detach(), 0).tolist(), spent
+
 
 class Command:
     """A user command scores each candidate merge, written to a scratch directory by the streaming engine."""
@@ -460,7 +513,9 @@ def tune(run: str | Path, out: str | Path, *, data: str | None = None, config: T
         scorer = Scorer(evaluator)
         hint = spectrum_hint(snapshots, config) if config.eval_cmd is None else None
         trials = search(space, scorer, config, [hint["params"]] if hint else [])
+        learned = add_learned_trial(space, scorer, trials, getattr(evaluator, "learn", None), config)
         record = _confirm(space, scorer, trials, config)
+        record["learned"] = learned and learned["learn"]
         record["spectrum_hint"] = hint
     finally:
         if scratch is not None:
@@ -600,6 +655,42 @@ def search(
     return records
 
 
+def _with_params(model: torch.nn.Module, params: Mapping[str, torch.Tensor]) -> Callable[..., Any]:
+    """``model``'s forward with ``params`` in place of its own (``torch.func.functional_call``: differentiable in
+    them, the module untouched)."""
+    from torch.func import functional_call
+
+    return lambda **inputs: functional_call(model, dict(params), (), inputs)
+
+
+def add_learned_trial(
+    space: Space, scorer: Scorer, trials: list[dict[str, Any]], learn: Learn | None, config: TuneConfig
+) -> dict[str, Any] | None:
+    """Weights learned over the window of the best trial that merges (``learn_weights``, on the selection split),
+    scored in full on selection and appended as one more trial: the choice (lowest selection loss) takes it only if
+    it is better there. Returns its record with what the fit cost (None: no learning asked, or no merge scored)."""
+    merges = [r for r in scored(trials) if len(r["merge"]["tokens"]) > 1]
+    if learn is None or not config.learn_steps or not merges:
+        return None
+    best = min(merges, key=lambda r: r["selection_loss"])
+    base = chosen_candidate(space, [best])
+    t = time.perf_counter()
+    weights, spent = learn(base, config.learn_steps)
+    learned = Candidate(base.snapshots, tuple(weights), {**base.params, "family": "learned", "alpha": None})
+    result = scorer(learned, "selection")
+    record = {
+        "number": len(trials),
+        "params": {"learned_from": best["number"], "steps": config.learn_steps},
+        "merge": learned.record(),
+        "selection_loss": result.loss,
+        "selection_loss_se": _finite(result.loss_se),
+        "seconds": _since(t),
+        "learn": {"steps": config.learn_steps, "batches": spent, "from_trial": best["number"]},
+    }
+    trials.append(record)
+    return record
+
+
 def _since(t: float) -> float:
     return round(time.perf_counter() - t, 3)
 
@@ -732,6 +823,13 @@ def render(record: Mapping[str, Any]) -> str:
     for key, c in record["comparisons"].items():
         se = f" ± {c['delta_se']:.4f} (paired s.e.)" if c["delta_se"] is not None else " (no s.e.)"
         lines.append(f"  test: {key} = {c['delta']:+.4f}{se}")
+    if record.get("learned"):
+        learned = record["learned"]
+        kept = "kept: better on selection" if m["family"] == "learned" else "not kept: no better on selection"
+        lines.append(
+            f"  learned weights over trial {learned['from_trial']}'s window ({learned['steps']} steps, "
+            f"{learned['batches']} batches): {kept}"
+        )
     if record.get("stopped_early"):
         lines.append(
             f"  {record['stopped_early']} of {len(record['trials'])} trials stopped early, clearly worse than the "

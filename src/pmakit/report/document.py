@@ -623,7 +623,8 @@ def compute_blocks(experiment: dict[str, Any], rows: Sequence[Row] = ()) -> list
             "fixed recipe costs reading 10 snapshots (fp32 size shown) and no training; the tuner costs its "
             "trials' forward-only evaluations on the selection split (a trial stopped early, clearly worse than "
             "the best so far, counts the batches it scored), in training-token equivalents (a forward pass is "
-            "about a third of a training step)." + timing
+            "about a third of a training step), plus the forward and backward passes that fit its learned "
+            "weights (a training step each)." + timing
         ),
         Table(["fork", "anneal D", "D / run", "fixed recipe reads", "tuner evaluations"], table, "lrrrr"),
     ]
@@ -643,8 +644,12 @@ def _tuner_cost(row: Row | None, budget: int, per_eval: int, per_batch: int, ann
             notes.append(f"{row.tune_stopped} stopped early, clearly worse")
     else:
         scored, tuner = f"{evals} x {fmt.tokens(per_eval)}", evals * per_eval / 3
+    scored = f"{scored} tokens / 3"
+    if row and row.tune_learned:  # forward and backward: a training step's tokens each
+        scored += f" + learned weights {row.tune_learned} x {fmt.tokens(per_batch)}"
+        tuner += row.tune_learned * per_batch
     tail = f" ({'; '.join(notes)})" if notes else ""
-    return f"{scored} tokens / 3 = {fmt.tokens(tuner)} ({100 * tuner / anneal:.0f}% of D){tail}"
+    return f"{scored} = {fmt.tokens(tuner)} ({100 * tuner / anneal:.0f}% of D){tail}"
 
 
 def _product(*xs: Any) -> int | None:

@@ -83,6 +83,8 @@ class Row:
     """... and the selection batches they scored (trials stopped early by racing scored fewer); None: unknown."""
     tune_stopped: int | None = None
     """... how many of them were stopped early."""
+    tune_learned: int | None = None
+    """... and the forward-backward batches its learned weights took (each about a training step's compute)."""
 
     @property
     def key(self) -> tuple[object, ...]:
@@ -156,6 +158,7 @@ def parse_row(record: dict[str, Any]) -> Row:
         tune_evaluations=_int(tune.get("evaluations")),
         tune_batches=_int(tune.get("batches_scored")),
         tune_stopped=_int(tune.get("stopped_early")),
+        tune_learned=_int(tune.get("learned_batches")),
         batch_losses=_losses(record.get("batch_losses")),
         fork_tokens=_int(record.get("fork_tokens")),
         model=_text(record.get("model")).lower(),
@@ -224,6 +227,7 @@ def read_results(run_dir: Path, notes: list[str]) -> list[Row]:
             tune_evaluations=t.tune_evaluations,
             tune_batches=t.tune_batches,
             tune_stopped=t.tune_stopped,
+            tune_learned=t.tune_learned,
         )
         if r.tune_trials is None and (t := tuned.get(r.key))
         else r
