@@ -92,6 +92,28 @@ def test_changed_config_on_resume_is_refused(smoke: tuple[Path, str], tmp_path: 
     assert proc.returncode != 0 and proc.stderr.startswith("Error: ") and "train.lr" in proc.stderr
 
 
+def test_a_run_from_an_older_pmakit_resumes_when_only_new_keys_at_their_defaults_differ(tmp_path: Path) -> None:
+    """A key added to train: or experiment: after the run was started, at its default, changes nothing: resume;
+    the same key at another value is a changed config."""
+    import json
+
+    from pmakit.errors import PmakitError
+    from pmakit.lab.pma import _check_same_config
+
+    from pmakit.config import load
+
+    smoke = load(None, "smoke", "demo")
+    study = resolve(smoke)
+    _check_same_config(tmp_path, study)  # stamps config.json
+    saved = json.loads((tmp_path / "config.json").read_text())
+    del saved["train"]["compile"], saved["experiment"]["tune_learn_steps"]  # as an older pmakit wrote it
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    _check_same_config(tmp_path, study)
+    changed = resolve({**smoke, "train": {**smoke["train"], "compile": "on"}})
+    with pytest.raises(PmakitError, match=r"changed: train\.compile"):
+        _check_same_config(tmp_path, changed)
+
+
 def test_forks_are_aligned_to_the_snapshot_grid() -> None:
     train = {"every_tokens": 10240, "warmup_tokens": 1000, "batch_size": 10, "model": {"seq_len": 128}}
     study = resolve({"train": train, "experiment": {"forks": ["400K"]}})

@@ -20,6 +20,7 @@ Re-running into the same directory resumes: finished training and finished evalu
 from __future__ import annotations
 
 import csv
+import dataclasses
 import datetime
 import json
 import logging
@@ -775,12 +776,11 @@ def _check_same_config(run_dir: Path, study: Study) -> None:
         for key in _ANALYSIS_ONLY:  # they change no result row, so a resumed study may turn them on or off
             for d in (saved.get("experiment", {}), current["experiment"]):
                 d.pop(key, None)
-        defaults = asdict(ExperimentConfig())
-        for key, value in list(
-            current["experiment"].items()
-        ):  # a key newer than the saved run, at its default
-            if key not in saved.get("experiment", {}) and value == _jsonable(defaults.get(key)):
-                saved.setdefault("experiment", {})[key] = value
+        defaults = {"train": _defaults(TrainConfig), "experiment": _defaults(ExperimentConfig)}
+        for section, values in current.items():  # a key newer than the saved run, at its default
+            for key, value in values.items():
+                if key not in saved.get(section, {}) and value == defaults[section].get(key):
+                    saved.setdefault(section, {})[key] = value
         if saved != current:
             changed = sorted(
                 f"{section}.{k}"
@@ -794,6 +794,17 @@ def _check_same_config(run_dir: Path, study: Study) -> None:
             )
     else:
         stamp.write_text(json.dumps(current, indent=2) + "\n")
+
+
+def _defaults(cls: type) -> dict[str, Any]:
+    """A config dataclass's field defaults, as stamped in config.json (its fields need not make a valid config)."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return _jsonable(out)
 
 
 class _bar:
