@@ -92,15 +92,16 @@ def test_changed_config_on_resume_is_refused(smoke: tuple[Path, str], tmp_path: 
     assert proc.returncode != 0 and proc.stderr.startswith("Error: ") and "train.lr" in proc.stderr
 
 
-def test_a_run_from_an_older_pmakit_resumes_when_only_new_keys_at_their_defaults_differ(tmp_path: Path) -> None:
+def test_a_run_from_an_older_pmakit_resumes_when_only_new_keys_at_their_defaults_differ(
+    tmp_path: Path,
+) -> None:
     """A key added to train: or experiment: after the run was started, at its default, changes nothing: resume;
     the same key at another value is a changed config."""
     import json
 
+    from pmakit.config import load
     from pmakit.errors import PmakitError
     from pmakit.lab.pma import _check_same_config
-
-    from pmakit.config import load
 
     smoke = load(None, "smoke", "demo")
     study = resolve(smoke)

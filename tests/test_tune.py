@@ -252,17 +252,21 @@ def test_a_search_with_racing_keeps_the_baselines_whole_and_picks_a_complete_tri
     assert all(t["selection_loss"] is not None for t in no_race)
 
 
+def _in_memory(tiny: dict[str, Path], config: TuneConfig) -> tuple[Any, Any, dict[str, torch.Tensor]]:
+    """The tiny run's space and in-memory evaluator (its model in training mode), with the model's own weights."""
+    snapshots = tune_mod._run_snapshots(tiny["run"])
+    evaluator, _, _ = tune_mod._evaluator(tiny["run"], tiny["root"] / "x", snapshots, None, config)
+    evaluator.model.train()
+    before = {k: v.clone() for k, v in evaluator.model.state_dict().items()}
+    return tune_mod.Space.of(snapshots, config), evaluator, before
+
+
 def test_a_stopped_trial_leaves_the_model_as_it_was(tiny: dict[str, Path], cache: Path) -> None:
     """Stopping an in-memory evaluation part way restores the model's own weights and its training mode."""
     from pmakit.evaluate import result_of
 
-    config = TuneConfig(batches=8)
-    snapshots = tune_mod._run_snapshots(tiny["run"])
-    space = tune_mod.Space.of(snapshots, config)
-    evaluator, _, _ = tune_mod._evaluator(tiny["run"], tiny["root"] / "x", snapshots, None, config)
+    space, evaluator, before = _in_memory(tiny, TuneConfig(batches=8))
     model = evaluator.model
-    model.train()
-    before = {k: v.clone() for k, v in model.state_dict().items()}
     scorer = tune_mod.Scorer(evaluator)
     sma = {"end_back": 0, "v_mult": 1, "family": "sma"}
     good = scorer(space.candidate({**sma, "n": 8}), "selection")
@@ -280,12 +284,8 @@ def test_learned_weights_fit_the_selection_split_and_leave_the_model_alone(
     """The learned soup: weights on the simplex, a lower loss than the SMA it starts from on the batches it was fit
     on, the model's own weights and mode untouched; the search keeps it only if it is better on selection."""
     config = TuneConfig(batches=4, learn_steps=15)
-    snapshots = tune_mod._run_snapshots(tiny["run"])
-    space = tune_mod.Space.of(snapshots, config)
-    evaluator, _, _ = tune_mod._evaluator(tiny["run"], tiny["root"] / "x", snapshots, None, config)
+    space, evaluator, before = _in_memory(tiny, config)
     model = evaluator.model
-    model.train()
-    before = {k: v.clone() for k, v in model.state_dict().items()}
     sma = space.candidate({"end_back": 0, "v_mult": 1, "family": "sma", "n": 8})
     weights, spent = evaluator.learn(sma, 15)
     assert len(weights) == 8 and sum(weights) == pytest.approx(1) and min(weights) > 0
