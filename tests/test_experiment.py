@@ -104,6 +104,9 @@ def test_a_run_from_an_older_pmakit_resumes_when_only_new_keys_at_their_defaults
     from pmakit.lab.pma import _check_same_config
 
     smoke = load(None, "smoke", "demo")
+    smoke["experiment"]["tune_learn_steps"] = (
+        ExperimentConfig.tune_learn_steps
+    )  # the default, as before the key
     study = resolve(smoke)
     _check_same_config(tmp_path, study)  # stamps config.json
     saved = json.loads((tmp_path / "config.json").read_text())
