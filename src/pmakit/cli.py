@@ -920,9 +920,9 @@ def analyze(
     type=int,
     default=20,
     show_default=True,
-    help="After the search: fit the weights over the best window by gradient descent on the selection split "
-    "(a learned soup, w = softmax(z)), this many Adam steps of 8 batches; kept only if better on selection. 0: "
-    "off. Not with --eval-cmd.",
+    help="After the search (outside its budget): fit the weights over the best window by gradient descent on the "
+    "selection split (a learned soup, w = softmax(z)), this many Adam steps of 8 batches; kept only if better on "
+    "selection. 0: off. Not with --eval-cmd.",
 )
 @click.option(
     "--race/--no-race",

@@ -12,11 +12,12 @@ that is worse on selection than either. The other trials race (``race``): each i
 far on the same batches, and dropped once it is worse beyond doubt (paired t over the batches seen, one-sided p <
 0.001, looked at after a quarter, a half and three quarters of them), so a bad trial costs a fraction of an
 evaluation (the "racing" of Maron & Moore 1994 and irace; optuna records it as pruned). Last, the weights over the
-best trial's window are fitted by gradient descent on the selection split (``learn_weights``: the "learned soup" of
-Wortsman et al. 2022, w = softmax(z), ``learn_steps`` Adam steps from the trial's own weights), scored in full on
-selection and kept as one more trial: chosen only if better there. The chosen merge and both baselines are then scored once on the test
-split, with paired standard errors over the test batches, and the chosen merge is written by the streaming engine
-(``pmakit.merge.merge``) into OUT, which loads like any merge; OUT/tune.json records every trial.
+window of the best trial that merges are fitted by gradient descent on the selection split (``learn_weights``: the
+"learned soup" of Wortsman et al. 2022, w = softmax(z), ``learn_steps`` Adam steps from the trial's own weights),
+scored in full on selection and kept as one more trial: chosen only if better there. The chosen merge and both
+baselines are then scored once on the test split, with paired standard errors over the test batches, and the chosen
+merge is written by the streaming engine (``pmakit.merge.merge``) into OUT, which loads like any merge;
+OUT/tune.json records every trial.
 
 Models are evaluated in memory (built from the newest snapshot's config.json, weights swapped in per trial). For
 a model too big for that, ``eval_cmd`` runs a user command on each candidate merge written to disk.
@@ -87,7 +88,8 @@ class TuneConfig:
     force: bool = False
     """Replace OUT if it is a previous merge."""
     learn_steps: int = 20
-    """Steps of the learned weights over the best trial's window (``learn_weights``; 0: none). In memory only."""
+    """Steps of the learned weights over the best merging trial's window (``learn_weights``; 0: none), after the
+    search and outside its budget. In memory only."""
     race: bool = True
     """Stop a trial once it is clearly worse than the best so far (``Scorer.race``); False: every trial in full."""
     compile: bool = False
