@@ -374,7 +374,6 @@ def learn_weights(
     given split a step, taken in turn. Weights stay on the simplex; the model's own weights are untouched.
     Returns the weights and the forward-backward batches spent."""
     names = [k for k, v in states[0].items() if v.is_floating_point()]
-    stacked = {k: torch.stack([s[k].float() for s in states]) for k in names}
     z = torch.tensor([math.log(max(w, 1e-4)) for w in start], requires_grad=True)
     optimizer = torch.optim.Adam([z], lr=LEARN_LR)
     was_training, spent = model.training, 0
@@ -383,7 +382,8 @@ def learn_weights(
         for step in range(steps):
             optimizer.zero_grad(set_to_none=True)
             w = torch.softmax(z, 0)
-            merged = {k: torch.einsum("n,n...->...", w, v) for k, v in stacked.items()}
+            # a sum over the snapshots' own tensors (fp32 ones are not copied), not a stacked copy of the window
+            merged = {k: _weighted(w, [s[k] for s in states]) for k in names}
             chunk = [batches[(step * LEARN_BATCHES + i) % len(batches)] for i in range(LEARN_BATCHES)]
             for x, y in chunk:
                 loss = batch_loss(_with_params(model, merged), x, y)
@@ -655,6 +655,14 @@ def search(
             catch=(),
         )
     return records
+
+
+def _weighted(w: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """sum_i w_i t_i in fp32, differentiable in ``w``."""
+    out = w[0] * tensors[0].float()
+    for i in range(1, len(tensors)):
+        out = out + w[i] * tensors[i].float()
+    return out
 
 
 def _with_params(model: torch.nn.Module, params: Mapping[str, torch.Tensor]) -> Callable[..., Any]:
