@@ -9,7 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -216,19 +216,12 @@ def read_results(run_dir: Path, notes: list[str]) -> list[Row]:
     except (OSError, csv.Error) as e:
         notes.append(f"results are unreadable ({e.__class__.__name__}): no evaluation results to show.")
         return []
-    # per-batch losses and the tuner's record live in the JSONL only; the last record of a model wins, as in the CSV
+    # per-batch losses and the tuner's record (every tune_* field) live in the JSONL only; the last record of a model wins, as in the CSV
     losses = {r.key: r.batch_losses for r in jsonl if r.batch_losses}
     rows = [replace(r, batch_losses=losses.get(r.key)) if r.batch_losses is None else r for r in rows]
     tuned = {r.key: r for r in jsonl if r.tune_trials is not None}
     rows = [
-        replace(
-            r,
-            tune_trials=t.tune_trials,
-            tune_evaluations=t.tune_evaluations,
-            tune_batches=t.tune_batches,
-            tune_stopped=t.tune_stopped,
-            tune_learned=t.tune_learned,
-        )
+        replace(r, **{f.name: getattr(t, f.name) for f in fields(Row) if f.name.startswith("tune_")})
         if r.tune_trials is None and (t := tuned.get(r.key))
         else r
         for r in rows
