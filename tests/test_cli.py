@@ -1,6 +1,8 @@
 """The merge and inspect commands through the real entry point: results, and one-line errors for bad input."""
 
 import json
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -210,3 +212,19 @@ def test_inspect_of_a_long_run_fits_80_columns_and_shows_the_window(make_run: Ca
     assert len(lines) < 30 and max(map(len, lines)) <= 80
     assert "step-004000" in proc.stdout and "step-003000" not in proc.stdout  # the last 10 only
     assert "step-003000" in run_cli("inspect", run, "--all", env={"COLUMNS": "80"}).stdout
+
+
+def test_sigterm_while_the_command_is_leaving_prints_no_traceback() -> None:
+    # torchrun and `pmakit train --replicas` stop the other copies with SIGTERM when one fails; a copy already past
+    # its command (in the interpreter's exit hooks) must end with 143, not print a SystemExit traceback (a CI flake).
+    code = (
+        "import atexit, os, signal, sys\n"
+        "atexit.register(lambda: os.kill(os.getpid(), signal.SIGTERM))\n"
+        "sys.argv = ['pmakit', 'merge', '--help']\n"
+        "from pmakit._env import run_cli\n"
+        "run_cli()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 143
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "Usage: pmakit merge" in done.stdout  # what the command printed before the signal is kept

@@ -62,6 +62,17 @@ def cli() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
+def _exit_quietly(*_: object) -> None:
+    """SIGTERM once the command has returned (torchrun or the replica launcher stopping a copy that is already
+    leaving): nothing is left to unwind, and a SystemExit raised inside an exit hook would print a traceback."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001, S110  (a stream closed or mid-write: exiting anyway)
+            pass
+    os._exit(143)
+
+
 def _tokens(_: click.Context, __: click.Parameter, value: str | None) -> int | None:
     return None if value is None else _convert(parse_tokens, value)
 
@@ -952,7 +963,10 @@ def tune(run_dir: Path, data: str | None, output: Path, quiet: bool, **options: 
 
 def main() -> None:
     """Console-script entry point."""
-    cli(prog_name="pmakit")
+    try:
+        cli(prog_name="pmakit")
+    finally:
+        signal.signal(signal.SIGTERM, _exit_quietly)
 
 
 if __name__ == "__main__":
