@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -66,10 +66,8 @@ def _exit_quietly(*_: object) -> None:
     """SIGTERM once the command has returned (torchrun or the replica launcher stopping a copy that is already
     leaving): nothing is left to unwind, and a SystemExit raised inside an exit hook would print a traceback."""
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with suppress(Exception):  # a stream closed or mid-write: exiting anyway
             stream.flush()
-        except Exception:  # noqa: BLE001, S110  (a stream closed or mid-write: exiting anyway)
-            pass
     os._exit(143)
 
 
