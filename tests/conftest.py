@@ -167,3 +167,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if shared[item.nodeid]:
             item.add_marker(pytest.mark.xdist_group(root(shared[item.nodeid][0]).replace("::", ".")))
+
+
+
+class _LoadGroupCheck:
+    """Fails the run if pytest-xdist did not tag the grouped tests (a pytest/xdist pair that no longer agree)."""
+
+    @pytest.hookimpl(trylast=True)  # after xdist's worker hook has added "@group" to each grouped test's id
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        if not getattr(config.option, "loadgroup", False):
+            return
+        untagged = [i.nodeid for i in items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
+        if untagged:
+            raise pytest.UsageError(
+                f"pytest-xdist did not apply --dist loadgroup (pytest {pytest.__version__}): {untagged[0]} has an "
+                "xdist_group but no @group in its id, so every worker would build the groups' study runs again; "
+                "see the pytest pin in pyproject.toml"
+            )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(_LoadGroupCheck(), "pmakit-loadgroup-check")
