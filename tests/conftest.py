@@ -169,7 +169,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(root(shared[item.nodeid][0]).replace("::", ".")))
 
 
-
 class _LoadGroupCheck:
     """Fails the run if pytest-xdist did not tag the grouped tests (a pytest/xdist pair that no longer agree)."""
 
