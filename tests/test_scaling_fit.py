@@ -78,6 +78,34 @@ def test_held_out_size_is_predicted_by_each_kind_and_the_targets_follow() -> Non
     assert targets["fits_agree_within"]["max_abs_rel_gap"] == pytest.approx(worst)
 
 
+def test_backtest_predicts_each_fitted_size_from_the_smaller_ones_and_flags_a_law_that_does_not_extrapolate() -> (
+    None
+):
+    # On points that follow the law, every fitted size from the third on is predicted from the smaller ones alone.
+    study = fit_study(synthetic(TRUTH, 0.0, 0) + synthetic(TRUTH, 0.0, 0, kind="merge"), bootstrap=0)
+    assert sorted({p.n for p in study.backtest}) == list(SIZES[3:-1])  # never the held-out size
+    assert [p.d for p in study.backtest if p.n == SIZES[3]] == list(BUDGETS)
+    assert all(abs(e) < 1e-3 for p in study.backtest for e in p.rel_error.values() if e is not None)
+    assert study.targets(0.01)["backtest_within"]["met"] is True
+
+    # Larger models gain more from more tokens (an N x D interaction the law cannot express): the backtest misses,
+    # naming its worst point, before the held-out size is used.
+    def bend(n: float, d: float) -> float:
+        return float(TRUTH(n, d) - 0.5 * (n / 1e5) ** 0.5 * (d / 4e6) ** 2)
+
+    points = [Point(n, d, bend(n, d), kind) for n in SIZES for d in BUDGETS for kind in ("anneal", "merge")]
+    bent = fit_study(points, bootstrap=0)
+    back = bent.targets(0.01)["backtest_within"]
+    assert back["met"] is False and back["max_abs_rel_error"] > 0.02
+    assert back["sizes"] == list(SIZES[3:-1]) and back["d"] == max(BUDGETS)
+    at = next(p for p in bent.backtest if (p.n, p.d) == (back["n"], back["d"]))
+    assert at.rel_error["merge"] == pytest.approx(at.predicted["merge"] / bend(at.n, at.d) - 1)
+    assert abs(at.rel_error["merge"]) == pytest.approx(back["max_abs_rel_error"])
+    # Three fitted sizes: nothing to backtest (from two sizes the law's N part is not identified).
+    three = [p for p in points if p.n != SIZES[3]]
+    assert fit_study(three, bootstrap=0).backtest == []
+
+
 def test_too_few_points_is_one_clear_error() -> None:
     with pytest.raises(PmakitError, match="at least 6 points"):
         fit_law(synthetic(TRUTH, 0.0, 0)[:5])
@@ -102,7 +130,12 @@ def test_cli_fits_a_users_csv_and_writes_json_and_plot(tmp_path: Path) -> None:
     )
     assert result.exit_code == 0, result.output
     assert "alpha" in result.output and "Held out: N = 1,600,000" in result.output
+    assert "Backtest (each fitted size from the smaller ones):" in result.output
+    assert "within" in next(
+        x for x in result.output.splitlines() if x.startswith("Backtest on the fitted sizes")
+    )
     record = json.loads((tmp_path / "out" / "scaling_fit.json").read_text())
+    assert {p["n"] for p in record["backtest"]} == {SIZES[3]} and record["targets"]["backtest_within"]["met"]
     assert set(record["fits"]) == {"merge", "anneal"}
     assert record["fits"]["anneal"]["law"]["alpha"] == pytest.approx(TRUTH.alpha, abs=0.05)
     assert record["targets"]["heldout_within"]["met"] is True

@@ -348,6 +348,9 @@ class StudyFit:
     """The held-out points."""
     delta: float = HUBER_DELTA
     """Huber delta of the fits."""
+    backtest: list[Prediction] = field(default_factory=list)
+    """Each fitted size from the fourth smallest on, predicted by laws fitted on the smaller fitted sizes only (no
+    intervals): how well the law extrapolates in size on these runs, known without the held-out size."""
 
     def targets(self, tolerance: float = 0.01) -> dict[str, Any]:
         """The scaling study's targets, each with its numbers and met / missed."""
@@ -385,6 +388,16 @@ class StudyFit:
         bound = {kind: f.at_bound for kind, f in self.fits.items() if f.at_bound}
         if bound:
             out["at_bound"] = bound
+        backtest = [(abs(e), p) for p in self.backtest if (e := p.rel_error.get("merge")) is not None]
+        if backtest:
+            worst, at = max(backtest, key=lambda x: x[0])
+            out["backtest_within"] = {
+                "max_abs_rel_error": worst,
+                "n": at.n,
+                "d": at.d,
+                "sizes": sorted({p.n for _, p in backtest}),
+                "met": worst <= tolerance,
+            }
         return out
 
 
@@ -409,10 +422,46 @@ def fit_study(
                 raise PmakitError(f"{kind} points: {e}") from None
     if not fits:
         raise PmakitError(f"no {' or '.join(KINDS)} points to fit")
-    return StudyFit(fits, held, _predictions(points, held, fits))
+    fitted = [p for p in points if p.n != held]
+    return StudyFit(fits, held, _predictions(points, held, fits), backtest=backtest(fitted))
 
 
-def _predictions(points: Sequence[Point], held: float | None, fits: Mapping[str, Fit]) -> list[Prediction]:
+def backtest(points: Sequence[Point]) -> list[Prediction]:
+    """Each size of ``points`` from the fourth smallest on, predicted from the smaller sizes alone: per kind, the law
+    fitted on the points below that size (the same fit, without bootstrap) against that size's annealed loss.
+
+    What the held-out prediction does, rehearsed on sizes the study already fits: a law that misses here will miss
+    the held-out size too, and that is known without looking at it. It starts at the fourth size: from two sizes,
+    E, A and alpha are not identified and the extrapolation in N is arbitrary. A size whose smaller sizes give too
+    few points for a fit is left out."""
+    sizes = sorted({p.n for p in points})
+    out = []
+    for n in sizes[3:]:
+        laws = {}
+        for kind in KINDS:
+            below = [p for p in points if p.kind == kind and p.n < n]
+            try:
+                laws[kind] = fit_law(below)[0]
+            except PmakitError:
+                continue
+        if laws:
+            out += _predictions(points, n, {k: _LawOnly(law) for k, law in laws.items()})
+    return out
+
+
+@dataclass(frozen=True)
+class _LawOnly:
+    """A law without bootstrap samples, where ``_predictions`` wants a ``Fit``: its interval is unknown."""
+
+    law: Law
+
+    def predict_interval(self, n: float, d: float) -> tuple[float, float]:
+        return (math.nan, math.nan)
+
+
+def _predictions(
+    points: Sequence[Point], held: float | None, fits: Mapping[str, Fit | _LawOnly]
+) -> list[Prediction]:
     if held is None:
         return []
     at = {(p.kind, p.d): p.loss for p in points if p.n == held}
@@ -448,6 +497,7 @@ def to_json(study: StudyFit) -> dict[str, Any]:
         "holdout_n": study.holdout_n,
         "fits": fits,
         "predictions": [asdict(p) for p in study.predictions],
+        "backtest": [asdict(p) for p in study.backtest],
         "targets": study.targets(),
     }
 
