@@ -73,6 +73,9 @@ def test_report_and_summary(smoke: tuple[Path, str]) -> None:
     for name in ("report.md", "report.html", "curves.csv", "results.jsonl"):
         assert (run / name).stat().st_size > 0, name
     assert "report" in stdout
+    # the summary's table cuts no label: the tuned merge's names its window whole ("... ending at 5.98M")
+    tuned = max((r for r in rows(run) if r["role"] == "tuned"), key=lambda r: int(r["fork_tokens"]))
+    assert f"tuned: {tuned['label'].split(' (best of ')[0]} " in stdout
 
 
 def test_rerun_resumes_without_redoing(smoke: tuple[Path, str]) -> None:

@@ -156,14 +156,12 @@ def _render(run_dir: Path, blocks: list[document.Block], drawn: list[Path]) -> R
     return ReportPaths(markdown=md_path, html=html_path, plots=drawn)
 
 
-def _row_line(name: str, loss: str, delta: str, z: str) -> str:
-    return f"  {name[:38]:<38} {loss:>17}  {delta:>17}  {z:>6}"
+def _row_line(name: str, loss: str, delta: str, z: str, width: int = 38) -> str:
+    return f"  {name:<{width}} {loss:>17}  {delta:>17}  {z:>6}"
 
 
 def _headline_rows(f: ForkSummary, base: int | None) -> list[str]:
     """The final fork's models as summary lines: latest, chosen merges, fixed recipe, tuned merge, anneal."""
-    lines: list[str] = []
-    lines.append(_row_line("model", "val loss ± s.e.", "Δ vs latest ± s.e.", "Δ/s.e."))
     shown = [
         ("latest snapshot", f.latest),
         ("best merge: " + document.describe(f.best_merge, base), f.best_merge),
@@ -173,11 +171,15 @@ def _headline_rows(f: ForkSummary, base: int | None) -> list[str]:
     for role, name in (("fixed", "fixed recipe: "), ("tuned", "tuned: ")):
         row = f.role(role)
         if row is not None:
-            shown.append((name + (document.describe(row, base) if role == "fixed" else row.label), row))
+            # the tuned label names its window; how many trials it beat is in the report, not this line
+            label = document.describe(row, base) if role == "fixed" else row.label.split(" (best of ")[0]
+            shown.append((name + label, row))
     shown.append(("annealed branch", f.annealed))
+    width = max(38, *(len(name) for name, _ in shown))  # a label is never cut
+    lines = [_row_line("model", "val loss ± s.e.", "Δ vs latest ± s.e.", "Δ/s.e.", width)]
     for name, row in shown:
         if row is None:
-            lines.append(_row_line(name, "not in results", "", ""))
+            lines.append(_row_line(name, "not in results", "", "", width))
             continue
         g = None if row is f.latest else f.gain(row)
         lines.append(
@@ -186,6 +188,7 @@ def _headline_rows(f: ForkSummary, base: int | None) -> list[str]:
                 fmt.loss_se(row.val_loss, row.val_loss_se),
                 document.delta_text(g),
                 document.z_text(g),
+                width,
             )
         )
     return lines
