@@ -136,6 +136,8 @@ def test_cli_fits_a_users_csv_and_writes_json_and_plot(tmp_path: Path) -> None:
     )
     record = json.loads((tmp_path / "out" / "scaling_fit.json").read_text())
     assert {p["n"] for p in record["backtest"]} == {SIZES[3]} and record["targets"]["backtest_within"]["met"]
+    assert all(p["interval"] == {} for p in record["backtest"])  # no bootstrap there: no interval, not NaNs
+    assert "NaN" not in (tmp_path / "out" / "scaling_fit.json").read_text()
     assert set(record["fits"]) == {"merge", "anneal"}
     assert record["fits"]["anneal"]["law"]["alpha"] == pytest.approx(TRUTH.alpha, abs=0.05)
     assert record["targets"]["heldout_within"]["met"] is True

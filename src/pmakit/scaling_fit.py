@@ -19,7 +19,7 @@ import json
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from itertools import product
 from pathlib import Path
 from typing import Any
@@ -350,7 +350,7 @@ class StudyFit:
     """Huber delta of the fits."""
     backtest: list[Prediction] = field(default_factory=list)
     """Each fitted size from the fourth smallest on, predicted by laws fitted on the smaller fitted sizes only (no
-    intervals): how well the law extrapolates in size on these runs, known without the held-out size."""
+    bootstrap: ``interval`` is empty): how well the law extrapolates in size on these runs, known without the held-out size."""
 
     def targets(self, tolerance: float = 0.01) -> dict[str, Any]:
         """The scaling study's targets, each with its numbers and met / missed."""
@@ -430,8 +430,8 @@ def backtest(points: Sequence[Point]) -> list[Prediction]:
     """Each size of ``points`` from the fourth smallest on, predicted from the smaller sizes alone: per kind, the law
     fitted on the points below that size (the same fit, without bootstrap) against that size's annealed loss.
 
-    What the held-out prediction does, rehearsed on sizes the study already fits: a law that misses here will miss
-    the held-out size too, and that is known without looking at it. It starts at the fourth size: from two sizes,
+    What the held-out prediction does, rehearsed on sizes the study already fits: a law that misses here has no
+    claim on the held-out size, and that is known without looking at it. It starts at the fourth size: from two sizes,
     E, A and alpha are not identified and the extrapolation in N is arbitrary. A size whose smaller sizes give too
     few points for a fit is left out."""
     sizes = sorted({p.n for p in points})
@@ -445,13 +445,16 @@ def backtest(points: Sequence[Point]) -> list[Prediction]:
             except PmakitError:
                 continue
         if laws:
-            out += _predictions(points, n, {k: _LawOnly(law) for k, law in laws.items()})
+            out += [
+                replace(p, interval={})
+                for p in _predictions(points, n, {k: _LawOnly(law) for k, law in laws.items()})
+            ]
     return out
 
 
 @dataclass(frozen=True)
 class _LawOnly:
-    """A law without bootstrap samples, where ``_predictions`` wants a ``Fit``: its interval is unknown."""
+    """A law without bootstrap samples, where ``_predictions`` wants a ``Fit`` (the backtest drops the interval)."""
 
     law: Law
 
