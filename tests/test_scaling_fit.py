@@ -144,6 +144,25 @@ def test_cli_fits_a_users_csv_and_writes_json_and_plot(tmp_path: Path) -> None:
     assert (tmp_path / "out" / "scaling_fit.png").stat().st_size > 10_000
 
 
+def test_cli_without_bootstrap_prints_no_intervals_and_claims_no_interval_check(tmp_path: Path) -> None:
+    points = synthetic(TRUTH, 0.001, 5) + synthetic(TRUTH, 0.001, 6, kind="merge")
+    _write_csv(tmp_path / "runs.csv", points)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        cli, ["scaling-fit", str(tmp_path / "runs.csv"), "-o", str(out), "--bootstrap", "0"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "nan" not in result.output.lower() and "[no interval]" in result.output
+    assert "OUTSIDE" not in result.output  # no interval: no verdict on the exponents
+    assert "No bootstrap refits for the merge and anneal fits" in result.output or (
+        "No bootstrap refits for the anneal and merge fits" in result.output
+    )
+    text = (out / "scaling_fit.json").read_text()
+    record = json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in scaling_fit.json"))
+    assert "exponents_inside_anneal_ci" not in record["targets"]
+    assert record["fits"]["anneal"]["ci95"]["alpha"] == [None, None]
+
+
 def test_read_points_takes_jsonl_with_the_studys_column_names(tmp_path: Path) -> None:
     path = tmp_path / "results.jsonl"
     rows = [

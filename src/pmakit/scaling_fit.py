@@ -378,7 +378,9 @@ class StudyFit:
                 if {"merge", "anneal"} <= set(p.predicted)
             ]
             out["fits_agree_within"] = {"max_abs_rel_gap": max(gaps), "met": max(gaps) <= tolerance}
-        if set(KINDS) <= set(self.fits):
+        if not all(f.bootstrap for f in self.fits.values()):
+            out["no_intervals"] = sorted(kind for kind, f in self.fits.items() if not f.bootstrap)
+        if set(KINDS) <= set(self.fits) and self.fits["anneal"].bootstrap:
             m, a = self.fits["merge"], self.fits["anneal"]
             out["exponents_inside_anneal_ci"] = {
                 k: {"merge": getattr(m.law, k), "anneal_ci95": a.ci95[k],
@@ -494,15 +496,28 @@ def to_json(study: StudyFit) -> dict[str, Any]:
         d.pop("samples")
         d["law"] = asdict(f.law)
         fits[kind] = d
-    return {
-        "law": "L(N, D) = E + A / N^alpha + B / D^beta",
-        "loss": f"Huber (delta {study.delta:g}) on log L; scipy least_squares from a grid of initial values",
-        "holdout_n": study.holdout_n,
-        "fits": fits,
-        "predictions": [asdict(p) for p in study.predictions],
-        "backtest": [asdict(p) for p in study.backtest],
-        "targets": study.targets(),
-    }
+    return _null_nans(
+        {
+            "law": "L(N, D) = E + A / N^alpha + B / D^beta",
+            "loss": f"Huber (delta {study.delta:g}) on log L; scipy least_squares from a grid of initial values",
+            "holdout_n": study.holdout_n,
+            "fits": fits,
+            "predictions": [asdict(p) for p in study.predictions],
+            "backtest": [asdict(p) for p in study.backtest],
+            "targets": study.targets(),
+        }
+    )
+
+
+def _null_nans(x: Any) -> Any:
+    """NaN (an interval without bootstrap refits) as null: scaling_fit.json stays strict JSON."""
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _null_nans(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_null_nans(v) for v in x]
+    return x
 
 
 # --------------------------------------------------------------------------------------------------- files

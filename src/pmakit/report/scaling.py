@@ -66,14 +66,20 @@ def _num(x: float) -> str:
     return f"{x:.4g}"
 
 
+def _interval(lo: float | None, hi: float | None, form: str = ".4g") -> str:
+    """``[lo, hi]``, or ``[no interval]`` without bootstrap refits (NaN in memory, null in scaling_fit.json)."""
+    if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
+        return "[no interval]"
+    return f"[{lo:{form}}, {hi:{form}}]"
+
+
 def params_rows(study: StudyFit) -> list[list[str]]:
     """One row per fit: each parameter with its 95% bootstrap interval."""
     rows = []
     for kind, f in study.fits.items():
         cells = [kind, str(f.points)]
         for name in PARAMS:
-            lo, hi = f.ci95[name]
-            cells.append(f"{_num(getattr(f.law, name))} [{_num(lo)}, {_num(hi)}]")
+            cells.append(f"{_num(getattr(f.law, name))} {_interval(*f.ci95[name])}")
         cells.append(f"{f.rms_log_residual:.2%}")
         rows.append(cells)
     return rows
@@ -91,8 +97,7 @@ def prediction_rows(study: StudyFit) -> list[list[str]]:
             if kind not in p.predicted:
                 cells += [fmt.MISSING, fmt.MISSING]
                 continue
-            lo, hi = p.interval[kind]
-            cells.append(f"{p.predicted[kind]:.4f} [{lo:.4f}, {hi:.4f}]")
+            cells.append(f"{p.predicted[kind]:.4f} {_interval(*p.interval[kind], form='.4f')}")
             err = p.rel_error[kind]
             cells.append(fmt.MISSING if err is None else f"{err:+.2%}")
         rows.append(cells)
@@ -165,6 +170,12 @@ def verdicts(t: Mapping[str, Any], holdout_n: float | None) -> list[str]:
         out.append(
             f"The {kind} fit puts {', '.join(names)} on the bound of the search box: the points do not determine "
             f"{'it' if len(names) == 1 else 'them'}; read those values and intervals as unidentified, not measured."
+        )
+    if t.get("no_intervals"):
+        out.append(
+            f"No bootstrap refits for the {' and '.join(t['no_intervals'])} "
+            f"fit{'s' if len(t['no_intervals']) > 1 else ''} (--bootstrap 0, or every resample failed): no "
+            "intervals, so whether the merge fit's exponents fall inside the anneal fit's is not checked."
         )
     for name, v in t.get("exponents_inside_anneal_ci", {}).items():
         lo, hi = v["anneal_ci95"]
@@ -447,7 +458,7 @@ def summary(run_dir: Path) -> str:
     for kind, f in record["fits"].items():
         law, ci = f["law"], f["ci95"]
         lines.append(f"  {kind} fit ({f['points']} points): " + ", ".join(
-            f"{p} {_num(law[p])} [{_num(ci[p][0])}, {_num(ci[p][1])}]" for p in PARAMS))  # fmt: skip
+            f"{p} {_num(law[p])} {_interval(*ci[p])}" for p in PARAMS))  # fmt: skip
     lines += verdicts(record["targets"], record["holdout_n"]) + bill(exp)[1]
     if (run_dir / "report.html").is_file():
         lines.append(f"Report: {run_dir / 'report.html'}")
