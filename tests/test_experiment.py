@@ -95,11 +95,10 @@ def test_changed_config_on_resume_is_refused(smoke: tuple[Path, str], tmp_path: 
     assert proc.returncode != 0 and proc.stderr.startswith("Error: ") and "train.lr" in proc.stderr
 
 
-def test_a_run_from_an_older_pmakit_resumes_when_only_new_keys_at_their_defaults_differ(
-    tmp_path: Path,
-) -> None:
-    """A key added to train: or experiment: after the run was started, at its default, changes nothing: resume;
-    the same key at another value is a changed config."""
+def test_a_run_from_an_older_pmakit_resumes_when_its_new_keys_are_what_it_did(tmp_path: Path) -> None:
+    """A key added to train: or experiment: after the run was started changes nothing when it is set to what the
+    older run did (its default, or what the run did before the key: no learned weights): resume. Any other value is
+    a changed config, and the error says what the older run did."""
     import json
 
     from pmakit.config import load
@@ -107,18 +106,22 @@ def test_a_run_from_an_older_pmakit_resumes_when_only_new_keys_at_their_defaults
     from pmakit.lab.pma import _check_same_config
 
     smoke = load(None, "smoke", "demo")
-    smoke["experiment"]["tune_learn_steps"] = (
-        ExperimentConfig.tune_learn_steps
-    )  # the default, as before the key
-    study = resolve(smoke)
-    _check_same_config(tmp_path, study)  # stamps config.json
+    before = {**smoke, "experiment": {**smoke["experiment"], "tune_learn_steps": 0}}
+    as_before = resolve(before)
+    _check_same_config(tmp_path, as_before)  # stamps config.json
     saved = json.loads((tmp_path / "config.json").read_text())
     del saved["train"]["compile"], saved["experiment"]["tune_learn_steps"]  # as an older pmakit wrote it
     (tmp_path / "config.json").write_text(json.dumps(saved))
-    _check_same_config(tmp_path, study)
-    changed = resolve({**smoke, "train": {**smoke["train"], "compile": "on"}})
-    with pytest.raises(PmakitError, match=r"changed: train\.compile"):
+    _check_same_config(tmp_path, as_before)  # compile at its default, no learned weights: what the run did
+    changed = resolve({**before, "train": {**smoke["train"], "compile": "on"}})
+    with pytest.raises(PmakitError, match=r"changed: train\.compile\); it is from an older pmakit that ran as "
+                       r'train\.compile: "off"; pass --fresh'):  # fmt: skip
         _check_same_config(tmp_path, changed)
+    # the smoke preset's learned weights (4 steps) are not what the older run did: its tuned rows would be stale
+    with pytest.raises(
+        PmakitError, match=r"changed: experiment\.tune_learn_steps\).*ran as experiment\.tune_learn_steps: 0"
+    ):
+        _check_same_config(tmp_path, resolve(smoke))
 
 
 def test_forks_are_aligned_to_the_snapshot_grid() -> None:

@@ -765,6 +765,9 @@ def _jsonable(x: Any) -> Any:
 
 
 _ANALYSIS_ONLY = ("plane_grid", "plane_batches", "compile_eval", "oracle")
+# What a run stamped before a key existed did, where that is not the key's default (a new key's default is what the
+# run did otherwise): before tune_learn_steps, the tuner learned no weights.
+_BEFORE_THE_KEY: dict[str, dict[str, Any]] = {"experiment": {"tune_learn_steps": 0}}
 
 
 def _check_same_config(run_dir: Path, study: Study) -> None:
@@ -777,10 +780,13 @@ def _check_same_config(run_dir: Path, study: Study) -> None:
             for d in (saved.get("experiment", {}), current["experiment"]):
                 d.pop(key, None)
         defaults = {"train": _defaults(TrainConfig), "experiment": _defaults(ExperimentConfig)}
-        for section, values in current.items():  # a key newer than the saved run, at its default
-            for key, value in values.items():
-                if key not in saved.get(section, {}) and value == defaults[section].get(key):
-                    saved.setdefault(section, {})[key] = value
+        newer: dict[str, Any] = {}  # keys newer than the saved run: what it did instead
+        for section, values in current.items():
+            for key in values.keys() - saved.get(section, {}).keys():
+                newer[f"{section}.{key}"] = _BEFORE_THE_KEY.get(section, {}).get(
+                    key, defaults[section].get(key)
+                )
+                saved.setdefault(section, {})[key] = newer[f"{section}.{key}"]
         if saved != current:
             changed = sorted(
                 f"{section}.{k}"
@@ -788,9 +794,11 @@ def _check_same_config(run_dir: Path, study: Study) -> None:
                 for k in current[section]
                 if saved.get(section, {}).get(k) != current[section][k]
             )
+            older = [f"{k}: {json.dumps(newer[k])}" for k in changed if k in newer]
             raise PmakitError(
                 f"{run_dir} holds a study with another config (changed: {', '.join(changed)}); "
-                "pass --fresh to start over or use another -o"
+                + (f"it is from an older pmakit that ran as {', '.join(older)}; " if older else "")
+                + "pass --fresh to start over or use another -o"
             )
     else:
         stamp.write_text(json.dumps(current, indent=2) + "\n")
