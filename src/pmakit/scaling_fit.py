@@ -19,7 +19,7 @@ import json
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from itertools import product
 from pathlib import Path
 from typing import Any
@@ -425,7 +425,12 @@ def fit_study(
     if not fits:
         raise PmakitError(f"no {' or '.join(KINDS)} points to fit")
     fitted = [p for p in points if p.n != held]
-    return StudyFit(fits, held, _predictions(points, held, fits), backtest=backtest(fitted))
+    return StudyFit(
+        fits,
+        held,
+        _predictions(points, held, {k: f.law for k, f in fits.items()}, fits),
+        backtest=backtest(fitted),
+    )
 
 
 def backtest(points: Sequence[Point]) -> list[Prediction]:
@@ -447,33 +452,24 @@ def backtest(points: Sequence[Point]) -> list[Prediction]:
             except PmakitError:
                 continue
         if laws:
-            out += [
-                replace(p, interval={})
-                for p in _predictions(points, n, {k: _LawOnly(law) for k, law in laws.items()})
-            ]
+            out += _predictions(points, n, laws)
     return out
 
 
-@dataclass(frozen=True)
-class _LawOnly:
-    """A law without bootstrap samples, where ``_predictions`` wants a ``Fit`` (the backtest drops the interval)."""
-
-    law: Law
-
-    def predict_interval(self, n: float, d: float) -> tuple[float, float]:
-        return (math.nan, math.nan)
-
-
 def _predictions(
-    points: Sequence[Point], held: float | None, fits: Mapping[str, Fit | _LawOnly]
+    points: Sequence[Point],
+    held: float | None,
+    laws: Mapping[str, Law],
+    fits: Mapping[str, Fit] | None = None,
 ) -> list[Prediction]:
+    """The annealed loss at size ``held``, per budget, as each law predicts it (with ``fits``: their intervals)."""
     if held is None:
         return []
     at = {(p.kind, p.d): p.loss for p in points if p.n == held}
     out = []
     for d in sorted({d for (_, d) in at}):
         anneal = at.get(("anneal", d))
-        predicted = {k: float(f.law(held, d)) for k, f in fits.items()}
+        predicted = {k: float(law(held, d)) for k, law in laws.items()}
         out.append(
             Prediction(
                 n=held,
@@ -481,7 +477,7 @@ def _predictions(
                 anneal=anneal,
                 merge=at.get(("merge", d)),
                 predicted=predicted,
-                interval={k: f.predict_interval(held, d) for k, f in fits.items()},
+                interval={k: f.predict_interval(held, d) for k, f in (fits or {}).items()},
                 rel_error={k: None if anneal is None else v / anneal - 1 for k, v in predicted.items()},
             )
         )

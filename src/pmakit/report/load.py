@@ -216,7 +216,8 @@ def read_results(run_dir: Path, notes: list[str]) -> list[Row]:
     except (OSError, csv.Error) as e:
         notes.append(f"results are unreadable ({e.__class__.__name__}): no evaluation results to show.")
         return []
-    # per-batch losses and the tuner's record (every tune_* field) live in the JSONL only; the last record of a model wins, as in the CSV
+    # per-batch losses and the tuner's record (every tune_* field) live in the JSONL only; the last record of a model
+    # wins, as in the CSV
     losses = {r.key: r.batch_losses for r in jsonl if r.batch_losses}
     rows = [replace(r, batch_losses=losses.get(r.key)) if r.batch_losses is None else r for r in rows]
     tuned = {r.key: r for r in jsonl if r.tune_trials is not None}

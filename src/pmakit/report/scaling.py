@@ -136,21 +136,18 @@ def verdicts(t: Mapping[str, Any], holdout_n: float | None) -> list[str]:
         out.append("No annealed loss at the held-out size: the prediction target cannot be checked.")
     back = t.get("backtest_within")
     if back:
-        sizes = back["sizes"]
-        law = (f"the merge law fitted on the sizes below N = {fmt.tokens(sizes[0])} predicts that size's annealed "
-               "loss" if len(sizes) == 1 else "the merge law fitted on the smaller sizes predicts the annealed loss "
-               f"of each of N = {', '.join(fmt.tokens(n) for n in sizes)}")  # fmt: skip
-        head = f"Backtest on the fitted sizes alone (the held-out size not used): {law}"
+        head = (
+            "Backtest on the fitted sizes alone (the held-out size not used): the merge law fitted on the smaller "
+            f"sizes predicts the annealed loss of N = {', '.join(fmt.tokens(n) for n in back['sizes'])}"
+        )
         if back["met"]:
             out.append(f"{head} within {back['max_abs_rel_error']:.2%} at every budget: the law extrapolates in size "
                        "on these runs.")  # fmt: skip
         else:
-            where = f"at {fmt.tokens(back['d'])} tokens" if len(sizes) == 1 else (
-                f"N = {fmt.tokens(back['n'])} at {fmt.tokens(back['d'])} tokens")  # fmt: skip
             out.append(
-                f"{head} up to {back['max_abs_rel_error']:.2%} off ({where}): on these runs the law does not "
-                f"extrapolate in size within {TOLERANCE:.0%}, which the study shows before the held-out size is "
-                "looked at."
+                f"{head} up to {back['max_abs_rel_error']:.2%} off (N = {fmt.tokens(back['n'])} at "
+                f"{fmt.tokens(back['d'])} tokens): on these runs the law does not extrapolate in size within "
+                f"{TOLERANCE:.0%}, which the study shows before the held-out size is looked at."
             )
     anneal = t.get("anneal_fit_within")
     if anneal:
