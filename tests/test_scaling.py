@@ -134,6 +134,7 @@ def test_report_fit_and_cli_agree(smoke: tuple[Path, str], tmp_path: Path) -> No
         "## Targets",
         "## Fits",
         "## The held-out size, predicted",
+        "## What the law's form can reach at each size",
         "## Merge − anneal",
         "## Compute bill",
     ):
@@ -143,12 +144,15 @@ def test_report_fit_and_cli_agree(smoke: tuple[Path, str], tmp_path: Path) -> No
     assert set(record["fits"]) == {"merge", "anneal"}
     assert record["holdout_n"] == json.loads((run / "experiment.json").read_text())["sizes"][-1]["params"]
     assert len(record["predictions"]) == 4 and "heldout_within" in record["targets"]
+    assert len(record["floors"]) == 2 * len(json.loads((run / "experiment.json").read_text())["sizes"])
+    assert record["targets"]["heldout_floor"]["n"] == record["holdout_n"]
     assert "Scaling study" in stdout and "save" in stdout
     # a user feeding the study's own results file to `pmakit scaling-fit` gets the report's fit
     proc = run_cli("scaling-fit", run / "results.jsonl", "-o", tmp_path, "--bootstrap", "20")
     assert proc.returncode == 0, proc.stderr
     again = json.loads((tmp_path / "scaling_fit.json").read_text())
     assert again["fits"] == record["fits"] and again["predictions"] == record["predictions"]
+    assert again["floors"] == record["floors"]
 
 
 def test_rerun_resumes_without_redoing_and_a_changed_config_is_refused(

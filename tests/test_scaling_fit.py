@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from scipy.optimize import nnls
 
 from pmakit.cli import cli
 from pmakit.errors import PmakitError
@@ -131,12 +132,15 @@ def test_cli_fits_a_users_csv_and_writes_json_and_plot(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "alpha" in result.output and "Held out: N = 1,600,000" in result.output
     assert "Backtest (each fitted size from the smaller ones):" in result.output
+    assert "The law's floor (the least worst error any law of this form can have at a size" in result.output
+    assert "the 1% target is within the law's reach" in result.output
     assert "within" in next(
         x for x in result.output.splitlines() if x.startswith("Backtest on the fitted sizes")
     )
     record = json.loads((tmp_path / "out" / "scaling_fit.json").read_text())
     assert {p["n"] for p in record["backtest"]} == {SIZES[3]} and record["targets"]["backtest_within"]["met"]
     assert all(p["interval"] == {} for p in record["backtest"])  # no bootstrap there: no interval, not NaNs
+    assert len(record["floors"]) == 2 * len(SIZES) and record["targets"]["heldout_floor"]["reachable"] is True
     assert "NaN" not in (tmp_path / "out" / "scaling_fit.json").read_text()
     assert set(record["fits"]) == {"merge", "anneal"}
     assert record["fits"]["anneal"]["law"]["alpha"] == pytest.approx(TRUTH.alpha, abs=0.05)
@@ -210,3 +214,38 @@ def test_cli_missing_file_and_holdout_none(tmp_path: Path) -> None:
     record = json.loads((tmp_path / "o" / "scaling_fit.json").read_text())
     assert record["holdout_n"] is None and record["predictions"] == [] and set(record["fits"]) == {"anneal"}
     assert record["fits"]["anneal"]["sizes"] == list(SIZES)  # nothing held out: every size fitted
+
+
+def test_the_laws_floor_bounds_every_fit_and_says_when_the_target_is_out_of_reach() -> None:
+    # On points that follow the law, the law's form can reach every size: floors ~0, the target reachable.
+    study = fit_study(synthetic(TRUTH, 0.0, 0) + synthetic(TRUTH, 0.0, 0, kind="merge"), bootstrap=0)
+    assert {(f.n, f.kind) for f in study.floors} == {(n, k) for n in SIZES for k in ("merge", "anneal")}
+    assert all(f.max_abs_rel_error < 1e-4 for f in study.floors)
+    assert all(later < first for f in study.floors for first, later in zip(f.drops, f.drops[1:]))  # shrinking
+    assert study.targets(0.01)["heldout_floor"]["reachable"] is True
+
+    # The largest size's loss still steepens in log D (as before a power-law regime): the floor says no fit of the
+    # law can predict it within 1%, and it is a lower bound: neither the study's fits nor the least-squares curve
+    # c + B/D^beta at any beta come closer to those points.
+    def steep(n: float, d: float) -> float:
+        return float(TRUTH(n, d) - (0.7 * (d / 4e6) ** 2 if n == max(SIZES) else 0.0))
+
+    points = [Point(n, d, steep(n, d), kind) for n in SIZES for d in BUDGETS for kind in ("anneal", "merge")]
+    bent = fit_study(points, bootstrap=0)
+    reach = bent.targets(0.01)["heldout_floor"]
+    assert reach["n"] == max(SIZES) and reach["reachable"] is False and reach["max_abs_rel_error"] > 0.01
+    assert reach["drops"][-1] > reach["drops"][0]
+    assert all(f.max_abs_rel_error < 1e-4 for f in bent.floors if f.n != max(SIZES))
+    assert max(abs(p.rel_error["anneal"]) for p in bent.predictions) >= reach["max_abs_rel_error"]
+    d = np.array(BUDGETS) / BUDGETS[0]
+    measured = np.array([steep(max(SIZES), x) for x in BUDGETS])
+    closest = math.inf
+    for beta in np.linspace(0.01, 4, 400):
+        x = d**-beta
+        (c, b), _ = nnls(np.stack([1 / measured, x / measured], axis=1), np.ones_like(x))
+        closest = min(closest, float(np.max(np.abs((c + b * x) / measured - 1))))
+    assert (
+        reach["max_abs_rel_error"] <= closest < 1.3 * reach["max_abs_rel_error"]
+    )  # a bound, and a close one
+    # Two budgets: any two points lie on a curve of the law's shape, so there is no floor to report.
+    assert fit_study([p for p in points if p.d in BUDGETS[:2]], bootstrap=0, holdout="none").floors == []

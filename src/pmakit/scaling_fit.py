@@ -313,6 +313,78 @@ def _at_bound(theta: np.ndarray) -> list[str]:
     return [name for name, hit in zip(PARAMS, near) if hit]
 
 
+# --------------------------------------------------------------------------------------------------- the law's reach
+
+
+@dataclass(frozen=True)
+class Floor:
+    """How close any law of this form can come to one size's losses, however it is fitted.
+
+    At a fixed N the law is ``c + B/D^beta`` (c = E + A/N^alpha >= 0): a curve that falls by less with every doubling
+    of D (convex and decreasing in log D). The least worst-case relative error of such a curve through one size's
+    measured losses bounds from below the error of every fit of the law at that size, on whatever points it was fitted:
+    above the target's tolerance, no fit can meet the target there."""
+
+    n: float
+    """Model size."""
+    kind: str
+    """merge or anneal."""
+    max_abs_rel_error: float
+    """The least, over c, B >= 0 and beta in the fit's range, of the worst |curve / measured - 1| over the budgets."""
+    drops: list[float]
+    """The measured loss fallen per doubling of D between consecutive budgets: the law needs them to shrink."""
+
+
+def _minimax_at(beta: float, d: np.ndarray, loss: np.ndarray) -> float:
+    """The least worst relative error of ``c + B d^-beta`` (c, B >= 0) through ``loss``: a linear programme in c, B."""
+    from scipy.optimize import linprog
+
+    x = d**-beta
+    rows = np.stack([1 / loss, x / loss, -np.ones_like(x)], axis=1)  # |(c + B x) / L - 1| <= t, t minimised
+    res = linprog(
+        [0.0, 0.0, 1.0],
+        A_ub=np.concatenate([rows, -rows * [1, 1, -1]]),
+        b_ub=np.concatenate([np.ones_like(x), -np.ones_like(x)]),
+        bounds=[(0, None)] * 3,
+        method="highs",
+    )
+    return float(res.x[2]) if res.success else math.inf
+
+
+def floor(points: Sequence[Point]) -> Floor | None:
+    """The law's floor at one size and kind (``points``: one N, one kind); None with fewer than 3 budgets, where
+    a curve of the law's shape passes through every point."""
+    from scipy.optimize import minimize_scalar
+
+    pts = sorted(points, key=lambda p: p.d)
+    d = np.array([p.d for p in pts], dtype=float)
+    loss = np.array([p.loss for p in pts], dtype=float)
+    if len(set(d)) < 3:
+        return None
+    # D in units of the smallest budget: the same curves (B absorbs the scale), and no d^-beta underflow.
+    d_scaled = d / d.min()
+    # A grid over the fit's range of beta (from near 0, where the curve is a line in log D), then the best cell refined.
+    grid = np.concatenate([np.geomspace(1e-4, 0.05, 12), np.linspace(0.1, float(_UPPER[4]), 40)])
+    values = [_minimax_at(b, d_scaled, loss) for b in grid]
+    i = int(np.argmin(values))
+    lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
+    best = min(values[i], minimize_scalar(
+        _minimax_at, bounds=(lo, hi), args=(d_scaled, loss), method="bounded", options={"xatol": 1e-5}).fun)  # fmt: skip
+    drops = -np.diff(loss) / np.diff(np.log2(d))
+    return Floor(pts[0].n, pts[0].kind, float(best), [float(x) for x in drops])
+
+
+def floors(points: Sequence[Point]) -> list[Floor]:
+    """``floor`` of every size and kind with at least 3 budgets, by size then kind."""
+    out = []
+    for n in sorted({p.n for p in points}):
+        for kind in KINDS:
+            f = floor([p for p in points if p.n == n and p.kind == kind])
+            if f is not None:
+                out.append(f)
+    return out
+
+
 # --------------------------------------------------------------------------------------------------- a study
 
 
@@ -351,6 +423,8 @@ class StudyFit:
     backtest: list[Prediction] = field(default_factory=list)
     """Each fitted size from the fourth smallest on, predicted by laws fitted on the smaller fitted sizes only (no
     bootstrap: ``interval`` is empty): how well the law extrapolates in size on these runs, known without the held-out size."""
+    floors: list[Floor] = field(default_factory=list)
+    """Per size and kind, the least error any law of this form can have there (``floor``)."""
 
     def targets(self, tolerance: float = 0.01) -> dict[str, Any]:
         """The scaling study's targets, each with its numbers and met / missed."""
@@ -400,6 +474,14 @@ class StudyFit:
                 "sizes": sorted({p.n for _, p in backtest}),
                 "met": worst <= tolerance,
             }
+        held = next((f for f in self.floors if f.n == self.holdout_n and f.kind == "anneal"), None)
+        if held is not None:
+            out["heldout_floor"] = {
+                "n": held.n,
+                "max_abs_rel_error": held.max_abs_rel_error,
+                "drops": held.drops,
+                "reachable": held.max_abs_rel_error <= tolerance,
+            }
         return out
 
 
@@ -430,6 +512,7 @@ def fit_study(
         held,
         _predictions(points, held, {k: f.law for k, f in fits.items()}, fits),
         backtest=backtest(fitted),
+        floors=floors(points),
     )
 
 
@@ -495,11 +578,12 @@ def to_json(study: StudyFit) -> dict[str, Any]:
     return _null_nans(
         {
             "law": "L(N, D) = E + A / N^alpha + B / D^beta",
-            "loss": f"Huber (delta {study.delta:g}) on log L; scipy least_squares from a grid of initial values",
+            "loss": f"Huber (delta {study.delta:g}) on log L; scipy L-BFGS-B from a grid of initial values",
             "holdout_n": study.holdout_n,
             "fits": fits,
             "predictions": [asdict(p) for p in study.predictions],
             "backtest": [asdict(p) for p in study.backtest],
+            "floors": [asdict(f) for f in study.floors],
             "targets": study.targets(),
         }
     )

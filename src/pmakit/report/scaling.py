@@ -117,6 +117,28 @@ def backtest_rows(study: StudyFit) -> list[list[str]]:
     return rows
 
 
+def floor_rows(study: StudyFit) -> list[list[str]]:
+    """Per size: the loss fallen per doubling of D (anneals) and the law's floor for each kind."""
+    by_n: dict[float, dict[str, Any]] = {}
+    for f in study.floors:
+        by_n.setdefault(f.n, {})[f.kind] = f
+    rows = []
+    for n, kinds in by_n.items():
+        shown = kinds.get("anneal") or kinds["merge"]
+        cells = [fmt.tokens(n), "held out" if n == study.holdout_n else "fitted",
+                 ", ".join(f"{x:.3f}" for x in shown.drops)]  # fmt: skip
+        cells += [f"{kinds[k].max_abs_rel_error:.2%}" if k in kinds else fmt.MISSING for k in KINDS]
+        rows.append(cells)
+    return rows
+
+
+FLOOR_HEADER = [
+    "size N",
+    "role",
+    "annealed loss fallen per doubling of D (nats)",
+    "floor: merges",
+    "floor: anneals",
+]
 BACKTEST_HEADER = ["size N", "tokens", "annealed (measured)", "merge fit", "error", "anneal fit", "error"]
 PREDICTION_HEADER = ["tokens", "annealed (measured)", "merged (measured)", "merge fit [95%]", "error",
                      "anneal fit [95%]", "error"]  # fmt: skip
@@ -148,6 +170,28 @@ def verdicts(t: Mapping[str, Any], holdout_n: float | None) -> list[str]:
                 f"{head} up to {back['max_abs_rel_error']:.2%} off (N = {fmt.tokens(back['n'])} at "
                 f"{fmt.tokens(back['d'])} tokens): on these runs the law does not extrapolate in size within "
                 f"{TOLERANCE:.0%}, which the study shows before the held-out size is looked at."
+            )
+    reach = t.get("heldout_floor")
+    if reach:
+        drops = ", ".join(f"{x:.2f}" for x in reach["drops"])
+        if reach["reachable"]:
+            out.append(
+                f"The law's form can come within {reach['max_abs_rel_error']:.2%} of the held-out size's annealed "
+                f"losses (its best curve through them): the {TOLERANCE:.0%} target is within the law's reach."
+            )
+        else:
+            steepening = any(b > a for a, b in zip(reach["drops"], reach["drops"][1:]))
+            why = (
+                f"these fall by {drops} nats per doubling: still steepening, so the budgets end before this size's "
+                "power-law regime"
+                if steepening
+                else f"these (falling by {drops} nats per doubling) are off its curve"
+            )
+            out.append(
+                f"No law of this form comes within {reach['max_abs_rel_error']:.2%} of the held-out size's annealed "
+                f"losses, however it is fitted: at one N the law falls by less with every doubling of D, and {why}. "
+                f"The {TOLERANCE:.0%} target is out of reach of any fit of this law on these runs, merge- or "
+                "anneal-based."
             )
     anneal = t.get("anneal_fit_within")
     if anneal:
@@ -201,6 +245,14 @@ def fit_text(study: StudyFit) -> str:
             lines.append(
                 f"  N {row[0]:>7}, D {row[1]:>7}: annealed {row[2]}, merge fit {row[3]} ({row[4]}), "
                 f"anneal fit {row[5]} ({row[6]})"
+            )
+    if study.floors:
+        lines.append(
+            "The law's floor (the least worst error any law of this form can have at a size; merges, anneals):"
+        )
+        for row in floor_rows(study):
+            lines.append(
+                f"  N {row[0]:>7} ({row[1]}): {row[3]}, {row[4]}; annealed loss fallen per doubling {row[2]}"
             )
     return "\n".join(lines + verdicts(study.targets(TOLERANCE), study.holdout_n))
 
@@ -427,6 +479,19 @@ def build(run_dir: Path) -> tuple[list[Block], list[Path]]:
                 "to be trusted further out."
             ),
             Table(BACKTEST_HEADER, backtest_rows(study)),
+        ]
+    if study.floors:
+        blocks += [
+            Heading("What the law's form can reach at each size", 2),
+            Paragraph(
+                "At one model size the law is c + B/D^beta: a curve that falls by less with every doubling of D. The "
+                "floor is the least worst-case error of such a curve through a size's measured losses (a linear "
+                "programme over c and B at each beta in the fit's range): no fit of the law, on any points, can "
+                "predict that size better. A floor above the target's tolerance at the held-out size puts the target "
+                "out of reach; growing drops per doubling are one cause (a curve still steepening in log D, before "
+                "the power-law regime)."
+            ),
+            Table(FLOOR_HEADER, floor_rows(study)),
         ]
     blocks += [Heading("Merge − anneal at every point (test split)", 2), Table(GAP_HEADER, gap_rows(rows))]
     blocks += [Heading("Merge recipe, chosen on the selection split", 2),
