@@ -15,6 +15,7 @@ from scipy.optimize import nnls
 
 from pmakit.cli import cli
 from pmakit.errors import PmakitError
+from pmakit.report.scaling import verdicts
 from pmakit.scaling_fit import Law, Point, fit, fit_law, fit_study, read_points
 
 # A law in the range of the scaling preset (N 1e5..1e6 non-embedding parameters, D 5e5..4e6 tokens).
@@ -235,6 +236,8 @@ def test_the_laws_floor_bounds_every_fit_and_says_when_the_target_is_out_of_reac
     reach = bent.targets(0.01)["heldout_floor"]
     assert reach["n"] == max(SIZES) and reach["reachable"] is False and reach["max_abs_rel_error"] > 0.01
     assert reach["drops"][-1] > reach["drops"][0]
+    said = " ".join(verdicts(bent.targets(0.01), bent.holdout_n))
+    assert "still steepening" in said and "target is out of reach of any fit" in said
     assert all(f.max_abs_rel_error < 1e-4 for f in bent.floors if f.n != max(SIZES))
     assert max(abs(p.rel_error["anneal"]) for p in bent.predictions) >= reach["max_abs_rel_error"]
     d = np.array(BUDGETS) / BUDGETS[0]

@@ -144,6 +144,28 @@ PREDICTION_HEADER = ["tokens", "annealed (measured)", "merged (measured)", "merg
                      "anneal fit [95%]", "error"]  # fmt: skip
 
 
+def _floor_verdict(reach: Mapping[str, Any]) -> str:
+    """The held-out size's floor (``targets()["heldout_floor"]``) in words: is the target within the law's reach?"""
+    drops = ", ".join(f"{x:.2f}" for x in reach["drops"])
+    if reach["reachable"]:
+        return (
+            f"The law's form can come within {reach['max_abs_rel_error']:.2%} of the held-out size's annealed "
+            f"losses (its best curve through them): the {TOLERANCE:.0%} target is within the law's reach."
+        )
+    if any(later > first for first, later in zip(reach["drops"], reach["drops"][1:])):
+        why = (
+            f"these fall by {drops} nats per doubling: still steepening, so the budgets end before this size's "
+            "power-law regime"
+        )
+    else:
+        why = f"these (falling by {drops} nats per doubling) are off its curve"
+    return (
+        f"No law of this form comes within {reach['max_abs_rel_error']:.2%} of the held-out size's annealed losses, "
+        f"however it is fitted: at one N the law falls by less with every doubling of D, and {why}. The "
+        f"{TOLERANCE:.0%} target is out of reach of any fit of this law on these runs, merge- or anneal-based."
+    )
+
+
 def verdicts(t: Mapping[str, Any], holdout_n: float | None) -> list[str]:
     """The targets (``StudyFit.targets()``, or as read back from scaling_fit.json) in words, met or missed."""
     out = []
@@ -171,28 +193,8 @@ def verdicts(t: Mapping[str, Any], holdout_n: float | None) -> list[str]:
                 f"{fmt.tokens(back['d'])} tokens): on these runs the law does not extrapolate in size within "
                 f"{TOLERANCE:.0%}, which the study shows before the held-out size is looked at."
             )
-    reach = t.get("heldout_floor")
-    if reach:
-        drops = ", ".join(f"{x:.2f}" for x in reach["drops"])
-        if reach["reachable"]:
-            out.append(
-                f"The law's form can come within {reach['max_abs_rel_error']:.2%} of the held-out size's annealed "
-                f"losses (its best curve through them): the {TOLERANCE:.0%} target is within the law's reach."
-            )
-        else:
-            steepening = any(b > a for a, b in zip(reach["drops"], reach["drops"][1:]))
-            why = (
-                f"these fall by {drops} nats per doubling: still steepening, so the budgets end before this size's "
-                "power-law regime"
-                if steepening
-                else f"these (falling by {drops} nats per doubling) are off its curve"
-            )
-            out.append(
-                f"No law of this form comes within {reach['max_abs_rel_error']:.2%} of the held-out size's annealed "
-                f"losses, however it is fitted: at one N the law falls by less with every doubling of D, and {why}. "
-                f"The {TOLERANCE:.0%} target is out of reach of any fit of this law on these runs, merge- or "
-                "anneal-based."
-            )
+    if t.get("heldout_floor"):
+        out.append(_floor_verdict(t["heldout_floor"]))
     anneal = t.get("anneal_fit_within")
     if anneal:
         word = "misses it too" if not anneal["met"] else "meets it"
