@@ -16,7 +16,7 @@ from scipy.optimize import nnls
 from pmakit.cli import cli
 from pmakit.errors import PmakitError
 from pmakit.report.scaling import verdicts
-from pmakit.scaling_fit import Law, Point, fit, fit_law, fit_study, read_points
+from pmakit.scaling_fit import Law, Point, fit, fit_law, fit_study, floor, read_points
 
 # A law in the range of the scaling preset (N 1e5..1e6 non-embedding parameters, D 5e5..4e6 tokens).
 TRUTH = Law(E=1.6, A=250.0, B=700.0, alpha=0.42, beta=0.36)
@@ -250,5 +250,17 @@ def test_the_laws_floor_bounds_every_fit_and_says_when_the_target_is_out_of_reac
     assert (
         reach["max_abs_rel_error"] <= closest < 1.3 * reach["max_abs_rel_error"]
     )  # a bound, and a close one
+    # A repeated measurement (a user's file may hold two runs of a point): its budget's mean in the drops, not a
+    # division by a zero step, and both in the bound.
+    repeat = floor(
+        [
+            *(Point(1.0, x, y, "anneal") for x, y in zip(BUDGETS, measured)),
+            Point(1.0, BUDGETS[-1], 4.0, "anneal"),
+        ]
+    )
+    assert (
+        repeat is not None and len(repeat.drops) == len(BUDGETS) - 1 and all(map(math.isfinite, repeat.drops))
+    )
+    assert repeat.drops[-1] > reach["drops"][-1] and repeat.max_abs_rel_error > reach["max_abs_rel_error"]
     # Two budgets: any two points lie on a curve of the law's shape, so there is no floor to report.
     assert fit_study([p for p in points if p.d in BUDGETS[:2]], bootstrap=0, holdout="none").floors == []

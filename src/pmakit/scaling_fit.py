@@ -332,7 +332,8 @@ class Floor:
     max_abs_rel_error: float
     """The least, over c, B >= 0 and beta in the fit's range, of the worst |curve / measured - 1| over the budgets."""
     drops: list[float]
-    """The measured loss fallen per doubling of D between consecutive budgets: the law needs them to shrink."""
+    """The measured loss fallen per doubling of D between consecutive budgets (repeats averaged): the law needs them
+    to shrink."""
 
 
 def _minimax_at(beta: float, d: np.ndarray, loss: np.ndarray) -> float:
@@ -370,7 +371,9 @@ def floor(points: Sequence[Point]) -> Floor | None:
     lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
     best = min(values[i], minimize_scalar(
         _minimax_at, bounds=(lo, hi), args=(d_scaled, loss), method="bounded", options={"xatol": 1e-5}).fun)  # fmt: skip
-    drops = -np.diff(loss) / np.diff(np.log2(d))
+    budgets = np.unique(d)  # repeated measurements at one budget (a user's file may have them): their mean
+    mean = np.array([loss[d == b].mean() for b in budgets])
+    drops = -np.diff(mean) / np.diff(np.log2(budgets))
     return Floor(pts[0].n, pts[0].kind, float(best), [float(x) for x in drops])
 
 
