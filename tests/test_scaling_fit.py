@@ -197,6 +197,13 @@ def test_cli_bad_results_file_is_one_error_line(tmp_path: Path, text: str, messa
 def test_cli_missing_file_and_holdout_none(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, ["scaling-fit", str(tmp_path / "nope.csv"), "-o", str(tmp_path / "o")])
     assert result.exit_code == 1 and "no such results file" in result.output
+    # one size only: with the largest held out nothing is left to fit, and the error says so
+    _write_csv(tmp_path / "one.csv", [p for p in synthetic(TRUTH, 0.0, 0) if p.n == SIZES[0]])
+    result = CliRunner().invoke(cli, ["scaling-fit", str(tmp_path / "one.csv"), "-o", str(tmp_path / "o1")])
+    assert result.exit_code == 1 and result.output.strip().splitlines() == [
+        "Error: no merge or anneal points to fit besides the held-out size N = 100,000 (--holdout none fits every size)"
+    ]
+    assert not (tmp_path / "o1" / "scaling_fit.json").exists()
     _write_csv(tmp_path / "runs.csv", synthetic(TRUTH, 0.0, 0))
     result = CliRunner().invoke(
         cli,

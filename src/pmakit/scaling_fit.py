@@ -508,7 +508,10 @@ def fit_study(
             except PmakitError as e:
                 raise PmakitError(f"{kind} points: {e}") from None
     if not fits:
-        raise PmakitError(f"no {' or '.join(KINDS)} points to fit")
+        others = (
+            f" besides the held-out size N = {held:,.0f} (--holdout none fits every size)" if held else ""
+        )
+        raise PmakitError(f"no {' or '.join(KINDS)} points to fit{others}")
     fitted = [p for p in points if p.n != held]
     return StudyFit(
         fits,
