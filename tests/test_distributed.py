@@ -92,7 +92,11 @@ def _rank_main(rank: int, port: int, jobs: list[dict[str, Any]], report: str) ->
             results.append("ok")
         except PmakitError as e:
             results.append(str(e))
-        Path(f"{report}.{rank}").write_text(json.dumps(results))
+        Path(f"{report}.{rank}.tmp").write_text(json.dumps(results))
+        os.replace(f"{report}.{rank}.tmp", f"{report}.{rank}")
+        # Both ranks' records of this job are on disk before either starts the next: a job that kills a rank
+        # (the last) makes spawn SIGTERM the other, which must not catch it still writing the job before.
+        torch.distributed.barrier()
     shutdown(world)
 
 
