@@ -9,7 +9,8 @@ original's implausibly narrow intervals to an optimiser stopped early, so conver
 
 Used twice: by ``pmakit scaling-fit`` on any results file (a user's own runs) and by the report of the ``scaling``
 study (``pmakit experiment --preset scaling``), which fits merges and anneals separately and predicts a held-out
-model size with both. A leaf module: numpy and scipy only.
+model size with both, and the law's floor at each size: the least error any law of this form can have there, which
+says when a target is out of reach of every fit. A leaf module: numpy and scipy only.
 """
 
 from __future__ import annotations
@@ -323,7 +324,9 @@ class Floor:
     At a fixed N the law is ``c + B/D^beta`` (c = E + A/N^alpha >= 0): a curve that falls by less with every doubling
     of D (convex and decreasing in log D). The least worst-case relative error of such a curve through one size's
     measured losses bounds from below the error of every fit of the law at that size, on whatever points it was fitted:
-    above the target's tolerance, no fit can meet the target there."""
+    above the target's tolerance, no fit can meet the target there. Exact in c and B (a linear programme), to the
+    precision of a grid and a bounded refinement in beta (the value found is attained by a curve, so it can only
+    overstate the floor by that precision)."""
 
     n: float
     """Model size."""
