@@ -823,7 +823,9 @@ def scaling_fit(results: tuple[Path, ...], output: Path, holdout: str, bootstrap
 
     RESULTS are CSV or JSONL files with columns params (N), tokens (D), loss (or val_loss) and kind (merge or
     anneal; other rows are skipped), e.g. RUN/results.jsonl of `pmakit experiment --preset scaling` or your own
-    runs. Prints the parameters with 95% bootstrap intervals and the held-out size's prediction errors.
+    runs. Prints the parameters with 95% bootstrap intervals, the held-out size's prediction errors, a backtest
+    (each fitted size from the fourth on predicted from the smaller ones) and the law's floor at each size (the
+    least error any law of this form can have there: above 1% at the held-out size, no fit can meet 1%).
     """
     from pmakit.report.scaling import fit_files, fit_text
 
