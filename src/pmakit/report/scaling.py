@@ -19,7 +19,7 @@ from pmakit.errors import PmakitError
 from pmakit.report import fmt
 from pmakit.report.blocks import Block, Bullets, FigureBlock, Heading, Paragraph, Table
 from pmakit.runs import RESULTS, atomic_write_text, read_jsonl
-from pmakit.scaling_fit import KINDS, PARAMS, Point, StudyFit, fit_study, read_points, to_json
+from pmakit.scaling_fit import KINDS, PARAMS, Floor, Point, StudyFit, fit_study, read_points, to_json
 
 STUDY = "scaling"
 FIT_JSON = "scaling_fit.json"
@@ -119,7 +119,7 @@ def backtest_rows(study: StudyFit) -> list[list[str]]:
 
 def floor_rows(study: StudyFit) -> list[list[str]]:
     """Per size: the loss fallen per doubling of D (anneals) and the law's floor for each kind."""
-    by_n: dict[float, dict[str, Any]] = {}
+    by_n: dict[float, dict[str, Floor]] = {}
     for f in study.floors:
         by_n.setdefault(f.n, {})[f.kind] = f
     rows = []
