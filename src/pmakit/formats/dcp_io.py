@@ -34,7 +34,6 @@ import hashlib
 import io
 import mmap
 import os
-import pickle
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -42,8 +41,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from pmakit import limits
 from pmakit.errors import PmakitError
-from pmakit.formats import FileInfo, Format, Reader, TensorInfo
+from pmakit.formats import FileInfo, Format, Reader, TensorInfo, safe_pickle
 from pmakit.formats.torch_record import record_view
 
 if TYPE_CHECKING:
@@ -167,72 +167,128 @@ TRAINER_PACKAGES = ("olmo_core.",)
 """Packages whose classes in ``.metadata`` become stand-ins (see the module docstring)."""
 
 
-class _StandIn:
-    """An inert object in place of a trainer's own class in ``.metadata``: keeps whatever state it was given."""
+def _relative_path(value: Any) -> str:
+    """A data file named in ``.metadata``: a plain relative path that stays inside the checkpoint directory."""
+    path = safe_pickle.expect(value, str, "a data file's relative_path")
+    if not path or "\0" in path or os.path.isabs(path) or ".." in path.replace("\\", "/").split("/"):
+        raise PmakitError(f"refusing data file {path[:200]!r} outside the checkpoint directory")
+    return path
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args, self.kwargs = args, kwargs
 
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
+def _optional(kind: type | tuple[type, ...], what: str) -> Any:
+    return lambda v: v if v is None else safe_pickle.expect(v, kind, what)
+
+
+def _list_of(kind: type, what: str) -> Any:
+    return lambda v: [safe_pickle.expect(x, kind, what) for x in safe_pickle.expect(v, list, what)]
 
 
 @functools.cache
-def _allowed_globals() -> dict[tuple[str, str], Any]:
-    import copyreg
+def _metadata_pickles() -> safe_pickle.Allowed:
+    """What a DCP ``.metadata`` may build: torch's metadata records, checked field by field (see safe_pickle)."""
     import dataclasses
     import enum
     import pathlib
 
     from torch.distributed.checkpoint import filesystem, metadata, planner
 
-    allowed: dict[tuple[str, str], Any] = {
-        ("torch", "Size"): torch.Size,
-        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,  # a layout from its name
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,
-        ("collections", "OrderedDict"): __import__("collections").OrderedDict,
-        ("copyreg", "_reconstructor"): copyreg._reconstructor,  # type: ignore[attr-defined]
+    sp = safe_pickle
+    md = metadata
+    size = lambda what: lambda v: sp.expect(v, torch.Size, what)  # noqa: E731
+    checks: dict[type, dict[str, Any]] = {
+        md.ChunkStorageMetadata: {"offsets": size("chunk offsets"), "sizes": size("chunk sizes")},
+        md.TensorStorageMetadata: {
+            "properties": lambda v: sp.expect(v, md.TensorProperties, "tensor properties"),
+            "size": size("a tensor size"),
+            "chunks": _list_of(md.ChunkStorageMetadata, "a tensor's chunks"),
+        },
+        md.Metadata: {
+            "state_dict_metadata": lambda v: {
+                sp.expect(k, str, "a key"): sp.expect(
+                    x, (md.TensorStorageMetadata, md.BytesStorageMetadata), f"entry {str(k)[:80]!r}"
+                )
+                for k, x in sp.expect(v, dict, "state_dict_metadata").items()
+            },
+            "storage_data": _optional(dict, "storage_data"),
+            "storage_meta": _optional(md.StorageMeta, "storage_meta"),
+            "version": _optional(str, "version"),
+        },
+        md.MetadataIndex: {
+            "fqn": lambda v: sp.expect(v, str, "an index's key"),
+            "offset": _optional(torch.Size, "an index's offset"),
+            "index": _optional(int, "an index's position"),
+        },
+        filesystem._StorageInfo: {
+            "relative_path": _relative_path,
+            "offset": lambda v: sp.count(v, "a record's offset"),
+            "length": lambda v: sp.count(v, "a record's length"),
+            "transform_descriptors": lambda v: (
+                v
+                if v is None
+                else [sp.expect(x, str, "a transform") for x in sp.expect(v, (list, tuple), "transforms")]
+            ),
+        },
     }
-    for name in ("Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
-        allowed[("pathlib", name)] = getattr(pathlib, name)
-    for name, value in vars(metadata).items():
-        if isinstance(value, type) and value.__module__ == metadata.__name__:
-            allowed[(metadata.__name__, name)] = value
+    constructors: dict[safe_pickle.Global, safe_pickle.Constructor] = {
+        ("torch", "Size"): sp.make_size,
+        ("torch.serialization", "_get_layout"): sp.make_layout,
+        ("collections", "OrderedDict"): sp.make_ordered_dict,
+        ("torch.distributed.checkpoint.metadata", "TensorProperties"): _tensor_properties,
+    }
+    for name in ("Path", "PosixPath", "PurePosixPath", "PurePath"):
+        for module_name in ("pathlib", "pathlib._local"):  # Python 3.13 moved the classes
+            constructors[(module_name, name)] = sp.make_path(pathlib.PurePosixPath)
     # Megatron keeps its global save plan in .metadata: torch's plan records (dataclasses and enums), inert data.
-    for name, value in vars(planner).items():
-        plan_record = isinstance(value, type) and (
-            dataclasses.is_dataclass(value) or issubclass(value, enum.Enum)
-        )
-        if plan_record and value.__module__ == planner.__name__:
-            allowed[(planner.__name__, name)] = value
-    for name, value in vars(torch).items():
-        if isinstance(value, torch.dtype):
-            allowed[("torch", name)] = value
-    return allowed
+    for module in (metadata, planner, filesystem):
+        for name, value in vars(module).items():
+            if not isinstance(value, type) or value.__module__ != module.__name__:
+                continue
+            ref = (module.__name__, name)
+            if issubclass(value, enum.Enum):
+                constructors.setdefault(ref, sp.make_enum(value))
+            elif dataclasses.is_dataclass(value) and (module is not filesystem or name == "_StorageInfo"):
+                constructors.setdefault(
+                    ref, sp.make_dataclass(value, checks.get(value), value is md.Metadata)
+                )
+
+    def alias(ref: safe_pickle.Global) -> safe_pickle.Global | None:
+        # OLMo-core pickles its own copy of the storage-info record (see the module docstring)
+        if ref[1] == "_StorageInfo" and ref[0].endswith(".filesystem"):
+            return ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
+        return None
+
+    return sp.Allowed(constructors, sp.dtypes(), TRAINER_PACKAGES, alias)
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Builds only allow-listed classes (see the module docstring); anything else is refused."""
+def _tensor_properties(made: safe_pickle.Made) -> Any:
+    """torch pickles ``TensorProperties`` as a 5-tuple (``__getstate__``): checked, then its own ``__setstate__``
+    on a fresh instance."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, TensorProperties
 
-    def find_class(self, module: str, name: str) -> Any:
-        allowed = _allowed_globals()
-        if (module, name) in allowed:
-            return allowed[(module, name)]
-        if name == "_StorageInfo" and module.endswith(".filesystem"):
-            return allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")]
-        if module.startswith(TRAINER_PACKAGES):
-            return _StandIn
-        raise pickle.UnpicklingError(f"refused to unpickle {module}.{name} (not DCP metadata)")
+    sp = safe_pickle
+    made.no_items()
+    state = made.state
+    if made.args or not isinstance(state, tuple) or len(state) != 5:
+        raise PmakitError("refused: TensorProperties takes its 5-field state")
+    dtype, layout, requires_grad, encoding, pin_memory = state
+    sp.expect(dtype, torch.dtype, "a dtype")
+    sp.expect(layout, torch.layout, "a layout")
+    sp.expect(encoding, _MEM_FORMAT_ENCODING, "a memory format")
+    for flag in (requires_grad, pin_memory):
+        sp.expect(flag, bool, "a flag")
+    properties = TensorProperties.__new__(TensorProperties)
+    properties.__setstate__(state)
+    return properties
 
 
 def read_metadata(path: Path) -> Metadata:
     """The checkpoint's metadata, unpickled with an allow-list; a damaged or foreign file is one clear error."""
     file = path / METADATA_FILE
     try:
-        with open(file, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-    except Exception as e:  # pickle, EOF, OS and attribute errors for a bad file
-        raise PmakitError(f"{file}: unreadable DCP metadata ({type(e).__name__}: {e})") from e
+        data = limits.read_regular(file, limits.DCP_METADATA_BYTES)
+        metadata = safe_pickle.loads(data, _metadata_pickles())
+    except PmakitError as e:
+        raise PmakitError(f"{file}: unreadable DCP metadata ({e})") from None
     if not isinstance(metadata, _dcp().Metadata):
         raise PmakitError(f"{file}: unreadable DCP metadata (holds a {type(metadata).__name__})")
     return metadata
@@ -319,6 +375,9 @@ class DCPReader(Reader):
             if os.path.isabs(relative) or ".." in Path(relative).parts:
                 raise PmakitError(f"{path / METADATA_FILE}: refusing data file {relative!r} outside {path}")
         files = sorted(f.name for f in path.glob("*.distcp"))
+        named = {str(getattr(info, "relative_path", "")) for info in storage.values()}
+        for name in sorted(set(files) | named):
+            limits.check_regular(path / name)  # a FIFO would block the merge forever; a missing file is named
         self.files = [
             FileInfo(METADATA_FILE, (path / METADATA_FILE).stat().st_size, _sha256(path / METADATA_FILE))
         ]

@@ -25,12 +25,12 @@ from typing import Any
 
 import torch
 
+from pmakit import limits
 from pmakit.errors import PmakitError
 from pmakit.formats import FileInfo, Format, Reader, TensorInfo
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-MAX_HEADER = 100 * 2**20
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -52,8 +52,20 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
+def _weight_map(index: Path) -> dict[str, str]:
+    """The ``weight_map`` of a sharded checkpoint's index (bounded in size and nesting)."""
+    data = limits.read_json(index)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise PmakitError(f"{index}: unreadable index (no weight_map of tensor names to file names)")
+    if len(weight_map) > limits.TENSORS_PER_FILE.value:
+        raise limits.refuse(limits.TENSORS_PER_FILE, str(index))
+    return weight_map
+
+
 def read_header(path: Path) -> tuple[dict[str, Any], int, bytes]:
     """(header dict, byte offset of the data section, raw header bytes). Checks the header against the file size."""
+    limits.check_regular(path)  # a FIFO would block the read forever
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -61,13 +73,20 @@ def read_header(path: Path) -> tuple[dict[str, Any], int, bytes]:
             if len(head) < 8:
                 raise PmakitError(f"{path}: corrupt safetensors file (shorter than its 8-byte header length)")
             (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER or 8 + n > size:
+            if 8 + n > size:
                 raise PmakitError(
                     f"{path}: corrupt safetensors file (header length {n} for a {size}-byte file)"
                 )
+            if n > limits.SAFETENSORS_HEADER_BYTES.value:
+                raise limits.refuse(limits.SAFETENSORS_HEADER_BYTES, f"{path}'s header ({n:,} bytes)")
             raw = f.read(n)
+    except PmakitError:
+        raise
     except OSError as e:
         raise PmakitError(f"{path}: cannot read ({e.strerror or e})") from e
+    # Counted before parsing: a header of a million one-element tensors parses into gigabytes.
+    if raw.count(b'"dtype"') > limits.TENSORS_PER_FILE.value:
+        raise limits.refuse(limits.TENSORS_PER_FILE, str(path))
     try:
         header = json.loads(raw, object_pairs_hook=_no_duplicates)
     except ValueError as e:
@@ -176,10 +195,7 @@ class SafetensorsReader(Reader):
     def _shard_files(path: Path) -> list[Path]:
         index = path / INDEX_FILE
         if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                raise PmakitError(f"{index}: unreadable index ({e})") from e
+            weight_map = _weight_map(index)
             files = [_inside(path, n) for n in dict.fromkeys(weight_map.values())]
             for f in files:
                 if not f.exists():

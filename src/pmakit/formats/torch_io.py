@@ -9,7 +9,6 @@ other entries are reported as skipped.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import pickle
 import zipfile
@@ -32,11 +31,9 @@ WRAPPER_KEYS = ("model", "state_dict", "module", "model_state_dict")
 def weight_files(path: Path) -> list[Path]:
     index = path / INDEX_FILE
     if index.exists():
-        try:
-            names = dict.fromkeys(json.loads(index.read_text())["weight_map"].values())
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise PmakitError(f"{index}: unreadable index ({e})") from e
-        from pmakit.formats.safetensors_io import _inside
+        from pmakit.formats.safetensors_io import _inside, _weight_map
+
+        names = dict.fromkeys(_weight_map(index).values())
 
         return [_inside(path, n) for n in names]
     return sorted(

@@ -5,23 +5,27 @@ zip archive, at an offset in a ``.distcp`` file. Such an archive stores the tens
 (``archive/data/<key>``) beside a small pickle that says how to view them. ``record_view`` finds those bytes
 and returns a tensor view of the memory-mapped file: no copy, no memory but the page cache, and the merge reads a
 chunk of it at a time, as it does a safetensors file. The pickle is read by a restricted unpickler that only
-notes the arguments of torch's tensor rebuild function; anything it does not recognise (another layout, a view
+notes the arguments of torch's tensor rebuild function (``safe_pickle``: nothing in it can touch a class); anything it does not recognise (another layout, a view
 of a larger storage, a big-endian record, compression) returns None and the caller loads the record through DCP.
 """
 
 from __future__ import annotations
 
-import collections
+import functools
 import io
 import mmap
-import pickle
 import struct
 import sys
 import warnings
 import zipfile
+import zlib
 from typing import Any
 
 import torch
+
+from pmakit import limits
+from pmakit.errors import PmakitError
+from pmakit.formats import safe_pickle
 
 _LOCAL_HEADER = struct.Struct("<4s5H3I2H")  # zip local file header: 30 bytes, then name and extra field
 
@@ -56,24 +60,37 @@ class _Window(io.RawIOBase):
 class _Rebuild:
     """What ``torch._utils._rebuild_tensor_v2`` was pickled with."""
 
-    def __init__(self, storage: Any, offset: int, size: Any, stride: Any, *rest: Any) -> None:
-        self.storage, self.offset, self.size, self.stride = storage, offset, tuple(size), tuple(stride)
+    def __init__(
+        self, storage: tuple[Any, ...], offset: int, size: tuple[int, ...], stride: tuple[int, ...]
+    ) -> None:
+        self.storage, self.offset, self.size, self.stride = storage, offset, size, stride
 
 
-class _RecordUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _Rebuild
-        if (module, name) == ("collections", "OrderedDict"):
-            return collections.OrderedDict
-        if module == "torch" and (
-            name.endswith("Storage") or isinstance(getattr(torch, name, None), torch.dtype)
-        ):
-            return name  # only the storage's key matters: the dtype comes from the checkpoint's metadata
-        raise pickle.UnpicklingError(f"{module}.{name}")
+def _rebuild(made: safe_pickle.Made) -> _Rebuild:
+    made.no_items()
+    if made.state is not None or len(made.args) < 4:
+        raise PmakitError("refused: _rebuild_tensor_v2 takes (storage, offset, size, stride, ...)")
+    storage, offset, size, stride = made.args[:4]
+    if not isinstance(storage, safe_pickle.PersistentId):
+        raise PmakitError("refused: a tensor record without its storage")
+    pid = safe_pickle.expect(storage[0], tuple, "a storage reference")
+    dims = [safe_pickle.count(d, "a tensor dim") for d in safe_pickle.expect(size, (tuple, list), "a size")]
+    steps = [safe_pickle.count(d, "a stride") for d in safe_pickle.expect(stride, (tuple, list), "a stride")]
+    return _Rebuild(pid, safe_pickle.count(offset, "a storage offset"), tuple(dims), tuple(steps))
 
-    def persistent_load(self, pid: Any) -> Any:
-        return pid  # ("storage", storage type, key, location, numel)
+
+@functools.cache
+def _record_pickles() -> safe_pickle.Allowed:
+    """What a record's ``data.pkl`` may build: one tensor rebuild (its backward hooks an empty OrderedDict)."""
+    storages = {("torch", name): name for name in dir(torch) if name.endswith("Storage")}
+    return safe_pickle.Allowed(
+        {
+            ("torch._utils", "_rebuild_tensor_v2"): _rebuild,
+            ("collections", "OrderedDict"): safe_pickle.make_ordered_dict,
+        },
+        # only the storage's key matters: the dtype comes from the checkpoint's metadata
+        {**storages, **{ref: ref[1] for ref in safe_pickle.dtypes()}},
+    )
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -98,13 +115,28 @@ def record_view(
             order = next((n for n in names if n.endswith("/byteorder")), None)
             if order is not None and archive.read(order).decode() != sys.byteorder:
                 return None
-            rebuild = _RecordUnpickler(io.BytesIO(archive.read(pkl))).load()
+            info = archive.getinfo(pkl)
+            if info.file_size > limits.PICKLE_RECORD_BYTES.value:
+                return None
+            rebuild = safe_pickle.loads(archive.read(pkl), _record_pickles(), persistent_ids=True)
             if not isinstance(rebuild, _Rebuild) or rebuild.offset != 0 or rebuild.size != tuple(shape):
                 return None
-            if rebuild.stride != _contiguous_strides(shape) or int(rebuild.storage[4]) != numel:
+            storage = rebuild.storage  # ("storage", storage type, key, location, numel)
+            if len(storage) != 5 or not isinstance(storage[2], str) or storage[4] != numel:
                 return None
-            info = archive.getinfo(pkl[: -len("data.pkl")] + f"data/{rebuild.storage[2]}")
-    except (zipfile.BadZipFile, pickle.UnpicklingError, KeyError, StopIteration, IndexError, ValueError):
+            if rebuild.stride != _contiguous_strides(shape):
+                return None
+            info = archive.getinfo(pkl[: -len("data.pkl")] + f"data/{storage[2]}")
+    except (
+        zipfile.BadZipFile,
+        PmakitError,
+        KeyError,
+        StopIteration,
+        IndexError,
+        ValueError,
+        OSError,
+        zlib.error,
+    ):
         return None
     if info.compress_type != zipfile.ZIP_STORED or info.file_size != numel * dtype.itemsize:
         return None

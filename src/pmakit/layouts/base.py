@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from pmakit import limits
 from pmakit.errors import PmakitError
 from pmakit.formats import Reader, open_reader
 
@@ -134,10 +135,9 @@ class Layout(ABC):
 def load_json(file: Path) -> dict[str, Any]:
     """A JSON object from a metadata file; anything else is an ``IncompleteSnapshot``."""
     try:
-        with open(file) as f:
-            data = json.load(f)
-    except (OSError, ValueError) as e:
-        raise IncompleteSnapshot(file, f"unreadable ({e})") from e
+        data = limits.read_json(file)
+    except PmakitError as e:
+        raise IncompleteSnapshot(file, f"unreadable ({str(e).removeprefix(f'{file}: ')})") from None
     if not isinstance(data, dict):
         raise IncompleteSnapshot(file, "expected a JSON object")
     return data

@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from pmakit import limits
+from pmakit.errors import PmakitError
 from pmakit.formats import Reader, dcp_io
 from pmakit.formats.dcp_io import DCPReader
 from pmakit.layouts.base import IncompleteSnapshot, Layout, Snapshot, from_name, validate_metadata
@@ -60,9 +62,9 @@ unpickles anything."""
 @functools.lru_cache(maxsize=4096)
 def _has_train_state(metadata: Path, mtime_ns: int) -> bool:
     try:
-        return _MARKER in metadata.read_bytes()
-    except OSError:
-        return False
+        return _MARKER in limits.read_regular(metadata, limits.DCP_METADATA_BYTES)
+    except PmakitError:
+        return False  # not readable as DCP metadata: not a torchtitan checkpoint (read_metadata says why)
 
 
 def _is_torchtitan_dcp(path: Path) -> bool:
