@@ -25,6 +25,16 @@ $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
 	$(PIP) install -q $(TORCH) -e ".[test]"
 	touch $@
 
+# megatron-core 0.19 (what users run today) beside the pinned 0.16.1: its wheel is for Python 3.12, its code runs on
+# 3.11 (the only compiled part, the dataset helpers, is unused), so the tests run its own save and load code from
+# this folder, first on PYTHONPATH (tests/layouts/conftest.py). pip download checks the wheel's hash.
+MCORE19 := $(VENV)/mcore-0.19
+$(MCORE19)/.unpacked: | $(VENV)/.torch
+	rm -rf $(MCORE19) && mkdir -p $(MCORE19)/wheel
+	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 -d $(MCORE19)/wheel megatron-core==0.19.2
+	$(PY) -m zipfile -e $(MCORE19)/wheel/megatron_core-0.19.2-*.whl $(MCORE19)
+	touch $@
+
 install: $(VENV)/.installed
 
 # Headless Chromium for the HTML report test (tests/test_report.py): apt-get installs it when run as root;
@@ -46,7 +56,7 @@ demo: install
 
 # Both cores: pytest-xdist, with the tests that share a session- or module-scoped fixture (a framework's training
 # run, the study's smoke run) kept on one worker (tests/conftest.py gives them an xdist_group).
-test: $(VENV)/.installed-test $(VENV)/.chromium
+test: $(VENV)/.installed-test $(VENV)/.chromium $(MCORE19)/.unpacked
 	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=25
 
 check: install

@@ -15,11 +15,22 @@ HERE = Path(__file__).resolve().parent
 SRC = HERE.parents[1] / "src"
 
 
+MCORE19 = Path(os.environ.get("PMAKIT_MCORE19", HERE.parents[1] / ".venv" / "mcore-0.19"))
+"""megatron-core 0.19.2's code, unpacked by ``make test`` (see the Makefile): put first on PYTHONPATH, it is the
+release the framework scripts import instead of the pinned 0.16.1."""
+
+
 def run_framework(
-    script: Path, *args: str | Path, ranks: int = 1, timeout: float = 300
+    script: Path,
+    *args: str | Path,
+    ranks: int = 1,
+    timeout: float = 1200,
+    path: tuple[Path, ...] = (),
 ) -> subprocess.CompletedProcess[str]:
-    """Run a framework driver script (``torchrun`` for ``ranks > 1``); fail the test with its output tail."""
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    """Run a framework driver script (``torchrun`` for ``ranks > 1``), with ``path`` first on PYTHONPATH; fail
+    the test with its output tail. ``timeout`` guards against a hang only."""
+    pythonpath = os.pathsep.join(map(str, (*path, SRC)))
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"}
     launcher = [sys.executable]
     if ranks > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
@@ -129,6 +140,35 @@ def megatron_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for line in two.stdout.splitlines():
         if line.startswith('{"tp"'):
             (root / f"pma-init-tp{json.loads(line)['tp']}.json").write_text(line)
+    return {**p, "root": root}
+
+
+@pytest.fixture(scope="session")
+def megatron19_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """megatron-core 0.19.2's own code (``MCORE19``): it keeps the common state inside the DCP files
+    (``common_state`` entry, no ``common.pt``). In 2 framework processes:
+
+    - ``ws1``: 4 iterations at TP=1, a checkpoint every iteration, as ``train`` in ``megatron_run.py``;
+    - ``merged``: ``pmakit merge ws1 -o merged`` through the real CLI, no flags;
+    - ``loaded``: Megatron 0.19 loads ``merged`` (the documented recipe), saves it again and trains a step
+      (``pma-init.json``).
+    """
+    if not (MCORE19 / "megatron" / "core").is_dir():
+        pytest.skip(f"megatron-core 0.19 is not unpacked at {MCORE19} (make test does it)")
+    if importlib.util.find_spec("psutil") is None:
+        pytest.skip("psutil is not installed (Megatron's torch_dist writer hangs without it)")
+    from conftest import run_cli
+
+    root = tmp_path_factory.mktemp("megatron19")
+    script = HERE / "megatron_run.py"
+    p = {name: root / name for name in ("ws1", "merged", "loaded")}
+    run_framework(script, "train", p["ws1"], 4, path=(MCORE19,))
+    merge = run_cli("merge", p["ws1"], "-o", p["merged"], "-q")
+    if merge.returncode != 0:
+        pytest.fail(f"pmakit merge failed:\n{merge.stderr[-3000:]}")
+    loaded = run_framework(script, "pma-init", p["merged"], p["loaded"], path=(MCORE19,))
+    line = next(x for x in loaded.stdout.splitlines() if x.startswith('{"tp"'))
+    (root / "pma-init.json").write_text(line)
     return {**p, "root": root}
 
 

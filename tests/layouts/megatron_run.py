@@ -30,6 +30,14 @@ from __future__ import annotations
 
 import os
 import sys
+import typing
+
+if not hasattr(
+    typing, "override"
+):  # megatron-core 0.19 imports Python 3.12's typing.override; run here on 3.11
+    import typing_extensions
+
+    typing.override = typing_extensions.override
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

@@ -324,3 +324,52 @@ def test_damaged_or_foreign_checkpoints_are_one_error_line(
     (save / ITERS[-2] / "metadata.json").write_text('{"sharded_backend": "zarr"}')  # an older backend
     with pytest.raises(IncompleteSnapshot, match="'zarr' format is not read"):
         get_layout("megatron").read(save / ITERS[-2], None)
+
+
+# --- megatron-core 0.19: the common state inside the DCP files ---------------------------------------------------
+
+
+def test_megatron_019_save_folders_merge_with_no_flags_and_019_loads_the_merge(
+    megatron19_runs: dict[str, Path],
+) -> None:
+    """0.19's own save code writes no common.pt (the ``common_state`` entry instead); such folders are found,
+    counted from that state, merged to the hand average, written back in the same layout, loaded by 0.19 and
+    trained a step from."""
+    ws1, out = megatron19_runs["ws1"], megatron19_runs["merged"]
+    iters = sorted(p.name for p in ws1.glob("iter_*"))
+    assert len(iters) == 4 and not (ws1 / iters[-1] / "common.pt").exists()
+    assert any(k.startswith("common_state/") for k in dcp_metadata(ws1 / iters[-1]).state_dict_metadata)
+    snapshots = discover(ws1)
+    assert [s.tokens for s in snapshots] == [TOKENS_PER_ITER * i for i in range(1, 5)]
+    assert {s.layout for s in snapshots} == {"megatron"} and snapshots[-1].lr == pytest.approx(1e-2)
+
+    want = hand_average([ws1 / name for name in iters])
+    got = dcp_tensors(out)
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, msg=name)
+    # the 0.19 layout, not the 0.16 one: the common state is carried as its entry, byte for byte, and no common.pt
+    assert not (out / "common.pt").exists()
+    carried = dcp_bytes(out)
+    assert carried == dcp_bytes(ws1 / iters[-1]) and any(k.startswith("common_state/") for k in carried)
+    assert filecmp.cmp(out / "metadata.json", ws1 / iters[-1] / "metadata.json", shallow=False)
+    assert layout_of(out) is get_layout("megatron")
+    loaded = dcp_tensors(megatron19_runs["loaded"])
+    for name, value in got.items():
+        assert torch.equal(loaded[name], value), name
+    step = json.loads((megatron19_runs["root"] / "pma-init.json").read_text())
+    assert math.isfinite(step["loss"]) and step["moved"], step
+
+
+def test_megatron_019_safetensors_output_claims_no_megatron_format(
+    megatron19_runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """``--format safetensors`` of Megatron inputs writes HF safetensors only: no ``metadata.json`` that would make
+    Megatron take the folder for a torch_dist checkpoint (it then failed: "global metadata read failed")."""
+    r = CliRunner().invoke(
+        cli, ["merge", str(megatron19_runs["ws1"]), "-o", str(tmp_path / "hf"), "--format", "safetensors"]
+    )
+    assert r.exit_code == 0, r.output
+    names = sorted(p.name for p in (tmp_path / "hf").iterdir())
+    assert "model.safetensors" in names
+    assert not {"metadata.json", "common.pt", ".metadata"} & set(names), names

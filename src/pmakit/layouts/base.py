@@ -66,6 +66,9 @@ class Layout(ABC):
 
     name: str = ""
     """Shown by ``pmakit inspect``; also ``Snapshot.layout``."""
+    own_files: tuple[str, ...] = ()
+    """Files that mark a checkpoint of this layout (Megatron's ``metadata.json``): never copied into the output of
+    a merge as extras; ``write`` writes them where the output is in this layout."""
     native_format: str = "safetensors"
     """What ``pmakit merge`` writes by default for inputs of this layout: ``safetensors`` (HF layout, written by
     the merge itself) or this layout's own name (then ``write`` writes it)."""

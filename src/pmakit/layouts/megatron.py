@@ -34,6 +34,7 @@ Written by Megatron-LM's ``save_checkpoint`` (``--ckpt-format torch_dist``, the 
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import re
@@ -44,6 +45,8 @@ from typing import Any
 
 import torch
 
+from pmakit import limits
+from pmakit.errors import PmakitError
 from pmakit.formats import Reader, dcp_io
 from pmakit.layouts.base import (
     IncompleteSnapshot,
@@ -58,7 +61,13 @@ from pmakit.layouts.base import (
 from pmakit.layouts.dcp import written_dcp_files
 
 COMMON_FILE = "common.pt"
-"""The non-sharded part of Megatron's state dict (``COMMON_STATE_FNAME``)."""
+"""The non-sharded part of Megatron's state dict (``COMMON_STATE_FNAME``), up to megatron-core 0.18."""
+COMMON_ENTRY = "common_state/"
+"""From megatron-core 0.19 the common part is a ``ShardedObject`` inside the DCP files: entry
+``common_state/shard_0_1``, a ``torch.save`` record of ``[common dict]``."""
+_COMMON_MARKER = COMMON_ENTRY.encode() + b"shard_"
+"""How that entry's name appears in the pickled ``.metadata``: a byte search, so recognising a checkpoint never
+unpickles anything."""
 CONFIG_FILE = "metadata.json"
 """Megatron's backend record (``CheckpointingConfig``): written once the checkpoint is complete."""
 _OPTIMIZER = re.compile(r"(?:chained_\d+\.)?optim(?:izer)?\.")
@@ -89,18 +98,28 @@ def _attrs(value: Any) -> dict[str, Any]:
     return fields if isinstance(fields, dict) else {}
 
 
-def read_common(file: Path) -> dict[str, Any]:
-    """Megatron's ``common.pt``, loaded with ``weights_only=True``; every class it names that ``weights_only``
-    does not allow (found by scanning the pickle, not running it) becomes the inert stand-in."""
+def read_common(file: Path, data: bytes | None = None) -> dict[str, Any]:
+    """Megatron's common state: ``common.pt``, or (``data``) the ``torch.save`` record of the DCP's
+    ``common_state`` entry that ``file`` names. Loaded with ``weights_only=True``; every class it names that
+    ``weights_only`` does not allow (found by scanning the pickle, not running it) becomes the inert stand-in."""
     try:
-        names = torch.serialization.get_unsafe_globals_in_checkpoint(file)
+        if data is not None and len(data) > limits.PICKLE_RECORD_BYTES.value:
+            raise limits.refuse(limits.PICKLE_RECORD_BYTES, f"{file}'s common state")
+        source: Any = io.BytesIO(data) if data is not None else file
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(source)
+        if data is not None:
+            source = io.BytesIO(data)
         with torch.serialization.safe_globals([(_StandIn, name) for name in names]):
-            common = torch.load(file, map_location="cpu", weights_only=True)
+            common = torch.load(source, map_location="cpu", weights_only=True)
+    except PmakitError as e:
+        raise IncompleteSnapshot(file, str(e)) from None
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0]
         raise IncompleteSnapshot(file, f"refused: holds objects other than plain data ({first})") from e
     except Exception as e:  # torch raises many types for a damaged zip or pickle
         raise IncompleteSnapshot(file, f"unreadable ({type(e).__name__}: {e})") from e
+    if data is not None and isinstance(common, list) and len(common) == 1:
+        common = common[0]  # a ShardedObject's data, as megatron-core 0.19 saves the common state
     if not isinstance(common, dict):
         raise IncompleteSnapshot(
             file, f"expected Megatron's common state (a dict), got {type(common).__name__}"
@@ -149,8 +168,10 @@ class MegatronLayout(Layout):
     name = "megatron"
     native_format = "megatron"
 
+    own_files = (COMMON_FILE, CONFIG_FILE)
+
     def is_snapshot(self, path: Path) -> bool:
-        return (path / COMMON_FILE).is_file()
+        return (path / COMMON_FILE).is_file() or has_common_entry(path)
 
     def read(self, path: Path, tokens_per_step: int | None) -> Snapshot:
         if (path / CONFIG_FILE).is_file():
@@ -166,8 +187,7 @@ class MegatronLayout(Layout):
             raise IncompleteSnapshot(
                 path, f"no {CONFIG_FILE}: Megatron writes it last, so this save did not finish"
             )
-        common_file = path / COMMON_FILE
-        common = read_common(common_file)
+        common_file, common = load_common(path)
         tokens, step, how = counts(common, common_file)
         step = step if step is not None else step_from_name(path)
         source = self.name
@@ -208,10 +228,45 @@ class MegatronLayout(Layout):
         dcp_io.save(state, out, distributed=distributed, fsync=fsync)
         if not rank0:
             return []
-        shutil.copy2(template / COMMON_FILE, out / COMMON_FILE)
+        # As the newest input was saved: 0.19+ carries the common state as a DCP entry (copied above with the other
+        # non-tensor entries), older releases beside it in common.pt.
+        common = [COMMON_FILE] if (template / COMMON_FILE).is_file() else []
+        for name in common:
+            shutil.copy2(template / name, out / name)
         # Last, as Megatron does: it marks the checkpoint complete.
         shutil.copy2(template / CONFIG_FILE, out / CONFIG_FILE)
-        return [*written_dcp_files(out), COMMON_FILE, CONFIG_FILE]
+        return [*written_dcp_files(out), *common, CONFIG_FILE]
+
+
+@functools.lru_cache(maxsize=4096)
+def _names_common_entry(metadata: Path, mtime_ns: int) -> bool:
+    try:
+        return _COMMON_MARKER in limits.read_regular(metadata, limits.DCP_METADATA_BYTES)
+    except PmakitError:
+        return False  # not readable as DCP metadata: read_metadata says why where it matters
+
+
+def has_common_entry(path: Path) -> bool:
+    """``path/.metadata`` names megatron-core 0.19's ``common_state`` entry."""
+    metadata = path / dcp_io.METADATA_FILE
+    try:
+        return _names_common_entry(metadata, metadata.stat().st_mtime_ns)
+    except OSError:
+        return False
+
+
+def load_common(path: Path) -> tuple[Path, dict[str, Any]]:
+    """(where it was read, Megatron's common state) of a checkpoint: ``common.pt``, else the DCP entry."""
+    if (path / COMMON_FILE).is_file():
+        return path / COMMON_FILE, read_common(path / COMMON_FILE)
+    metadata = dcp_io.read_metadata(path)
+    keys = [k for k in metadata.state_dict_metadata if k.startswith(COMMON_ENTRY)]
+    if len(keys) != 1:
+        raise IncompleteSnapshot(
+            path, f"no {COMMON_FILE} and no single {COMMON_ENTRY} entry in its DCP files"
+        )
+    where = path / dcp_io.METADATA_FILE
+    return where, read_common(where, dcp_io.read_bytes(path, keys)[keys[0]])
 
 
 def carried(path: Path) -> list[str]:

@@ -24,7 +24,7 @@ import pmakit
 from pmakit.errors import PmakitError
 from pmakit.formats import Reader
 from pmakit.formats.safetensors_io import write_index
-from pmakit.layouts import open_weights, writer
+from pmakit.layouts import layout_of, open_weights, writer
 from pmakit.merge.plan import MergePlan
 from pmakit.merge.stream import stream_average
 from pmakit.runs import atomic_write_text, fsync_dir, replace_dir
@@ -55,17 +55,31 @@ def partial_dir(out: Path) -> Path:
 
 
 def copy_extras(source: Path, target: Path) -> list[str]:
-    """Config, tokenizer and other small non-weight files of the newest snapshot."""
+    """Config, tokenizer and other small non-weight files of the newest snapshot.
+
+    Never copied: weights and trainer state, the files that mark a checkpoint of the input's layout (its
+    ``own_files``: Megatron's ``metadata.json`` beside HF safetensors would claim a format the output is not; a
+    layout that writes itself back writes them), and links that lead out of the snapshot (a ``tokenizer.json``
+    linked to a file elsewhere would carry that file into the output): those are named in a warning.
+    """
+    layout = layout_of(source)
+    own = layout.own_files if layout is not None else ()
+    root = source.resolve()
     copied = []
     for f in sorted(source.iterdir()):
         if (
-            f.is_file()
-            and not f.name.startswith(".")
-            and not f.name.startswith(_NOT_COPIED_NAMES)
-            and f.suffix not in _NOT_COPIED_SUFFIXES
+            not f.is_file()
+            or f.name.startswith(".")
+            or f.name.startswith(_NOT_COPIED_NAMES)
+            or f.suffix in _NOT_COPIED_SUFFIXES
+            or f.name in own
         ):
-            shutil.copy2(f, target / f.name)
-            copied.append(f.name)
+            continue
+        if f.is_symlink() and not f.resolve().is_relative_to(root):
+            log.warning("not copying %s: a link to %s, outside the snapshot", f, f.resolve())
+            continue
+        shutil.copy2(f, target / f.name)
+        copied.append(f.name)
     return copied
 
 
