@@ -880,11 +880,11 @@ def test_refused_cleanly(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPa
         assert after == before
 
 
-def test_corpus_size_and_readme_figure() -> None:
-    """The README's reliability figure comes from here."""
+def test_corpus_size_and_docs_figure() -> None:
+    """docs/reliability.md's figure comes from here."""
     assert len(CASES) >= 40
-    readme = (SRC.parent / "README.md").read_text()
-    assert f"{len(CASES)} hostile inputs and faults" in readme, len(CASES)
+    page = (SRC.parent / "docs" / "reliability.md").read_text()
+    assert f"{len(CASES)} hostile inputs and faults" in page, len(CASES)
 
 
 # --- what is not a refusal ----------------------------------------------------------------------------------------

@@ -1,14 +1,15 @@
-"""Every example in README.md runs as written (issue 14).
+"""Every example in README.md and docs/*.md runs as written.
 
-Each fenced block of the README is found here by its first line and has a recipe: the small inputs it assumes
-(a run directory, snapshots, a Trainer), built in a scratch directory, and the words that stand for them
-(``RUN_DIR``, ``SAVE_FOLDER``, ``SNAP1 SNAP2 SNAP3 ...``) replaced by their paths. Shell lines run through the real
-``pmakit`` entry point (and ``torchrun``), Python blocks as scripts, each in the scratch directory: every one must
-exit 0 without a traceback. Blocks are alternatives, so an output directory a line names is removed before the line
-runs unless a later line of the same block reads it. A README block without a recipe fails the test, so an example
-cannot be added, or drift from the code, without being run here. Not run here, each with its reason: ``make``
-targets (``make test`` is this suite; ``make demo`` and ``make bench`` have their own targets) and the long studies
-(``--preset spike``, ``init``, ``scaling``: their smoke presets run in tests/test_studies.py and test_scaling.py).
+Each fenced block of the README and the docs pages is found here by its first line and has a recipe: the small
+inputs it assumes (a run directory, snapshots, a Trainer), built in a scratch directory, and the words that stand
+for them (``RUN_DIR``, ``SAVE_FOLDER``, ``SNAP1 SNAP2 SNAP3 ...``) replaced by their paths. Shell lines run through
+the real ``pmakit`` entry point (and ``torchrun``), Python blocks as scripts, each in the scratch directory: every
+one must exit 0 without a traceback. Blocks are alternatives, so an output directory a line names is removed before
+the line runs unless a later line of the same block reads it. A block without a recipe fails the test, so an example
+cannot be added to any of these pages, or drift from the code, without being run here. Not run here, each with its
+reason: ``make`` targets (``make test`` is this suite; ``make demo`` and ``make bench`` have their own targets) and
+the long studies (``--preset spike``, ``init``, ``scaling``: their smoke presets run in tests/test_studies.py and
+test_scaling.py). tests/test_docs.py checks the front page's shape and that every link between the pages resolves.
 """
 
 from __future__ import annotations
@@ -29,13 +30,22 @@ import pytest
 
 from conftest import SRC, state, write_snapshot
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+
+
+def doc_pages() -> list[Path]:
+    """The front page and every docs page, whose command blocks this test runs."""
+    return [README, *sorted(DOCS.glob("*.md"))]
 
 
 @dataclass(frozen=True)
 class Block:
+    page: str
+    """The page, relative to the repository root (``README.md``, ``docs/merging.md``)."""
     line: int
-    """Line of the opening fence in README.md."""
+    """Line of the opening fence in the page."""
     lang: str
     text: str
 
@@ -45,18 +55,20 @@ class Block:
 
 
 def readme_blocks() -> list[Block]:
-    blocks, lines = [], README.read_text().splitlines()
-    i = 0
-    while i < len(lines):
-        if lines[i].startswith("```"):
-            start, lang = i, lines[i][3:].strip()
-            i += 1
-            body = []
-            while not lines[i].startswith("```"):
-                body.append(lines[i])
+    """Every fenced block of README.md and docs/*.md, in page order."""
+    blocks = []
+    for page in doc_pages():
+        lines, i = page.read_text().splitlines(), 0
+        while i < len(lines):
+            if lines[i].startswith("```"):
+                start, lang = i, lines[i][3:].strip()
                 i += 1
-            blocks.append(Block(start + 1, lang, "\n".join(body) + "\n"))
-        i += 1
+                body = []
+                while not lines[i].startswith("```"):
+                    body.append(lines[i])
+                    i += 1
+                blocks.append(Block(str(page.relative_to(ROOT)), start + 1, lang, "\n".join(body) + "\n"))
+            i += 1
     return blocks
 
 
@@ -132,7 +144,7 @@ def argv(line: str) -> list[str]:
         return [sys.executable, "-m", "pmakit", *words[1:]]
     if words[0] == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", *words[1:]]
-    raise AssertionError(f"README shell line does not start with pmakit or torchrun: {line}")
+    raise AssertionError(f"shell line of a docs block does not start with pmakit or torchrun: {line}")
 
 
 def output_of(words: list[str]) -> str | None:
@@ -155,10 +167,10 @@ def run_shell_block(
             shutil.rmtree(cwd / out)  # the lines are alternatives: each writes its own fresh output
         env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_WAIT_POLICY": "PASSIVE", "COLUMNS": "100"}
         proc = subprocess.run(words, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-        assert proc.returncode == 0, f"README: `{line}` exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+        assert proc.returncode == 0, f"docs example `{line}` exited {proc.returncode}:\n{proc.stderr[-3000:]}"
         assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
         if out:
-            assert (cwd / out).exists(), f"README: `{line}` wrote no {out}"
+            assert (cwd / out).exists(), f"docs example `{line}` wrote no {out}"
 
 
 # ---------------------------------------------------------------------------------------------- recipes
@@ -221,7 +233,7 @@ assert len(discover("runs/x")) > 2
 @dataclass
 class Recipe:
     setup: Callable[[Path], dict[str, str]] = field(default=lambda root: {})
-    """Builds the block's inputs under the scratch directory; returns README words -> paths."""
+    """Builds the block's inputs under the scratch directory; returns the page's words -> paths."""
     skip: str | None = None
     """Why the block is not run by this test."""
 
@@ -296,7 +308,7 @@ RECIPES: dict[str, Recipe] = {
         skip="torchtitan's own Trainer runs this recipe in tests/layouts/test_torchtitan.py (torchtitan_run.py online)"
     ),
     "from pmakit.online import OnlineAverager": Recipe(),
-    'from pmakit.integrations.hf import PMACallback          # pip install "pmakit[hf]"': Recipe(),
+    'from pmakit.integrations.hf import PMACallback          # pip install -e ".[hf]"': Recipe(),
     "pmakit train --preset replicas-smoke -o runs/copies --replicas 2 --sync-every 4                  # local SGD, H = 4": (
         Recipe()
     ),
@@ -327,10 +339,12 @@ SKIPPED_LINES = {
 
 def test_every_readme_block_has_a_recipe() -> None:
     keys = [b.key for b in readme_blocks()]
-    missing = [f"line {b.line}: {b.key}" for b in readme_blocks() if b.key not in RECIPES]
-    assert not missing, "README blocks with no recipe in tests/test_readme.py:\n" + "\n".join(missing)
+    missing = [f"{b.page}:{b.line}: {b.key}" for b in readme_blocks() if b.key not in RECIPES]
+    assert not missing, "blocks with no recipe in tests/test_readme.py:\n" + "\n".join(missing)
     stale = [k for k in RECIPES if k not in keys]
-    assert not stale, f"recipes for blocks the README no longer has: {stale}"
+    assert not stale, f"recipes for blocks no page has any more: {stale}"
+    twice = {k for k in keys if keys.count(k) > 1}
+    assert not twice, f"blocks that open with the same line (one recipe cannot tell them apart): {twice}"
 
 
 @pytest.fixture(scope="module")
@@ -343,7 +357,7 @@ def _blocks_to_run() -> list[Block]:
 
 
 @pytest.mark.shares("smoke_experiment", "scaling_smoke")
-@pytest.mark.parametrize("block", _blocks_to_run(), ids=lambda b: f"line{b.line}")
+@pytest.mark.parametrize("block", _blocks_to_run(), ids=lambda b: f"{Path(b.page).stem}-line{b.line}")
 def test_readme_example_runs_as_written(block: Block, scratch: Path, request: pytest.FixtureRequest) -> None:
     recipe = RECIPES[block.key]
     if block.key.startswith("pmakit analyze"):
@@ -356,7 +370,7 @@ def test_readme_example_runs_as_written(block: Block, scratch: Path, request: py
         code = PRELUDES.get(block.key.split("  ")[0], "") + block.text
         code += POSTLUDES.get(block.key.split("  ")[0], "")
         proc = run_python(code, scratch)
-        assert proc.returncode == 0, f"README block at line {block.line}:\n{proc.stderr[-3000:]}"
+        assert proc.returncode == 0, f"{block.page}, block at line {block.line}:\n{proc.stderr[-3000:]}"
         return
     text = "\n".join(
         line for line in block.text.splitlines() if not any(line.startswith(s) for s in SKIPPED_LINES)
@@ -364,7 +378,7 @@ def test_readme_example_runs_as_written(block: Block, scratch: Path, request: py
     if block.key.startswith("pmakit experiment --preset scaling"):
         # scaling-smoke first (the fit reads its results), then the fit
         lines = shell_lines(text)
-        # The suite's own scaling-smoke study (tests/test_scaling.py) is copied in, so the README line resumes it:
+        # The suite's own scaling-smoke study (tests/test_scaling.py) is copied in, so the docs line resumes it:
         # the command runs as written, the study is not trained twice.
         done = request.getfixturevalue("scaling_smoke")[0]
         if not (scratch / "runs" / "s-smoke").exists():

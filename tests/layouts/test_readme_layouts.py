@@ -1,5 +1,6 @@
-"""The README's framework block (`pmakit inspect SAVE_FOLDER`, `pmakit merge SAVE_FOLDER -o OUT`, ...) runs as
-written on save folders the frameworks' own trainers wrote (tests/test_readme.py runs every other block)."""
+"""The framework block of docs/frameworks.md (`pmakit inspect SAVE_FOLDER`, `pmakit merge SAVE_FOLDER -o OUT`,
+...) runs as written on save folders the frameworks' own trainers wrote (tests/test_readme.py runs every other
+block)."""
 
 from __future__ import annotations
 

@@ -512,7 +512,9 @@ def _import_tokenizers() -> Any:
     try:
         import tokenizers
     except ImportError:
-        raise PmakitError("training a tokenizer needs the train extra: pip install 'pmakit[train]'") from None
+        raise PmakitError(
+            "training a tokenizer needs the train extra: pip install -e '.[train]' in the pmakit checkout"
+        ) from None
     return tokenizers
 
 
