@@ -36,6 +36,7 @@ from pmakit.formats import Reader, is_float
 from pmakit.formats.safetensors_io import write_index
 from pmakit.guard import guard_output, output_lock
 from pmakit.layouts import native_format, open_weights, safetensors_format, writer
+from pmakit.layouts.kinds import DEFAULT_BUFFERS
 from pmakit.merge.incremental import INCREMENTAL_METHODS, Increment, plan_increment
 from pmakit.merge.output import (
     FP32_DIR,
@@ -104,6 +105,7 @@ def merge(
     keep_fp32: bool = False,
     world: World | None = None,
     window: tuple[Sequence[Snapshot], Sequence[float]] | None = None,
+    buffers: str = DEFAULT_BUFFERS,
 ) -> MergeResult:
     """Merge ``snapshots`` (oldest first) with ``weights`` into a model directory ``out``.
 
@@ -124,6 +126,9 @@ def merge(
         world: this process's rank among the ranks sharing the merge (default: a single process).
         window: for an incremental update (``snapshots``/``weights`` are then its terms), the merge's real
             window and weights, recorded in the manifest as its inputs.
+        buffers: MoE routers' load-balancing biases ``average``-d like the weights or the newest snapshot's
+            (``latest``), in fp32 whatever ``dtype``; counters (tokens per expert) are always the newest's. See
+            ``pmakit.layouts.kinds``.
     """
     start = time.perf_counter()
     out = Path(out)
@@ -136,13 +141,20 @@ def merge(
         max_shard_size=max_shard_size,
         ranks=world.size,
         cast=window is not None or None,
+        buffers=buffers,
     )
     out_format = _output_format(plan, out_format)
     narrow = any(is_float(d) and d != torch.float32 for _, d in plan.tensors.values())
     sums = None
     if keep_fp32 and narrow:
         sums = plan_merge(
-            snapshots, weights, dtype="fp32", max_shard_size=max_shard_size, ranks=world.size, cast=True
+            snapshots,
+            weights,
+            dtype="fp32",
+            max_shard_size=max_shard_size,
+            ranks=world.size,
+            cast=True,
+            buffers=buffers,
         )
     job = _Job(
         plan, sums, out, partial_dir(out), world, out_format, fsync, progress, Killer(), max_shard_size
