@@ -158,3 +158,17 @@ def test_bad_moe_inputs_fail_in_one_line(
     assert not (tmp_path / "out").exists()
     if "experts" in message:
         assert f"({2 * E} vs {E} experts)" in lines[0]
+
+
+@pytest.mark.parametrize("buffers", ["average", "latest"])
+def test_average_states_applies_the_same_rules_as_merge(tmp_path: Path, buffers: str) -> None:
+    from pmakit.merge import average_states
+
+    states = [moe_state(s) for s in (1, 2, 3)]
+    snaps = discover(make_run(tmp_path / "run", states))
+    merge(snaps, [0.2, 0.3, 0.5], tmp_path / "out", buffers=buffers)
+    got = average_states(states, [0.2, 0.3, 0.5], dtype="same", buffers=buffers)
+    on_disk = load(tmp_path / "out")
+    assert got.keys() == on_disk.keys()
+    for name, t in on_disk.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
