@@ -20,6 +20,7 @@ import click
 
 from pmakit.errors import PmakitError
 from pmakit.layouts import out_formats
+from pmakit.layouts.kinds import BUFFER_RULES, DEFAULT_BUFFERS, describe, listing
 from pmakit.runs import checkpoint_dir
 from pmakit.units import format_bytes, format_tokens, parse_size, parse_tokens
 
@@ -253,6 +254,15 @@ def _progress(total: int, quiet: bool, label: str) -> Iterator[Callable[[int], N
     "names the inputs use; dcp: torch.distributed.checkpoint, names at the top level; or a trainer's layout.",
 )
 @click.option(
+    "--buffers",
+    type=click.Choice(list(BUFFER_RULES)),
+    default=DEFAULT_BUFFERS,
+    show_default=True,
+    help="MoE routers' load-balancing biases (expert_bias, score_bias, e_score_correction_bias): averaged like "
+    "the weights, or the newest snapshot's; written in fp32 either way. Counters (tokens per expert) are "
+    "always the newest's. See docs/moe.md.",
+)
+@click.option(
     "--device",
     type=click.Choice(["cpu", "cuda"]),
     default="cpu",
@@ -294,6 +304,7 @@ def _merge(
     from_previous: Path | None,
     keep_fp32: bool,
     out_format: str,
+    buffers: str,
     world: Any,
 ) -> None:
     from pmakit.merge import merge as run_merge
@@ -308,7 +319,7 @@ def _merge(
             from_previous, chosen, weights, method, alpha, custom, quiet
         )
         keep_fp32 = True
-    plan = _plan(terms, term_weights, dtype, max_shard_size, world, window)
+    plan = _plan(terms, term_weights, dtype, max_shard_size, world, window, buffers)
     if (dry_run and world.rank == 0) or not quiet:
         _print_plan(plan)
     if dry_run:
@@ -329,6 +340,7 @@ def _merge(
             keep_fp32=keep_fp32,
             world=world,
             window=window,
+            buffers=buffers,
         )
     if not quiet:
         _print_result(plan, result, output)
@@ -355,7 +367,13 @@ def _incremental(
 
 
 def _plan(
-    terms: list[Any], term_weights: list[float], dtype: str, max_shard_size: int, world: Any, window: Any
+    terms: list[Any],
+    term_weights: list[float],
+    dtype: str,
+    max_shard_size: int,
+    world: Any,
+    window: Any,
+    buffers: str,
 ) -> Any:
     """The shard plan over the world's ranks; an incremental update's terms may differ in float dtype."""
     from pmakit.merge import plan_merge
@@ -367,6 +385,7 @@ def _plan(
         max_shard_size=max_shard_size,
         ranks=world.size,
         cast=True if window else None,
+        buffers=buffers,
     )
 
 
@@ -409,6 +428,13 @@ def _print_plan(plan: Any) -> None:
         f"{format_bytes(plan.input_bytes)}, writes {format_bytes(plan.output_bytes)} in "
         f"{len(plan.shards)} file(s), work memory {format_bytes(plan.peak_memory)}"
     )
+    _print_state(listing(plan.kinds, plan.buffers))
+
+
+def _print_state(state: dict[str, Any]) -> None:
+    """One line per kind of non-weight state (router biases, counters): how many, the rule, a few names."""
+    for line in describe(state):
+        click.echo(line)
 
 
 @cli.command()

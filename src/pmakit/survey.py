@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from pmakit.errors import PmakitError
 from pmakit.layouts import open_weights
+from pmakit.layouts.kinds import describe, listing
 from pmakit.snapshot import (
     IncompleteSnapshot,
     Snapshot,
@@ -104,6 +105,7 @@ def inspect_inputs(
         "dtypes": dict(dtypes),
         "largest_tensor_bytes": max(info.nbytes for info, _ in every_plan.tensors.values()),
     }
+    report["state"] = listing(every_plan.kinds, every_plan.buffers)
     if last is None and from_run and every is None:
         last = default_last([s for s in complete if until is None or s.tokens <= until])
     try:
@@ -172,6 +174,8 @@ def render(report: dict[str, Any], *, show_all: bool = False) -> None:
         f"tensor {format_bytes(m['largest_tensor_bytes'])}",
         highlight=False,
     )
+    for line in describe(report.get("state", {})):
+        console.print(line, highlight=False)
     merge = report.get("merge", {})
     if "error" in merge:
         console.print(f"default merge: {merge['error']}", highlight=False)

@@ -36,6 +36,7 @@ from pmakit.formats import Reader, is_float
 from pmakit.formats.safetensors_io import write_index
 from pmakit.guard import guard_output, output_lock
 from pmakit.layouts import native_format, open_weights, safetensors_format, writer
+from pmakit.layouts.kinds import DEFAULT_BUFFERS, Kind, check_buffers, classify, rule
 from pmakit.merge.incremental import INCREMENTAL_METHODS, Increment, plan_increment
 from pmakit.merge.output import (
     FP32_DIR,
@@ -104,6 +105,7 @@ def merge(
     keep_fp32: bool = False,
     world: World | None = None,
     window: tuple[Sequence[Snapshot], Sequence[float]] | None = None,
+    buffers: str = DEFAULT_BUFFERS,
 ) -> MergeResult:
     """Merge ``snapshots`` (oldest first) with ``weights`` into a model directory ``out``.
 
@@ -124,6 +126,9 @@ def merge(
         world: this process's rank among the ranks sharing the merge (default: a single process).
         window: for an incremental update (``snapshots``/``weights`` are then its terms), the merge's real
             window and weights, recorded in the manifest as its inputs.
+        buffers: MoE routers' load-balancing biases ``average``-d like the weights or the newest snapshot's
+            (``latest``), in fp32 whatever ``dtype``; counters (tokens per expert) are always the newest's. See
+            ``pmakit.layouts.kinds``.
     """
     start = time.perf_counter()
     out = Path(out)
@@ -136,13 +141,20 @@ def merge(
         max_shard_size=max_shard_size,
         ranks=world.size,
         cast=window is not None or None,
+        buffers=buffers,
     )
     out_format = _output_format(plan, out_format)
     narrow = any(is_float(d) and d != torch.float32 for _, d in plan.tensors.values())
     sums = None
     if keep_fp32 and narrow:
         sums = plan_merge(
-            snapshots, weights, dtype="fp32", max_shard_size=max_shard_size, ranks=world.size, cast=True
+            snapshots,
+            weights,
+            dtype="fp32",
+            max_shard_size=max_shard_size,
+            ranks=world.size,
+            cast=True,
+            buffers=buffers,
         )
     job = _Job(
         plan, sums, out, partial_dir(out), world, out_format, fsync, progress, Killer(), max_shard_size
@@ -326,9 +338,10 @@ def average_states(
     weights: Sequence[float],
     *,
     dtype: str | torch.dtype | None = torch.float32,
+    buffers: str = DEFAULT_BUFFERS,
 ) -> dict[str, torch.Tensor]:
-    """The in-memory counterpart of ``merge``: the weighted fp32 sum of the float tensors, the non-float ones from
-    the newest state (``states`` oldest first).
+    """The in-memory counterpart of ``merge``: the weighted fp32 sum of the weights, the counters (and other
+    non-float tensors) from the newest state (``states`` oldest first), router biases as ``buffers`` says, in fp32.
 
     The arithmetic is the engine's (``merge.stream._fold``): the first term scaled, the others added with their
     weight, zero weights skipped; with ``dtype="same"`` the result equals, bit for bit, what ``merge`` writes.
@@ -338,9 +351,12 @@ def average_states(
     Args:
         dtype: of the averaged tensors: fp32 (the sums as they are), ``"same"`` (each tensor in its input's dtype,
             as ``merge`` writes it by default), or bf16 / fp16 as ``merge``'s ``dtype``.
+        buffers: as for ``merge``.
     """
+    check_buffers(buffers)
     sums: dict[str, torch.Tensor] = {}
     newest: dict[str, torch.Tensor] = {}
+    kinds: dict[str, str] = {}
     remaining = iter(states)  # not zip(): its reused result tuple would keep the previous state alive
     for weight in weights:
         state = next(remaining, None)
@@ -350,28 +366,32 @@ def average_states(
             raise PmakitError(
                 f"the states to average differ in their tensors: {sorted(state.keys() ^ newest.keys())}"
             )
-        # Of the newest state only its non-float tensors are kept (of the float ones, shape and dtype).
-        newest = {k: t if not is_float(t.dtype) else t.to("meta") for k, t in state.items()}
+        kinds = {k: rule(classify(k, t.dtype), buffers) for k, t in state.items()}
+        # Of the newest state only the tensors taken as they are are kept (of the others, shape and dtype).
+        newest = {k: t if kinds[k] == "latest" else t.to("meta") for k, t in state.items()}
         if weight != 0:  # as the engine: a zero weight adds nothing (not even a -0.0)
-            _fold_state(sums, state, weight)
+            _fold_state(sums, state, weight, kinds)
         del state  # before the next one is read: one state in memory at a time
     if next(remaining, None) is not None:
         raise ValueError(f"more states than the {len(weights)} weights")
     out: dict[str, torch.Tensor] = {}
     for name, ref in newest.items():
-        if not is_float(ref.dtype):
-            out[name] = ref
+        kind = classify(name, ref.dtype)
+        if kinds[name] == "latest":
+            out[name] = ref.float() if kind is Kind.ROUTER_BIAS else ref
             continue
         total = sums[name] if name in sums else torch.zeros(ref.shape, dtype=torch.float32)
-        target = output_dtype(dtype, ref.dtype)
+        target = torch.float32 if kind is Kind.ROUTER_BIAS else output_dtype(dtype, ref.dtype)
         out[name] = total if target == torch.float32 else total.to(target)
     return out
 
 
-def _fold_state(sums: dict[str, torch.Tensor], state: Mapping[str, torch.Tensor], weight: float) -> None:
+def _fold_state(
+    sums: dict[str, torch.Tensor], state: Mapping[str, torch.Tensor], weight: float, rules: Mapping[str, str]
+) -> None:
     """``sums += weight * state`` in fp32, tensor by tensor (the first term scaled, as the engine's fold)."""
     for name, t in state.items():
-        if not is_float(t.dtype):
+        if rules[name] != "average":
             continue
         if name in sums:
             sums[name].add_(t.float(), alpha=weight)

@@ -25,6 +25,7 @@ from pmakit.errors import PmakitError
 from pmakit.formats import Reader
 from pmakit.formats.safetensors_io import write_index
 from pmakit.layouts import layout_of, open_weights, writer
+from pmakit.layouts.kinds import listing
 from pmakit.merge.plan import MergePlan
 from pmakit.merge.stream import stream_average
 from pmakit.runs import atomic_write_text, fsync_dir, replace_dir
@@ -113,6 +114,8 @@ def manifest_record(
             for s, w, r in zip(plan.snapshots, plan.weights, readers)
         ],
         "skipped_entries": plan.skipped,
+        "buffers": plan.buffers,
+        "tensor_kinds": listing(plan.kinds, plan.buffers),
         "output": {"files": files, "copied": copied, "total_bytes": plan.output_bytes},
     }
 
@@ -239,6 +242,7 @@ def merge_fingerprint(plan: MergePlan, readers: Sequence[Reader], **options: Any
         "weights": plan.weights,
         "shards": [[s.file, [(t.name, str(t.dtype), list(t.shape)) for t in s.tensors]] for s in plan.shards],
         "owners": list(plan.owners),
+        "buffers": plan.buffers,
         **options,
     }
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()

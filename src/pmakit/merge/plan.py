@@ -15,6 +15,7 @@ from pmakit.errors import PmakitError
 from pmakit.formats import Reader, TensorInfo, is_float
 from pmakit.formats.safetensors_io import OutputTensor, Shard, plan_shards
 from pmakit.layouts import open_weights
+from pmakit.layouts.kinds import DEFAULT_BUFFERS, Kind, check_buffers, classify, is_expert_tensor, rule
 from pmakit.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
@@ -48,23 +49,39 @@ class MergePlan:
     """Entries of the inputs that are not model weights (optimizer, RNG) and are not merged."""
     owners: tuple[int, ...] = ()
     """The rank that writes each shard (empty: rank 0 writes them all)."""
+    kinds: dict[str, Kind] = field(default_factory=dict)
+    """name -> what kind of state the tensor is (``pmakit.layouts.kinds``); absent: a weight."""
+    buffers: str = DEFAULT_BUFFERS
+    """The rule for router biases: ``average`` or ``latest``."""
 
     def owner(self, shard: int) -> int:
         return self.owners[shard] if self.owners else 0
 
+    def kind(self, name: str) -> Kind:
+        return self.kinds.get(name, Kind.WEIGHT)
+
+    def rule(self, name: str) -> str:
+        """``average`` (weighted fp32 sum of the inputs) or ``latest`` (the newest input's)."""
+        return rule(self.kind(name), self.buffers)
+
+    def sources(self, name: str) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        """The inputs ``name`` is read from and their weights: every input with a non-zero weight, or the newest."""
+        if self.rule(name) == "latest":
+            return (len(self.snapshots) - 1,), (1.0,)
+        used = tuple(i for i, w in enumerate(self.weights) if w != 0)
+        return used, tuple(self.weights[i] for i in used)
+
     def shard_input_bytes(self, shard: int) -> int:
         """Bytes read to write one shard."""
-        readers = sum(1 for w in self.weights if w != 0)
-        return sum(
-            self.tensors[t.name][0].nbytes * (readers if is_float(self.tensors[t.name][0].dtype) else 1)
-            for t in self.shards[shard].tensors
-        )
+        return sum(self._input_bytes(t.name) for t in self.shards[shard].tensors)
 
     @property
     def input_bytes(self) -> int:
-        """Bytes read: every averaged tensor from every input with a non-zero weight, copied ones once."""
-        readers = sum(1 for w in self.weights if w != 0)
-        return sum(i.nbytes * (readers if is_float(i.dtype) else 1) for i, _ in self.tensors.values())
+        """Bytes read: every averaged tensor from every input with a non-zero weight, the others once."""
+        return sum(self._input_bytes(name) for name in self.tensors)
+
+    def _input_bytes(self, name: str) -> int:
+        return self.tensors[name][0].nbytes * len(self.sources(name)[0])
 
     @property
     def output_bytes(self) -> int:
@@ -99,6 +116,7 @@ def output_dtype(dtype: str | torch.dtype | None, source: torch.dtype) -> torch.
 def _validate(readers: Sequence[Reader], snapshots: Sequence[Snapshot], cast: bool) -> None:
     """Compare every input's keys, shapes and dtypes with the newest one's; raise listing every difference."""
     ref, ref_snap = readers[-1].tensors, snapshots[-1]
+    _validate_moe(readers, snapshots)
     problems: list[str] = []
     for name, info in ref.items():
         if info.dtype.is_floating_point and not is_float(info.dtype):
@@ -134,6 +152,38 @@ def _validate(readers: Sequence[Reader], snapshots: Sequence[Snapshot], cast: bo
         raise PmakitError("\n  ".join([head, *shown]))
 
 
+def _validate_moe(readers: Sequence[Reader], snapshots: Sequence[Snapshot]) -> None:
+    """The two MoE mistakes, each in one line that names its cause: a different number of experts (every expert
+    tensor's shape then differs; the first one says why), and a router bias some snapshots lack."""
+    ref, ref_snap = readers[-1].tensors, snapshots[-1]
+    for reader, snap in zip(readers[:-1], snapshots[:-1]):
+        keys = reader.tensors
+        for name in [*ref, *(k for k in keys if k not in ref)]:
+            a, b = keys.get(name), ref.get(name)
+            info = b or a
+            assert info is not None
+            kind = classify(name, info.dtype)
+            if a is None or b is None:
+                if kind is Kind.ROUTER_BIAS:
+                    has, lacks = (ref_snap, snap) if a is None else (snap, ref_snap)
+                    raise PmakitError(
+                        f"router bias {name!r} is in {has.path} but missing in {lacks.path}: the snapshots "
+                        "come from differently configured models"
+                    )
+                continue
+            if (
+                a.shape != b.shape
+                and is_expert_tensor(name, kind)
+                and len(a.shape) == len(b.shape) >= 1
+                and a.shape[0] != b.shape[0]
+                and a.shape[1:] == b.shape[1:]
+            ):
+                raise PmakitError(
+                    f"the number of experts differs: tensor {name!r} is {list(a.shape)} in {snap.path} but "
+                    f"{list(b.shape)} in {ref_snap.path} ({a.shape[0]} vs {b.shape[0]} experts)"
+                )
+
+
 def _few(names: list[str]) -> str:
     return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
@@ -146,6 +196,7 @@ def plan_merge(
     max_shard_size: int = 5 * 10**9,
     ranks: int = 1,
     cast: bool | None = None,
+    buffers: str = DEFAULT_BUFFERS,
 ) -> MergePlan:
     """Read every input's headers, check they match, and lay out the output. Reads no weights.
 
@@ -153,7 +204,10 @@ def plan_merge(
         dtype: as for ``merge``, or a mapping of tensor name to output dtype.
         ranks: split the output into shards owned by this many ranks, balanced by bytes.
         cast: inputs may differ in float dtype (default: only when ``dtype`` is not ``same``).
+        buffers: routers' load-balancing biases averaged (``average``) or the newest input's (``latest``); in
+            fp32 either way. Counters are always the newest input's (see ``pmakit.layouts.kinds``).
     """
+    check_buffers(buffers)
     if len(snapshots) != len(weights):
         raise PmakitError(f"{len(weights)} weights for {len(snapshots)} snapshots")
     if not snapshots:
@@ -167,17 +221,32 @@ def plan_merge(
                 f"{snapshots[-1].path}: no model weights ({len(newest.skipped)} entries, none a model tensor)"
             )
         order = sorted(newest.tensors, key=lambda k: newest.tensors[k].order)
+        kinds = {k: classify(k, newest.tensors[k].dtype) for k in order}
         tensors = {
             k: (
                 newest.tensors[k],
-                dtype[k] if isinstance(dtype, Mapping) else output_dtype(dtype, newest.tensors[k].dtype),
+                dtype[k]
+                if isinstance(dtype, Mapping)
+                else _kind_dtype(kinds[k], dtype, newest.tensors[k].dtype),
             )
             for k in order
         }
         out = [OutputTensor(k, tensors[k][1], tensors[k][0].shape) for k in order]
         skipped = sorted({s for r in readers for s in r.skipped})
     shards, owners = _plan_rank_shards(out, max_shard_size, ranks)
-    return MergePlan(list(snapshots), list(weights), tensors, shards, skipped, owners)
+    state: dict[str, Kind] = {k: v for k, v in kinds.items() if v is not Kind.WEIGHT}
+    return MergePlan(list(snapshots), list(weights), tensors, shards, skipped, owners, state, buffers)
+
+
+def _kind_dtype(kind: Kind, dtype: str | torch.dtype | None, source: torch.dtype) -> torch.dtype:
+    """A weight's output dtype is ``dtype``; a router bias is fp32 whatever ``dtype`` (rounding it moves the
+    routing), a counter keeps its own."""
+    if kind is Kind.ROUTER_BIAS:
+        output_dtype(dtype, source)  # still reject an unknown dtype
+        return torch.float32
+    if kind is Kind.COUNTER:
+        return source
+    return output_dtype(dtype, source)
 
 
 def _plan_rank_shards(

@@ -134,21 +134,22 @@ class _Chunk:
     start: int
     stop: int
     sources: tuple[int, ...]
+    weights: tuple[float, ...]
     average: bool
+    """Folded into the output dtype (False: the newest input's bytes, written as they are)."""
 
 
 def _chunks(plan: MergePlan) -> Iterator[_Chunk]:
-    averaged = tuple(i for i, w in enumerate(plan.weights) if w != 0)
-    newest = (len(plan.snapshots) - 1,)
     step = plan.chunk_elems
     for s, shard in enumerate(plan.shards):
         for t in shard.tensors:
-            info = plan.tensors[t.name][0]
-            average = is_float(info.dtype)
+            info, out_dtype = plan.tensors[t.name]
+            sources, weights = plan.sources(t.name)
+            # A tensor taken from the newest input is still folded (weight 1) when its dtype changes: a router
+            # bias written in fp32 from a bf16 input.
+            fold = is_float(info.dtype) and (plan.rule(t.name) == "average" or out_dtype != info.dtype)
             for start in range(0, max(info.numel, 1), step):
-                yield _Chunk(
-                    s, t.name, start, min(start + step, info.numel), averaged if average else newest, average
-                )
+                yield _Chunk(s, t.name, start, min(start + step, info.numel), sources, weights, fold)
 
 
 class _Writer:
@@ -468,7 +469,7 @@ def _fold_chunk(
         local.scratch = (torch.empty(BLOCK_ELEMS), torch.empty(BLOCK_ELEMS))
     out_dtype = plan.tensors[chunk.name][1]
     out = buf[: (chunk.stop - chunk.start) * out_dtype.itemsize].view(out_dtype)
-    weights = [plan.weights[src] for src in chunk.sources]
+    weights = chunk.weights
     if device != "cpu":
         return out, _fold_on(device, views, weights, out)
     stats = _STATS
