@@ -275,3 +275,14 @@ def test_safetensors_snapshot_still_merges(tmp_path: Path) -> None:
         write_snapshot(tmp_path / "run" / f"step-{i}", state(i), step=i, tokens=100 * (i + 1))
     result = run_cli("merge", tmp_path / "run", "-o", tmp_path / "out")
     assert result.returncode == 0, result.stderr
+
+
+def test_claims_the_vm_would_allocate_before_checking_are_refused_first() -> None:
+    """A 10-byte pickle asking for a memo slot at index 4e9 (the VM grows its memo to 32 GB), or a BYTEARRAY8 of a
+    terabyte (allocated before it is read): refused before the VM runs, in one error."""
+    allowed = dcp_io._metadata_pickles()
+    memo = b"\x80\x04N" + b"r" + struct.pack("<I", 4_000_000_000) + b"."
+    buffer = b"\x80\x05\x96" + struct.pack("<Q", 2**40) + b"."
+    for data in (memo, buffer):
+        with pytest.raises(PmakitError):
+            safe_pickle.loads(data, allowed)

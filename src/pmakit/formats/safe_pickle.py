@@ -24,6 +24,7 @@ import enum
 import io
 import pathlib
 import pickle
+import pickletools
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -259,6 +260,7 @@ def loads(data: bytes, allowed: Allowed, *, persistent_ids: bool = False) -> Any
     as a ``PersistentId`` wrapping its rebuilt id. Refused otherwise.
     """
     try:
+        _prescan(data)
         recorded = _VM(io.BytesIO(data), persistent_ids).load()
         return Rebuilder(allowed).build(recorded)
     except PmakitError:
@@ -269,6 +271,26 @@ def loads(data: bytes, allowed: Allowed, *, persistent_ids: bool = False) -> Any
         ) from None
     except Exception as e:  # any opcode stream: pickle, EOF, type, value, attribute, memory errors
         raise PmakitError(f"not a valid pickle ({type(e).__name__}: {_first_line(e)})") from None
+
+
+_MEMO_OPS = frozenset({"PUT", "BINPUT", "LONG_BINPUT", "GET", "BINGET", "LONG_BINGET"})
+_REFUSED_OPS = frozenset({"BYTEARRAY8", "NEXT_BUFFER", "READONLY_BUFFER"})
+"""Out-of-band buffers (protocol 5): no file pmakit reads uses them, and BYTEARRAY8 allocates its claimed length
+before reading it."""
+
+
+def _prescan(data: bytes) -> None:
+    """Walk the opcodes (``pickletools``, pure Python, bounded by the data) before the VM runs them: the VM
+    allocates what an opcode claims before checking it (a memo index of 4e9 grows the memo to 32 GB; a
+    BYTEARRAY8 of 2**40 allocates its bytes), so such claims are refused here."""
+    for ops, (op, arg, _) in enumerate(pickletools.genops(data), start=1):
+        if ops > MAX_NODES:
+            raise PmakitError(f"more than {MAX_NODES:,} opcodes (limit: pickle objects)")
+        if op.name in _REFUSED_OPS:
+            raise PmakitError(f"refused: opcode {op.name}")
+        if op.name in _MEMO_OPS and isinstance(arg, int) and arg > ops:
+            # the pickler numbers memo entries in order: no index is larger than the opcodes before it
+            raise PmakitError(f"refused: memo index {arg} after {ops} opcodes")
 
 
 def _first_line(e: BaseException) -> str:
