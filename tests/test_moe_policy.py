@@ -172,3 +172,52 @@ def test_average_states_applies_the_same_rules_as_merge(tmp_path: Path, buffers:
     assert got.keys() == on_disk.keys()
     for name, t in on_disk.items():
         assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+
+
+def test_online_averager_takes_counters_from_the_newest_and_matches_merge(tmp_path: Path) -> None:
+    from pmakit.online import OnlineAverager
+    from pmakit.saver import SnapshotSaver
+
+    states = [moe_state(s) for s in (1, 2, 3)]
+    averager = OnlineAverager(3, "sma")
+
+    def on_save(snapshot: object, tensors: dict[str, torch.Tensor]) -> None:
+        averager.update(tensors, tokens=snapshot.tokens, path=snapshot.path)  # type: ignore[attr-defined]
+
+    saver = SnapshotSaver(tmp_path / "run", 100, on_save=[on_save], fsync=False)
+    for i, s in enumerate(states, start=1):
+        saver.save(s, tokens=i * 100, step=i)
+    saver.wait()
+    avg = averager.average()
+    assert torch.equal(avg[COUNT], states[-1][COUNT]) and torch.equal(avg[STEPS], states[-1][STEPS])
+    merge(discover(tmp_path / "run"), [1 / 3] * 3, tmp_path / "out", dtype="fp32")
+    on_disk = load(tmp_path / "out")
+    for name in (BIAS, COUNT, "layers.0.moe.experts.w1"):
+        torch.testing.assert_close(avg[name].float(), on_disk[name], rtol=0, atol=1e-6)
+
+
+def test_incremental_update_averages_biases_and_refuses_latest(tmp_path: Path) -> None:
+    states = [moe_state(s) for s in (1, 2, 3)]
+    run = make_run(tmp_path / "run", states[:2])
+    assert run_cli("merge", run, "--last", "2", "-o", tmp_path / "m0", "--dtype", "fp32").returncode == 0
+    make_run(tmp_path / "run", states)  # a third snapshot: the window moves
+    proc = run_cli("merge", run, "--last", "2", "--from-previous", tmp_path / "m0", "-o", tmp_path / "m1")
+    assert proc.returncode == 0, proc.stderr
+    got = load(tmp_path / "m1")
+    want = (states[1][BIAS].double() + states[2][BIAS].double()) / 2
+    torch.testing.assert_close(got[BIAS].double(), want, rtol=1e-6, atol=1e-9)
+    assert torch.equal(got[COUNT], states[-1][COUNT])
+    proc = run_cli(
+        "merge",
+        run,
+        "--last",
+        "2",
+        "--from-previous",
+        tmp_path / "m0",
+        "-o",
+        tmp_path / "m2",
+        "--buffers",
+        "latest",
+    )
+    assert proc.returncode != 0 and "cannot take router biases from the newest snapshot" in proc.stderr
+    assert not (tmp_path / "m2").exists()

@@ -316,7 +316,7 @@ def _merge(
     extra: dict[str, Any] = {}
     if from_previous is not None:
         terms, term_weights, window, extra["incremental"] = _incremental(
-            from_previous, chosen, weights, method, alpha, custom, quiet
+            from_previous, chosen, weights, method, alpha, custom, quiet, buffers
         )
         keep_fp32 = True
     plan = _plan(terms, term_weights, dtype, max_shard_size, world, window, buffers)
@@ -354,13 +354,14 @@ def _incremental(
     alpha: float,
     custom: list[float] | None,
     quiet: bool,
+    buffers: str,
 ) -> tuple[list[Any], list[float], tuple[list[Any], list[float]], dict[str, Any]]:
     """The terms, weights, window and manifest record of a --from-previous update of an earlier merge."""
     from pmakit.merge import plan_increment
 
     if custom is not None:
         raise PmakitError("--from-previous updates sma/ema merges; custom --weights need a full merge")
-    inc = plan_increment(from_previous, chosen, weights, method=method, alpha=alpha)
+    inc = plan_increment(from_previous, chosen, weights, method=method, alpha=alpha, buffers=buffers)
     if not quiet:
         click.echo(f"incremental update of {from_previous}: {inc.reads} reads instead of {len(chosen)}")
     return inc.terms, inc.weights, (chosen, weights), inc.record(from_previous)

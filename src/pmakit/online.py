@@ -50,7 +50,8 @@ import torch
 from torch import nn
 
 from pmakit.errors import PmakitError
-from pmakit.formats import Reader, is_float, open_reader
+from pmakit.formats import Reader, open_reader
+from pmakit.layouts.kinds import Kind, classify
 from pmakit.saver import alias_key, drop_aliases
 from pmakit.snapshot import IncompleteSnapshot, Snapshot, read_snapshot
 from pmakit.weights import WEIGHTINGS, get_weights
@@ -208,15 +209,11 @@ class OnlineAverager:
 
     def _check_keys(self, state: Mapping[str, torch.Tensor], tokens: int) -> None:
         if not self._spec:
-            self._spec = {
-                k: (tuple(v.shape), v.dtype)
-                for k, v in state.items()
-                if v.dtype.is_floating_point and is_float(v.dtype)
-            }
+            self._spec = {k: (tuple(v.shape), v.dtype) for k, v in state.items() if _averaged(k, v.dtype)}
             if not self._spec:
                 raise PmakitError("the state has no floating-point tensors to average")
             return
-        floats = {k for k, v in state.items() if v.dtype.is_floating_point and is_float(v.dtype)}
+        floats = {k for k, v in state.items() if _averaged(k, v.dtype)}
         missing, extra = self._spec.keys() - floats, floats - self._spec.keys()
         wrong = [k for k in self._spec.keys() & floats if tuple(state[k].shape) != self._spec[k][0]]
         if missing or extra or wrong:
@@ -354,12 +351,12 @@ class OnlineAverager:
                 self._spec = {
                     k: (tuple(info.shape), info.dtype)
                     for k, info in newest.tensors.items()
-                    if is_float(info.dtype)
+                    if _averaged(k, info.dtype)
                 }
                 self._nonfloat = {
                     k: newest.read(k, 0, info.numel).view(info.shape).clone()
                     for k, info in newest.tensors.items()
-                    if not is_float(info.dtype)
+                    if not _averaged(k, info.dtype)
                 }
             if self.hold_in_memory:
                 for e in self._entries:
@@ -541,3 +538,9 @@ def _open_window_snapshot(entry: _Entry) -> Iterator[Reader]:
         )
     with open_reader(entry.path) as reader:
         yield reader
+
+
+def _averaged(name: str, dtype: torch.dtype) -> bool:
+    """Kept in the running sums: weights and router biases (averaged, as ``merge`` does by default); counters and
+    other non-float tensors are the newest snapshot's (``pmakit.layouts.kinds``)."""
+    return classify(name, dtype) is not Kind.COUNTER

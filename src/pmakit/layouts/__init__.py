@@ -12,8 +12,10 @@ A layout (``base.Layout``) answers five questions about a trainer's save folder:
   and ``layout`` are the layout's name (``source`` is ``name`` when tokens = step in the name x tokens_per_step).
   Raise ``IncompleteSnapshot`` when there are no weights or no token count: the scan reports it and moves on.
 - ``open(path) -> formats.Reader``: the MODEL WEIGHTS only, named as the framework's model names them. Optimizer,
-  scheduler, RNG, data loader and trainer state are never averaged (list them in ``Reader.skipped``). Non-float
-  tensors are copied from the newest input by the merge; non-tensor extra state is the writer's business.
+  scheduler, RNG, data loader and trainer state are never averaged (list them in ``Reader.skipped``). What kind
+  of state each tensor is (a weight, a router's load-balancing bias, a counter) is decided by ``kinds.classify``
+  from its name and dtype (add a framework's names to ``kinds.PATTERNS``); the merge applies the kind's rule.
+  Non-tensor extra state is the writer's business.
 - ``write(merged, template, out, distributed=, fsync=) -> files``: write the merged weights back in this layout
   so that the framework's own loader loads ``out``. ``merged`` holds this rank's tensors as views of
   memory-mapped staged files: write tensor by tensor or shard by shard, never all of it in memory (no fp32 copy

@@ -16,6 +16,7 @@ import torch
 from pmakit.errors import PmakitError
 from pmakit.formats import is_float
 from pmakit.layouts import open_weights
+from pmakit.layouts.kinds import DEFAULT_BUFFERS
 from pmakit.merge.output import FP32_DIR, sha256_file
 from pmakit.snapshot import MERGE_MANIFEST, Snapshot
 
@@ -91,6 +92,7 @@ def plan_increment(
     *,
     method: str,
     alpha: float,
+    buffers: str = DEFAULT_BUFFERS,
 ) -> Increment:
     """Terms that turn the merge in ``previous`` into the merge of ``window`` with ``weights``.
 
@@ -102,6 +104,7 @@ def plan_increment(
     """
     previous = Path(previous)
     manifest, prior = _read_previous(previous, method, alpha)
+    _check_buffers(previous, manifest, buffers)
     state = _fp32_sums(previous)
     _verify_previous(previous, state, manifest)
     new = {str(s.path.resolve()): w for s, w in zip(window, weights)}
@@ -120,6 +123,19 @@ def plan_increment(
         )
     sums = Snapshot(state, tokens=int(manifest.get("tokens", 0)), source="merge")
     return Increment([sums, *(s for s, _ in terms)], [scale, *(w for _, w in terms)], previous)
+
+
+def _check_buffers(previous: Path, manifest: dict[str, Any], buffers: str) -> None:
+    """An update is a weighted sum of terms: right for averaged router biases, not for the newest snapshot's, and
+    only on top of a merge that averaged them too."""
+    if buffers != "average":
+        raise PmakitError(
+            f"--from-previous sums terms, so it cannot take router biases from the newest snapshot (--buffers "
+            f"{buffers}); run a full merge"
+        )
+    done = manifest.get("buffers", "average")  # merges made before the rule existed averaged every float
+    if done != buffers:
+        raise PmakitError(f"{previous} took router biases by --buffers {done}; run a full merge")
 
 
 def _read_previous(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -158,8 +159,11 @@ def _validate_moe(readers: Sequence[Reader], snapshots: Sequence[Snapshot]) -> N
     ref, ref_snap = readers[-1].tensors, snapshots[-1]
     for reader, snap in zip(readers[:-1], snapshots[:-1]):
         keys = reader.tensors
+        _same_experts_naming(keys, snap, ref, ref_snap)
         for name in [*ref, *(k for k in keys if k not in ref)]:
             a, b = keys.get(name), ref.get(name)
+            if a is not None and b is not None and a.shape == b.shape:
+                continue  # the common case, without classifying every name of a large model
             info = b or a
             assert info is not None
             kind = classify(name, info.dtype)
@@ -172,8 +176,7 @@ def _validate_moe(readers: Sequence[Reader], snapshots: Sequence[Snapshot]) -> N
                     )
                 continue
             if (
-                a.shape != b.shape
-                and is_expert_tensor(name, kind)
+                is_expert_tensor(name, kind)
                 and len(a.shape) == len(b.shape) >= 1
                 and a.shape[0] != b.shape[0]
                 and a.shape[1:] == b.shape[1:]
@@ -182,6 +185,37 @@ def _validate_moe(readers: Sequence[Reader], snapshots: Sequence[Snapshot]) -> N
                     f"the number of experts differs: tensor {name!r} is {list(a.shape)} in {snap.path} but "
                     f"{list(b.shape)} in {ref_snap.path} ({a.shape[0]} vs {b.shape[0]} experts)"
                 )
+
+
+_PER_EXPERT = re.compile(r"\.experts\.\d+\.")
+"""transformers' ``save_pretrained`` (and the HF checkpoints it writes): one tensor per expert,
+``mlp.experts.0.gate_proj.weight``."""
+_FUSED = re.compile(r"\.experts\.[A-Za-z_]\w*$")
+"""The modules' own state dict (transformers 5, torchtitan): the experts fused, ``mlp.experts.gate_up_proj``."""
+
+
+def _experts_naming(keys: Mapping[str, Any]) -> str | None:
+    for name in keys:
+        if _PER_EXPERT.search(name):
+            return "per-expert"
+        if _FUSED.search(name):
+            return "fused"
+    return None
+
+
+def _same_experts_naming(
+    keys: Mapping[str, Any], snap: Snapshot, ref: Mapping[str, Any], ref_snap: Snapshot
+) -> None:
+    """Refuse to merge the two names of one HF MoE model: ``save_pretrained`` files (Trainer checkpoints) and the
+    module's state dict (pmakit's HF callback snapshots) lay the same weights out differently."""
+    mine, theirs = _experts_naming(keys), _experts_naming(ref)
+    if mine and theirs and mine != theirs:
+        example = {"per-expert": "mlp.experts.0.gate_proj.weight", "fused": "mlp.experts.gate_up_proj"}
+        raise PmakitError(
+            f"{snap.path} names its experts {mine} ({example[mine]}) but {ref_snap.path} {theirs} "
+            f"({example[theirs]}): merge snapshots of one convention (the HF callback's snapshots, or the "
+            "Trainer's checkpoint-N directories, not both)"
+        )
 
 
 def _few(names: list[str]) -> str:
