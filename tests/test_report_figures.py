@@ -123,8 +123,23 @@ def test_no_right_aligned_cell_is_long_enough_to_be_clipped(smoke_experiment: tu
 # --- on the synthetic run --------------------------------------------------------------------------------
 
 
+def relabel(run: Path, swap: dict[tuple[str, str], tuple[str, str]]) -> None:
+    """Rewrite results.csv with (method, alpha) pairs swapped (and no JSONL, which would take precedence)."""
+    rows = read_rows(run)
+    for r in rows:
+        r["method"], r["alpha"] = swap.get((r["method"], r["alpha"]), (r["method"], r["alpha"]))
+    (run / "results.jsonl").unlink()
+    with (run / "results.csv").open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=RESULT_COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+
+
 def test_gain_bar_labels_do_not_overlap(tmp_path: Path, captured: dict[str, Figure]) -> None:
-    run = build_run(tmp_path / "run")  # EMA α=0.1 N=8 and the like: best merge, best SMA and anneal per fork
+    # The widest label the demo draws, "EMA-norm α=0.1 N=16 V=1x", beside the best SMA's and the anneal's: the
+    # synthetic run's EMA(0.2) is the early fork's best merge, renamed to it.
+    run = build_run(tmp_path / "run")
+    relabel(run, {("ema", "0.2"): ("ema-normalized", "0.1")})
     draw(run)
     fig = captured["fork_gains"]
     renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]
@@ -139,6 +154,7 @@ def test_gain_bar_labels_do_not_overlap(tmp_path: Path, captured: dict[str, Figu
     ]
     assert not overlapping
     title = ax.get_title()
+    assert any("EMA-norm" in t.get_text() for t in labels)
     assert "whole held-out set" in title and "error bars" in title  # an older run's rows: no split to name
 
 
@@ -160,15 +176,7 @@ def test_finding_4_verdict_needs_the_larger_alpha(tmp_path: Path) -> None:
     )
     write_report(run)
     assert "This run agrees with the paper's finding 4" in (run / "report.md").read_text()
-    rows = read_rows(run)
-    for r in rows:
-        if r["method"] == "ema":
-            r["alpha"] = {"0.1": "0.2", "0.2": "0.1"}[r["alpha"]]
-    (run / "results.jsonl").unlink()
-    with (run / "results.csv").open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=RESULT_COLUMNS, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
+    relabel(run, {("ema", "0.1"): ("ema", "0.2"), ("ema", "0.2"): ("ema", "0.1")})
     write_report(run)
     text = (run / "report.md").read_text()
     assert "does not agree with the paper's finding 4" in text
