@@ -727,8 +727,8 @@ def test_weightings_caption_says_whether_the_run_agrees_with_finding_4(tmp_path:
     write_report(run)
     text = (run / "report.md").read_text()
     assert (
-        "This run agrees with the paper's finding 4 at its earliest fork: the best weighting there is WMA."
-        in text
+        "This run agrees with the paper's finding 4 (early in training, WMA and EMA with the larger α are best) "
+        "at its earliest fork: the best weighting there is WMA." in text
     )
     run = build_run(
         tmp_path / "f4b", forks=FORKS[:1], weightings=[("sma", None), ("wsm-1sqrt", None)], ns=(16,), vs=(1,)

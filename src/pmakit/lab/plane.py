@@ -738,6 +738,7 @@ def experiment_plane(grid: Any, run_dir: Path, *, size: int, batches: int) -> di
         "snapshots": paths,
         "held_out": f"{len(held_out)} of the experiment's {len(grid.batches)} fixed held-out batches, evenly spaced",
     }
+    result["split"] = "selection"  # grid.batches: the split the window was chosen on, never the test split
     atomic_write_json(run_dir / "plane.json", result)
     return result
 

@@ -10,6 +10,7 @@ captions), markdown.py / html.py (two renderings of the same content), fmt.py (n
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,16 +75,13 @@ def draw_figures(data: RunData, forks: list[ForkSummary], base: int | None) -> d
         return figs
     config = data.experiment.get("config") or {}
     online = (config.get("train") or {}).get("eval_batches")
-    final = (config.get("experiment") or {}).get("eval_batches")
     figs.weightings_v = v_for_weightings(forks)
     figs.sweep_v, figs.sweep_n = v_for_n_sweep(forks), n_for_v_sweep(forks)
     # the headline's models (test split, chosen on selection) where the figure shows the tables' numbers; the
     # grid figures (heatmap, weightings, sweeps) describe the selection split
     heads = [f.headline for f in forks]
     jobs = {
-        "curves": lambda p: plots.plot_curves(
-            data.curves, heads, p, online_batches=online, final_batches=final
-        ),
+        "curves": lambda p: plots.plot_curves(data.curves, heads, p, online_batches=online),
         "fork_gains": lambda p: plots.plot_fork_gains(heads, base, p),
         "heatmap": lambda p: plots.plot_heatmaps(forks, base, p),
         "weightings": lambda p: plots.plot_weightings(forks, figs.weightings_v, base, p),
@@ -261,4 +259,18 @@ def summary_text(run_dir: str | Path) -> str:
     pngs = sorted((run_dir / "plots").glob("*.png")) if (run_dir / "plots").is_dir() else []
     if pngs:
         lines.append(f"Plots:  {run_dir / 'plots'}/ ({len(pngs)} figures, embedded in the HTML report)")
+    lines += _merged_lines(run_dir / "merged")
     return "\n".join(lines)
+
+
+def _merged_lines(merged: Path) -> list[str]:
+    """Where the headline merge is, and how to load it: the last thing a study's user needs."""
+    try:
+        manifest = json.loads((merged / "pmakit-merge.json").read_text())
+    except (OSError, ValueError):
+        return []  # not written (no fork, or the merge failed: the report says why)
+    what = manifest.get("experiment_row") if isinstance(manifest, dict) else None
+    return [
+        f"Merged: {merged}/" + (f" ({what})" if isinstance(what, str) else ""),
+        f"        loads with AutoModelForCausalLM.from_pretrained({str(merged)!r})",
+    ]

@@ -341,6 +341,22 @@ def stable_points(data: RunData) -> list[StablePoint]:
 # --- grids: weightings, N, V ----------------------------------------------------------------------------
 
 
+def split_note(rows: Iterable[Row | None]) -> str:
+    """Which held-out split and how many batches the rows were scored on, for a figure's title: 'test split,
+    23 batches'. A figure states it so that its numbers can be matched with the table of the same split."""
+    scored = [r for r in rows if r is not None]
+    splits = {r.split for r in scored}
+    name = (
+        f"{splits.pop()} split"
+        if len(splits) == 1 and "" not in splits
+        else "whole held-out set"
+        if splits == {""}
+        else "mixed splits"
+    )
+    counts = {len(r.batch_losses) for r in scored if r.batch_losses}
+    return f"{name}, {counts.pop()} batches" if len(counts) == 1 else name
+
+
 def weighting_key(row: Row) -> str:
     """'sma', 'wma', 'ema@0.1', 'wsm-1sqrt', ...: EMA weightings differ by alpha."""
     if row.method.startswith("ema") and row.alpha is not None:

@@ -124,9 +124,10 @@ def headline(fork: ForkSummary, index: int, base: int | None) -> list[Block]:
     rows = []
     for name, row in headline_models(t, base):
         if row is None:
-            rows.append([name, "not in results", "", "", "", "", ""])
+            rows.append([name, "not in results", "", "", "", "", "", ""])
             continue
         g = None if row is t.latest else t.gain(row)
+        merged = row is not t.latest and row is not t.annealed
         rows.append(
             [
                 name,
@@ -135,7 +136,8 @@ def headline(fork: ForkSummary, index: int, base: int | None) -> list[Block]:
                 fmt.loss(row.bpb),
                 delta_text(g),
                 z_text(g),
-                recovered_text(t.recovered(row)) if row is not t.latest and row is not t.annealed else "",
+                gap_text(t.gap_to_anneal(row)) if merged and t.annealed is not None else "",
+                recovered_text(t.recovered(row)) if merged else "",
             ]
         )
     header = [
@@ -145,6 +147,7 @@ def headline(fork: ForkSummary, index: int, base: int | None) -> list[Block]:
         "bits/byte",
         "Δ vs latest ± paired s.e.",
         "Δ / s.e.",
+        "merge − anneal ± paired s.e.",
         "recovered",
     ]
     blocks.append(Table(header, rows))
@@ -484,12 +487,23 @@ def _finding_4_verdict(forks: Sequence[ForkSummary], v: int | None) -> str | Non
         return None
     best = max(scored, key=lambda c: c[1].value)[0]
     key = weighting_key(best)
-    recent = key == "wma" or key.startswith("ema")  # EMA (either form) and WMA weight recent snapshots more
-    word = "agrees with" if recent else "does not agree with"
-    return (
-        f"This run {word} the paper's finding 4 at its earliest fork: the best weighting there is "
-        f"{weighting_label(key)}" + ("." if recent else ", which does not weight recent snapshots more.")
-    )
+    head = "the paper's finding 4 (early in training, WMA and EMA with the larger α are best) at its earliest fork"
+    if key == "wma":
+        return f"This run agrees with {head}: the best weighting there is WMA."
+    if not key.startswith("ema") or best.alpha is None:
+        return (
+            f"This run does not agree with {head}: the best weighting there is {weighting_label(key)}, which "
+            "does not weight recent snapshots more."
+        )
+    # EMA with a smaller α weights recent snapshots less: the finding is about the larger α
+    alphas = sorted({r.alpha for r, _ in scored if r.method == best.method and r.alpha is not None})
+    if best.alpha < alphas[-1]:
+        return (
+            f"This run does not agree with {head}: the best weighting there is {weighting_label(key)}, the "
+            f"smaller α of those evaluated ({', '.join(f'{a:g}' for a in alphas)}), which weights recent "
+            "snapshots less."
+        )
+    return f"This run agrees with {head}: the best weighting there is {weighting_label(key)}."
 
 
 def _sweeps_caption(forks: Sequence[ForkSummary], figs: Figures, base: int | None) -> list[str]:
@@ -626,7 +640,8 @@ def compute_blocks(experiment: dict[str, Any], rows: Sequence[Row] = ()) -> list
             "about a third of a training step), plus the forward and backward passes that fit its learned "
             "weights (a training step each)." + timing
         ),
-        Table(["fork", "anneal D", "D / run", "fixed recipe reads", "tuner evaluations"], table, "lrrrr"),
+        # the tuner's cell is a sentence: left-aligned so that it wraps (a right-aligned cell does not)
+        Table(["fork", "anneal D", "D / run", "fixed recipe reads", "tuner evaluations"], table, "lrrrl"),
     ]
 
 

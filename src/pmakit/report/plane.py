@@ -68,10 +68,16 @@ def plot_plane(result: dict[str, Any], path: Path) -> Path:
     ax.set_title(
         f"Loss on the plane of snapshots {snaps[result['anchors']['origin']]['index']}, "
         f"{snaps[result['anchors']['x']]['index']}, {snaps[result['anchors']['y']]['index']} "
-        f"(★ SMA merge; off-plane ≤ {far:.3g})",
+        f"(★ SMA merge; off-plane ≤ {far:.3g})\n{plane_split(result)}",
         fontsize=9,
     )
     return _save(fig, path)
+
+
+def plane_split(result: Mapping[str, Any]) -> str:
+    """Where the plane's losses come from: few batches, so its numbers are not the tables'."""
+    split = f"{result['split']} split" if result.get("split") else "held-out set"
+    return f"{split}, {result['batches']} batches (a subset: its losses are not the tables')"
 
 
 def _fmt_se(d: dict[str, Any], digits: int = 4) -> str:

@@ -21,6 +21,7 @@ from pmakit.report import fmt
 from pmakit.report.analysis import (
     ForkSummary,
     Gain,
+    split_note,
     sweep,
     weighting_key,
     weighting_label,
@@ -88,6 +89,18 @@ def _zero_line(ax: Axes) -> None:
     ax.axhline(0, color=LATEST, lw=1.0, ls="--", zorder=1)
 
 
+def _zoom(ax: Axes, spans: Sequence[tuple[float, float]]) -> None:
+    """The y axis from the lowest to the highest error bar, with a margin; the zero line (the latest snapshot)
+    only when it falls inside."""
+    if not spans:
+        return
+    lo, hi = min(s[0] for s in spans), max(s[1] for s in spans)
+    pad = 0.08 * (hi - lo) or 0.01 * max(abs(lo), abs(hi), 1e-3)
+    ax.set_ylim(lo - pad, hi + pad)
+    if lo - pad < 0 < hi + pad:
+        _zero_line(ax)
+
+
 def _log2_axis(ax: Axes, values: Sequence[int], labels: Sequence[str]) -> None:
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_locator(FixedLocator(list(values)))
@@ -122,14 +135,13 @@ def plot_curves(
     path: Path,
     *,
     online_batches: int | None = None,
-    final_batches: int | None = None,
 ) -> Path | None:
     """Validation loss vs tokens. Left: the online evaluations during training (the constant-LR run, its online
     merge, each anneal branch; forks marked). Right, one small panel per fork: the three models each fork's table
     compares at F + D (latest, best merge, anneal), with exactly the table's numbers.
 
-    The two sides are kept apart on purpose: the online evaluations use fewer held-out batches than the final ones
-    (``online_batches`` vs ``final_batches``), so an online curve and a final number for the same model and tokens
+    The two sides are kept apart on purpose: the online evaluations use fewer held-out batches (``online_batches``)
+    than the final ones (the split and batch count of the fork's rows, named in each panel), so an online curve and a final number for the same model and tokens
     differ by sampling noise, and one axis holding both would contradict the tables.
     """
     if not curves:
@@ -141,7 +153,7 @@ def plot_curves(
     axes = list(fig.subplots(1, len(ratios), squeeze=False, width_ratios=ratios)[0])
     _online_panel(axes.pop(0), curves, forks, online_batches)
     for i, (ax, f) in enumerate(zip(axes, marked), start=1):
-        _fork_panel(ax, f, forks.index(f) + 1, final_batches, first=i == 1)
+        _fork_panel(ax, f, forks.index(f) + 1, first=i == 1)
     return _save(fig, path)
 
 
@@ -206,7 +218,7 @@ def _fork_marks(fork: ForkSummary) -> list[tuple[str, str, int, str, float]]:
     return out
 
 
-def _fork_panel(ax: Axes, fork: ForkSummary, index: int, batches: int | None, *, first: bool) -> None:
+def _fork_panel(ax: Axes, fork: ForkSummary, index: int, *, first: bool) -> None:
     """One fork's three models at F + D: a marker and its value each, as the tables print it."""
     marks = _fork_marks(fork)
     for x, (label, marker, size, color, loss) in enumerate(marks):
@@ -226,8 +238,10 @@ def _fork_panel(ax: Axes, fork: ForkSummary, index: int, batches: int | None, *,
     pad = 0.25 * (max(losses) - min(losses)) or 0.01
     ax.set_ylim(min(losses) - pad, max(losses) + 1.4 * pad)
     ax.grid(alpha=0.3, axis="y")
-    on = f", {batches} batches" if batches else ""
-    ax.set_title(f"F{index} at F + D = {fmt.tokens(fork.eval_tokens)}\n(the tables' numbers{on})", fontsize=9)
+    split = split_note(getattr(fork, attr) for attr, *_ in FORK_MARKS)
+    ax.set_title(
+        f"F{index} at F + D = {fmt.tokens(fork.eval_tokens)}\n(the tables' numbers:\n{split})", fontsize=9
+    )
     if first:
         ax.set_ylabel("final validation loss (nats/token)")
 
@@ -261,8 +275,13 @@ def _fork_gain_bars(forks: Sequence[ForkSummary], base: int | None) -> list[_Gai
                 color, note = ANNEAL, "anneal"
             else:
                 color = weighting_color(weighting_key(row))
-                note = (
-                    f"{weighting_label(weighting_key(row))}\nN={row.n} V={fmt.interval(row.v_tokens, base)}"
+                # one short word per line: side by side, two bars' labels must fit in a bar's spacing
+                note = "\n".join(
+                    [
+                        *weighting_label(weighting_key(row)).split(" "),
+                        f"N={row.n}",
+                        f"V={fmt.interval(row.v_tokens, base)}",
+                    ]
                 )
             bars.append((i, kind, color, note, -g.value, g.se))
     return bars
@@ -286,7 +305,7 @@ def plot_fork_gains(forks: Sequence[ForkSummary], base: int | None, path: Path) 
     bars = _fork_gain_bars(forks, base)
     if not bars:
         return None
-    fig, (ax,) = _new(max(7.0, 2.6 * len(forks) + 1.5), 4.6)
+    fig, (ax,) = _new(max(7.0, 3.4 * len(forks) + 1.5), 5.2)
     width = 0.26
     for i in range(len(forks)):
         group = [b for b in bars if b[0] == i]
@@ -320,7 +339,12 @@ def plot_fork_gains(forks: Sequence[ForkSummary], base: int | None, path: Path) 
     ax.margins(y=0.25)
     ax.grid(axis="y", alpha=0.3)
     _fork_gain_legend(ax, {b[1] for b in bars})
-    ax.set_title("Gain over the latest snapshot at each fork\n(error bars: paired s.e.)", fontsize=11)
+    split = split_note(r for f in forks for r in (f.latest, f.best_sma, f.best_merge, f.annealed))
+    ax.set_title(
+        "Gain over the latest snapshot at each fork\n"
+        f"({split}; merges chosen on the selection split; error bars: paired s.e.)",
+        fontsize=11,
+    )
     return _save(fig, path)
 
 
@@ -371,8 +395,11 @@ def plot_heatmaps(
         ax.set_title(f"F{i}{final}: eval at {fmt.tokens(f.eval_tokens)}", fontsize=10)
         bar = fig.colorbar(im, ax=ax, shrink=0.85)
         bar.set_label("Δ val loss vs latest (< 0 better)", fontsize=8)
+    split = split_note(
+        r for f in forks for r in [f.latest, *f.merges] if r is None or r.method in ("", method)
+    )
     fig.suptitle(
-        f"{weighting_label(method)} merges: Δ vs the latest snapshot\nover N and V (blue = better)",
+        f"{weighting_label(method)} merges: Δ vs the latest snapshot over N and V (blue = better)\n({split})",
         fontsize=11,
     )
     return _save(fig, path)
@@ -394,6 +421,7 @@ def plot_weightings(forks: Sequence[ForkSummary], v: int | None, base: int | Non
     fig, axes = _new(max(6.0, 5.2 * len(panels)), 4.6, len(panels))
     width = 0.8 / len(keys)
     for ax, (i, f, rows) in zip(axes, panels):
+        spans: list[tuple[float, float]] = []
         ns = sorted({r.n for r in rows if r.n})
         for k, key in enumerate(keys):
             xs, ys, es = [], [], []
@@ -403,19 +431,23 @@ def plot_weightings(forks: Sequence[ForkSummary], v: int | None, base: int | Non
                     xs.append(ns.index(r.n) + (k - (len(keys) - 1) / 2) * width)
                     ys.append(-g.value)
                     es.append(g.se if g.se is not None else 0.0)
-            ax.bar(
+            # points, not bars: the axis is zoomed to the data (gaps of a few s.e. between weightings are
+            # invisible on an axis from 0), and a bar cut off by the axis would misstate its length
+            ax.errorbar(
                 xs,
                 ys,
-                width * 0.95,
                 yerr=es,
-                capsize=2,
+                fmt="o",
+                ms=6,
+                capsize=3,
                 color=weighting_color(key),
-                edgecolor="black",
-                lw=0.4,
+                mec="black",
+                mew=0.4,
                 label=weighting_label(key),
-                error_kw={"lw": 0.8},
+                elinewidth=0.9,
             )
-        _zero_line(ax)
+            spans += [(y - e, y + e) for y, e in zip(ys, es)]
+        _zoom(ax, spans)
         ax.set_xticks(range(len(ns)), [f"N={n}" for n in ns])
         ax.set_title(f"F{i}: fork {fmt.tokens(f.fork_tokens)}, eval {fmt.tokens(f.eval_tokens)}", fontsize=10)
         ax.grid(axis="y", alpha=0.3)
@@ -427,8 +459,11 @@ def plot_weightings(forks: Sequence[ForkSummary], v: int | None, base: int | Non
         fontsize=9,
         frameon=False,
     )
+    split = split_note(r for _, f, rows in panels for r in [f.latest, *rows])
     fig.suptitle(
-        f"Weightings side by side at V = {fmt.interval(v, base)}\n(error bars: paired s.e.)", fontsize=11
+        f"Weightings side by side at V = {fmt.interval(v, base)}\n({split}; error bars: paired s.e.; the axis is "
+        "zoomed to the data)",
+        fontsize=11,
     )
     return _save(fig, path)
 
@@ -490,8 +525,11 @@ def plot_sweeps(
         ax.grid(alpha=0.3)
         ax.legend(fontsize=9)
     axes[0].set_ylabel(DELTA_LABEL)
+    split = split_note(
+        r for f in forks for r in [f.latest, *f.merges] if r is None or r.method in ("", method)
+    )
     fig.suptitle(
-        f"{weighting_label(method)} merges: how N and V change the gain\n(error bars: paired s.e.)",
+        f"{weighting_label(method)} merges: how N and V change the gain\n({split}; error bars: paired s.e.)",
         fontsize=11,
     )
     return _save(fig, path)
