@@ -197,9 +197,12 @@ class Trainer:
         init_from: str | Path | None = None,
         resume_from: str | Path | None = None,
         resume: bool = True,
-        progress: bool = False,
+        progress: bool = True,
         copies: SingleCopy | None = None,
     ) -> None:
+        """``progress``: a progress bar on a terminal, else a line on stderr every ``_Progress.every_s`` seconds
+        (from the first interval on: a short run prints nothing); False: neither."""
+        from pmakit._env import warn_if_spinning
         from pmakit.evaluate import cpu_threads, native_bf16
 
         self.config = config
@@ -219,6 +222,7 @@ class Trainer:
         self.schedule = schedule or config.schedule()
         self.progress = progress
         cpu_threads(config.threads)
+        warn_if_spinning()
 
         self._setup_data(corpus)
         self._setup_model()
@@ -748,33 +752,55 @@ def _cache_dir() -> Path:
 
 
 class _Progress:
-    """A tokens progress bar with ETA on a terminal (rich); nothing otherwise."""
+    """Training progress: a tokens bar with ETA on a terminal (rich); elsewhere (a notebook, a log file, a pipe) a
+    line on stderr every ``every_s`` seconds, the first one ``every_s`` in, so a short run stays quiet."""
+
+    every_s = 30.0
 
     def __init__(self, start: int, end: int, *, enabled: bool, label: str) -> None:
+        import sys
+
         self.start = start
+        self.end = end
+        self.label = label
+        self.enabled = enabled
+        self._t0 = self._last = time.monotonic()
         self._bar: Any = None
-        if enabled:
-            import sys
+        if enabled and sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-            if sys.stderr.isatty():
-                from rich.console import Console
-                from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-                self._bar = Progress(
-                    TextColumn("{task.description}"),
-                    BarColumn(),
-                    TextColumn("{task.completed:,.0f}/{task.total:,.0f} tokens"),
-                    TextColumn("loss {task.fields[loss]:.3f}"),
-                    TimeRemainingColumn(),
-                    console=Console(stderr=True),
-                    transient=True,
-                )
-                self._task = self._bar.add_task(label, total=end, completed=start, loss=float("nan"))
-                self._bar.start()
+            self._bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                TextColumn("{task.completed:,.0f}/{task.total:,.0f} tokens"),
+                TextColumn("loss {task.fields[loss]:.3f}"),
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+                transient=True,
+            )
+            self._task = self._bar.add_task(label, total=end, completed=start, loss=float("nan"))
+            self._bar.start()
 
     def update(self, tokens: int, loss: float) -> None:
         if self._bar is not None:
             self._bar.update(self._task, completed=tokens, loss=loss)
+            return
+        now = time.monotonic()
+        if not self.enabled or now - self._last < self.every_s:
+            return
+        import sys
+
+        self._last = now
+        done = tokens - self.start
+        rate = done / max(now - self._t0, 1e-9)
+        eta = f", {(self.end - tokens) / rate:.0f} s left" if rate > 0 and tokens < self.end else ""
+        print(
+            f"{self.label}: {tokens:,}/{self.end:,} tokens ({100 * tokens / self.end:.0f}%), loss {loss:.3f}, "
+            f"{rate:,.0f} tokens/s{eta}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def close(self) -> None:
         if self._bar is not None:
