@@ -228,3 +228,24 @@ def test_sigterm_while_the_command_is_leaving_prints_no_traceback() -> None:
     assert done.returncode == 143
     assert "Traceback" not in done.stderr, done.stderr
     assert "Usage: pmakit merge" in done.stdout  # what the command printed before the signal is kept
+
+
+def test_a_study_directory_merges_its_main_run_or_names_the_runs_that_hold_snapshots(tmp_path: Path) -> None:
+    study = tmp_path / "study"  # as `pmakit experiment -o study` lays it out
+    for k in (1, 2, 3):
+        write_snapshot(study / "main" / "snapshots" / f"step-{k}", state(k), step=k, tokens=100 * k)
+        write_snapshot(study / "anneal-300" / "snapshots" / f"step-{k}", state(k), step=k, tokens=100 * k)
+    merged = run_cli("merge", study, "-o", tmp_path / "m", "-q")
+    assert merged.returncode == 0, merged.stderr
+    assert f"{study} is a study: using its main run, {study / 'main'}" in merged.stderr
+    inputs = json.loads((tmp_path / "m" / "pmakit-merge.json").read_text())["inputs"]
+    assert [Path(i["path"]).parent.parent.name for i in inputs] == ["main"] * 3
+    shown = run_cli("inspect", study)
+    assert shown.returncode == 0 and "is a study" in shown.stderr and "step-3" in shown.stdout, shown.stderr
+    # no main run: the runs under it are named, and inspect shows no empty table
+    (study / "main").rename(study / "other")
+    for command in (("merge", study, "-o", tmp_path / "m2"), ("inspect", study)):
+        proc = run_cli(*command)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert f"runs with snapshots under it: {study / 'anneal-300'}, {study / 'other'}" in proc.stderr
+        assert "snapshots, in" not in proc.stdout

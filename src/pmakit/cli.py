@@ -687,10 +687,17 @@ def train(
     """
     from pmakit.config import load
     from pmakit.train.launch import start_copies
-    from pmakit.train.loop import TrainConfig, load_corpus, saved_config
+    from pmakit.train.loop import TrainConfig, load_corpus, saved_config, source_config
     from pmakit.train.loop import train as run_train
 
     saved = saved_config(output) if config is None and preset is None and not fresh else None
+    weights = resume_from or init_from
+    if saved is None and config is None and preset is None and weights is not None:
+        # the model must be the one the weights were trained as, not the demo's
+        found = source_config(weights)
+        if found is not None:
+            saved, where = found
+            click.echo(f"config: from {where}", err=True)
     section = (
         saved if saved is not None else dict(load(config, preset, default_preset="demo").get("train", {}))
     )
@@ -766,11 +773,12 @@ def experiment(
     With no arguments this is the demo: about 19 minutes on 2 idle CPU cores with native bf16 (27 in fp32).
     Re-running resumes.
     """
-    from pmakit.config import load, preset_text
+    from pmakit.config import load, printable_preset
 
     data = load(config, preset, default_preset="demo")
     if print_config:
-        click.echo(preset_text(data["preset"]) if config is None else json.dumps(data, indent=2))
+        text = printable_preset(data["preset"]) if config is None else json.dumps(data, indent=2)
+        click.echo(text.rstrip("\n"))
         return
     if corpus is not None:
         data.setdefault("train", {})["corpus"] = corpus

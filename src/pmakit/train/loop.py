@@ -617,6 +617,15 @@ class Trainer:
         from pmakit.formats import read_state
 
         state = read_state(directory)
+        own = self.model.state_dict()
+        wrong = [k for k, v in state.items() if k in own and tuple(v.shape) != tuple(own[k].shape)]
+        if wrong:
+            k = wrong[0]
+            raise PmakitError(
+                f"{directory}: weights of another model size than this config's ({len(wrong)} tensors differ, "
+                f"e.g. {k} {list(state[k].shape)} vs {list(own[k].shape)}); give no config to take the model "
+                "from the weights' config.json, or one whose model matches"
+            )
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         missing = [k for k in missing if k != "lm_head.weight" or not self.config.model.tie_embeddings]
         if missing or unexpected:
@@ -727,6 +736,48 @@ def saved_config(run_dir: str | Path) -> dict[str, Any] | None:
     except Exception as e:  # an unreadable state is the resume's business; say it here in one line
         raise PmakitError(f"{state_file}: unreadable ({type(e).__name__}: {e})") from None
     return dict(config) if isinstance(config, Mapping) else None
+
+
+def source_config(weights: str | Path) -> tuple[dict[str, Any], str] | None:
+    """The train config of the run ``weights`` came from, and where it was found: a full checkpoint's own; the
+    saved config of the run holding the snapshot (or, for a merge, its newest input); else the demo preset with
+    the model of the weights' ``config.json``. None when the weights carry no config at all."""
+    directory = Path(weights)
+    if trainer_state(directory).is_file():
+        config = torch.load(trainer_state(directory), weights_only=True).get("config")
+        if isinstance(config, Mapping):
+            return dict(config), f"{directory}'s checkpoint"
+    sources = [directory]
+    manifest = directory / "pmakit-merge.json"
+    if manifest.is_file():
+        with_inputs = json.loads(manifest.read_text()).get("inputs") or []
+        if with_inputs:
+            sources.append(Path(with_inputs[-1]["path"]))
+    for source in sources:
+        for run in (source.parent, source.parent.parent):  # RUN/snapshots/step-N -> RUN
+            config = saved_config(run)
+            if config is not None:
+                return config, f"the run {run}"
+    hf = directory / "config.json"
+    if not hf.is_file():
+        return None
+    from pmakit.config import load
+
+    c = json.loads(hf.read_text())
+    heads = c["num_attention_heads"]
+    model = {
+        "layers": c["num_hidden_layers"],
+        "hidden": c["hidden_size"],
+        "heads": heads,
+        "kv_heads": None if c.get("num_key_value_heads", heads) == heads else c["num_key_value_heads"],
+        "intermediate": c["intermediate_size"],
+        "seq_len": c["max_position_embeddings"],
+        "tie_embeddings": c.get("tie_word_embeddings", True),
+    }
+    train = dict(load(None, None, default_preset="demo").get("train", {}))
+    train["model"] = model
+    train["vocab_size"] = c["vocab_size"]
+    return train, f"{hf} (the model; the rest: the demo preset)"
 
 
 def load_corpus(config: TrainConfig) -> Any:
