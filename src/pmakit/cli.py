@@ -102,7 +102,8 @@ def selection_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             "--last",
             type=int,
             default=None,
-            help="How many snapshots N to merge [default: 10 from a run directory; every snapshot named].",
+            help="How many snapshots N to merge [default from a run directory: the window its own online merge used "
+            "(pmakit train records it), else 10; every snapshot named].",
         ),
         click.option(
             "--every",
