@@ -23,7 +23,7 @@ def default_last(snapshots: Sequence[Snapshot]) -> int:
     merges all it has, with a note."""
     recorded = snapshots[-1].meta.get("window") if snapshots else None
     from_run = isinstance(recorded, int) and not isinstance(recorded, bool) and recorded > 0
-    n = recorded if from_run else DEFAULT_LAST
+    n = recorded if from_run and isinstance(recorded, int) else DEFAULT_LAST
     why = "the window of the run's own online merge" if from_run else "the default window"
     if len(snapshots) < n:
         log.info("merging all %d snapshots (%s is %d; pass --last to choose)", len(snapshots), why, n)
