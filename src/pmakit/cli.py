@@ -18,6 +18,7 @@ from typing import Any
 
 import click
 
+from pmakit.config import preset_names
 from pmakit.errors import PmakitError
 from pmakit.layouts import out_formats
 from pmakit.runs import checkpoint_dir
@@ -195,7 +196,10 @@ def _progress(total: int, quiet: bool, label: str) -> Iterator[Callable[[int], N
     help="Weighting over the chosen snapshots, oldest to newest (see README for the exact formulas).",
 )
 @click.option(
-    "--alpha", type=float, default=0.2, show_default=True, help="EMA factor for ema / ema-normalized."
+    "--alpha",
+    type=float,
+    default=None,
+    help="EMA factor for ema / ema-normalized (only those) [default: 0.2].",
 )
 @click.option(
     "--weights",
@@ -279,7 +283,7 @@ def _merge(
     inputs: tuple[Path, ...],
     output: Path,
     method: str,
-    alpha: float,
+    alpha: float | None,
     custom: list[float] | None,
     last: int | None,
     every: int | None,
@@ -300,6 +304,11 @@ def _merge(
     from pmakit.merge import merge as run_merge
     from pmakit.weights import get_weights
 
+    if alpha is not None and (custom is not None or not method.startswith("ema")):
+        raise PmakitError(
+            f"--alpha is the EMA factor: it does nothing with --{'weights' if custom else 'method ' + method}"
+        )
+    alpha = 0.2 if alpha is None else alpha
     chosen = _select(inputs, last, every, until, tokens_per_step, exclude)
     weights = get_weights("custom" if custom is not None else method, len(chosen), alpha=alpha, custom=custom)
     terms, term_weights, window = chosen, weights, None
@@ -330,6 +339,12 @@ def _merge(
             keep_fp32=keep_fp32,
             world=world,
             window=window,
+        )
+    if keep_fp32 and from_previous is None and not (output / "pmakit-fp32").is_dir() and world.rank == 0:
+        click.echo(
+            f"note: no {output / 'pmakit-fp32'}: the merge is fp32 already, so --from-previous {output} "
+            "updates it exactly as it is",
+            err=True,
         )
     if not quiet:
         _print_result(plan, result, output)
@@ -601,7 +616,12 @@ def recover(
 
 @cli.command()
 @click.argument("config", required=False, type=click.Path(path_type=Path))
-@click.option("--preset", type=str, default=None, help="A shipped config: smoke or demo [default: demo].")
+@click.option(
+    "--preset",
+    type=str,
+    default=None,
+    help=f"A shipped config: {', '.join(preset_names())} [default: demo].",
+)
 @click.option(
     "--corpus", type=str, default=None, help="Text file, directory, glob or .npy/.bin of token ids."
 )
