@@ -92,7 +92,7 @@ def make_run(tmp_path: Path) -> Callable[..., Path]:
 
 
 def run_cli(
-    *args: str | Path, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 300
+    *args: str | Path, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 1800
 ) -> subprocess.CompletedProcess[str]:
     """Run the real `pmakit` entry point (python -m pmakit) on this checkout's sources."""
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_WAIT_POLICY": "PASSIVE", **(env or {})}
@@ -110,7 +110,7 @@ def run_cli(
 def smoke_experiment(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """`pmakit experiment --preset smoke` run once per session through the real CLI: (run dir, its stdout)."""
     run = tmp_path_factory.mktemp("exp") / "smoke"
-    proc = run_cli("experiment", "--preset", "smoke", "-o", run, timeout=900)
+    proc = run_cli("experiment", "--preset", "smoke", "-o", run, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run, proc.stdout
 
@@ -119,7 +119,7 @@ def smoke_experiment(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, st
 def scaling_smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """`pmakit experiment --preset scaling-smoke` run once per session through the real CLI: (run dir, stdout)."""
     run = tmp_path_factory.mktemp("scaling") / "run"
-    proc = run_cli("experiment", "--preset", "scaling-smoke", "-o", run, timeout=600)
+    proc = run_cli("experiment", "--preset", "scaling-smoke", "-o", run, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run, proc.stdout
 

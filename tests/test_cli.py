@@ -224,7 +224,56 @@ def test_sigterm_while_the_command_is_leaving_prints_no_traceback() -> None:
         "from pmakit._env import run_cli\n"
         "run_cli()\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
     assert done.returncode == 143
     assert "Traceback" not in done.stderr, done.stderr
     assert "Usage: pmakit merge" in done.stdout  # what the command printed before the signal is kept
+
+
+def test_a_study_directory_merges_its_main_run_or_names_the_runs_that_hold_snapshots(tmp_path: Path) -> None:
+    study = tmp_path / "study"  # as `pmakit experiment -o study` lays it out
+    for k in (1, 2, 3):
+        write_snapshot(study / "main" / "snapshots" / f"step-{k}", state(k), step=k, tokens=100 * k)
+        write_snapshot(study / "anneal-300" / "snapshots" / f"step-{k}", state(k), step=k, tokens=100 * k)
+    merged = run_cli("merge", study, "-o", tmp_path / "m", "-q")
+    assert merged.returncode == 0, merged.stderr
+    assert f"{study} is a study: using its main run, {study / 'main'}" in merged.stderr
+    inputs = json.loads((tmp_path / "m" / "pmakit-merge.json").read_text())["inputs"]
+    assert [Path(i["path"]).parent.parent.name for i in inputs] == ["main"] * 3
+    shown = run_cli("inspect", study)
+    assert shown.returncode == 0 and "is a study" in shown.stderr and "step-3" in shown.stdout, shown.stderr
+    # no main run: the runs under it are named, and inspect shows no empty table
+    (study / "main").rename(study / "other")
+    for command in (("merge", study, "-o", tmp_path / "m2"), ("inspect", study)):
+        proc = run_cli(*command)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert f"runs with snapshots under it: {study / 'anneal-300'}, {study / 'other'}" in proc.stderr
+        assert "snapshots, in" not in proc.stdout
+
+
+def test_small_first_hour_answers(tmp_path: Path) -> None:
+    # train --help names every shipped preset
+    helped = " ".join(run_cli("train", "--help").stdout.split())
+    assert "replicas-smoke" in helped and "scaling-smoke" in helped
+    for k in (1, 2):
+        write_snapshot(tmp_path / "run" / f"step-{k}", state(k, torch.float32), step=k, tokens=100 * k)
+    # --alpha with a weighting it does nothing for: one line, no merge
+    sma = run_cli("merge", tmp_path / "run", "-o", tmp_path / "a", "--alpha", "0.5")
+    assert sma.returncode == 1 and sma.stderr.splitlines()[-1].startswith("Error: --alpha is the EMA factor")
+    assert not (tmp_path / "a").exists()
+    # --keep-fp32 on an fp32 merge writes no pmakit-fp32/ and says why
+    kept = run_cli("merge", tmp_path / "run", "-o", tmp_path / "k", "--keep-fp32", "-q")
+    assert kept.returncode == 0, kept.stderr
+    assert not (tmp_path / "k" / "pmakit-fp32").exists() and "the merge is fp32 already" in kept.stderr
+
+
+def test_a_snapshot_interval_no_sync_fits_names_what_does() -> None:
+    from pmakit.errors import PmakitError
+    from pmakit.train.replicas import ReplicaConfig, check_sync_interval
+
+    # the smoke preset with 2 copies: 10,240-token snapshots, 2 x 2,048 tokens a step: no H fits
+    with pytest.raises(PmakitError, match=r"no --sync-every fits: .* multiple of 4,096 .*replicas-smoke"):
+        check_sync_interval(ReplicaConfig(sync_every=1), 2, 10_240, 2_048)
+    with pytest.raises(PmakitError, match=r"--sync-every 1, 2, 4 fit$"):
+        check_sync_interval(ReplicaConfig(sync_every=3), 2, 16_384, 2_048)
+    check_sync_interval(ReplicaConfig(sync_every=4), 2, 16_384, 2_048)

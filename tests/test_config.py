@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -68,3 +69,22 @@ def test_bad_values_are_one_clear_error() -> None:
         from_mapping(Section, {"every_tokens": "lots"}, "study")
     with pytest.raises(PmakitError, match="the study config must be a mapping"):
         from_mapping(Section, ["every_tokens"], "study")
+
+
+def test_every_presets_printed_config_reproduces_its_run(tmp_path: Path) -> None:
+    # `experiment --preset P --print-config > my.yaml; experiment my.yaml` must run P, not the demo's precision,
+    # batch counts and whatever else P's file does not spell out.
+    from conftest import run_cli
+    from pmakit.config import load, preset_names
+
+    for name in preset_names():
+        proc = run_cli("experiment", "--preset", name, "--print-config")
+        assert proc.returncode == 0, proc.stderr
+        printed = tmp_path / f"{name}.yaml"
+        printed.write_text(proc.stdout)
+        assert load(printed, None, "demo") == load(None, name, "demo"), name
+    # and a config file's printed form (JSON, which YAML reads) reproduces that file's run
+    proc = run_cli("experiment", tmp_path / "smoke.yaml", "--print-config")
+    again = tmp_path / "again.yaml"
+    again.write_text(proc.stdout)
+    assert load(again, None, "demo") == load(None, "smoke", "demo")

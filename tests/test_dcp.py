@@ -36,7 +36,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def spawn_two(fn: Any, args: tuple[Any, ...], timeout: float = 240) -> None:
+def spawn_two(fn: Any, args: tuple[Any, ...], timeout: float = 1800) -> None:
     """torch.multiprocessing.spawn of 2 ranks that fails the test instead of hanging if they deadlock."""
     context = mp.spawn(fn, args=args, nprocs=2, join=False)
     deadline = time.monotonic() + timeout

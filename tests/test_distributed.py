@@ -57,7 +57,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def spawn_two(fn: Any, args: tuple[Any, ...], timeout: float = 240) -> None:
+def spawn_two(fn: Any, args: tuple[Any, ...], timeout: float = 1800) -> None:
     """torch.multiprocessing.spawn of 2 ranks that fails the test instead of hanging if they deadlock."""
     context = mp.spawn(fn, args=args, nprocs=2, join=False)
     deadline = time.monotonic() + timeout
@@ -129,7 +129,7 @@ def _torchrun_merge(*args: str | Path) -> subprocess.CompletedProcess[str]:
         str(_free_port()),
     ]
     cmd += ["-m", "pmakit", "merge", *map(str, args)]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
 
 
 def test_two_ranks_merge_fail_and_resume(runs: dict[str, Path], tmp_path: Path) -> None:

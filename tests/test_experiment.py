@@ -81,7 +81,7 @@ def test_report_and_summary(smoke: tuple[Path, str]) -> None:
 def test_rerun_resumes_without_redoing(smoke: tuple[Path, str]) -> None:
     run, _ = smoke
     before = (run / "results.csv").read_text()
-    proc = run_cli("experiment", "--preset", "smoke", "-o", run, timeout=600)
+    proc = run_cli("experiment", "--preset", "smoke", "-o", run, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "already done" in proc.stderr
     assert (run / "results.csv").read_text() == before

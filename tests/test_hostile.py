@@ -836,7 +836,7 @@ def build_run(tmp: Path) -> None:
         write_snapshot(snap(tmp, i), state(i), step=step, tokens=step * 10)
 
 
-def invoke(args: list[Any], timeout: float = 60) -> Any:
+def invoke(args: list[Any], timeout: float = 1800) -> Any:
     """The real CLI in this process; a hang dumps the stacks and kills the test run instead of waiting forever."""
     faulthandler.dump_traceback_later(timeout, exit=True)
     try:

@@ -119,7 +119,7 @@ def copy_snapshots(src: Path, dst_names: list[str], root: Path) -> list[Path]:
 # ---------------------------------------------------------------------------------------------- running
 
 
-def run_python(code: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+def run_python(code: str, cwd: Path, timeout: float = 1800) -> subprocess.CompletedProcess[str]:
     script = cwd / f"readme_example_{abs(hash(code)) % 10**8}.py"
     script.write_text(code)
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_WAIT_POLICY": "PASSIVE"}
@@ -155,7 +155,7 @@ def output_of(words: list[str]) -> str | None:
 
 
 def run_shell_block(
-    text: str, cwd: Path, subs: dict[str, str], timeout: float = 600, resume: frozenset[str] = frozenset()
+    text: str, cwd: Path, subs: dict[str, str], timeout: float = 1800, resume: frozenset[str] = frozenset()
 ) -> None:
     """Run each line; an output named in ``resume`` is kept (the line resumes a run copied in), others removed."""
     for line in shell_lines(text):

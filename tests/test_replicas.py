@@ -45,7 +45,7 @@ def _torchrun(config: Path, out: Path, *args: str) -> None:
     env = {k: v for k, v in env.items() if v}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += ["-m", "pmakit", "train", str(config), "-o", str(out), "--replicas", "2", *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -121,7 +121,7 @@ def test_diloco_with_unit_outer_sgd_is_local_sgd_and_resumes_exactly(tmp_path: P
 def _pmakit(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     return subprocess.run(
-        [sys.executable, "-m", "pmakit", *args], capture_output=True, text=True, timeout=300, env=env
+        [sys.executable, "-m", "pmakit", *args], capture_output=True, text=True, timeout=1800, env=env
     )
 
 
@@ -170,7 +170,7 @@ def test_replicas_study_smoke_preset_end_to_end(tmp_path: Path) -> None:
     run = tmp_path / "study"
     cmd = [sys.executable, "-m", "pmakit", "experiment", "--preset", "replicas-smoke", "-o", str(run)]
     done = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+        cmd, capture_output=True, text=True, timeout=1800, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "results.jsonl").read_text().splitlines()]
@@ -186,7 +186,7 @@ def test_replicas_study_smoke_preset_end_to_end(tmp_path: Path) -> None:
     assert "the 2% target" in report and "plots/replicas.png" in report
     # Re-running resumes: nothing is trained again, the scores are the same.
     again = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+        cmd, capture_output=True, text=True, timeout=1800, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     )
     assert again.returncode == 0, again.stderr[-3000:]
     assert "already trained" in again.stderr

@@ -675,7 +675,7 @@ def test_html_renders_in_headless_chromium(full_run: Path, chromium: str, tmp_pa
         "--window-size=1200,3000",
         (full_run / "report.html").resolve().as_uri(),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     assert shot.exists(), proc.stderr[-2000:]
     import matplotlib.image as mpimg
 

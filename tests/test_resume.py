@@ -130,10 +130,10 @@ def test_cli_resume_after_sigkill(run: Path, tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "pmakit", "merge", str(run), "--last", "4", "-o", str(tmp_path / "out")]
     cmd += ["--max-shard-size", str(SHARD), "--quiet"]
     killed = subprocess.run(
-        cmd, env={**env, KILL_ENV: "in-shard:3"}, capture_output=True, text=True, timeout=300
+        cmd, env={**env, KILL_ENV: "in-shard:3"}, capture_output=True, text=True, timeout=1800
     )
     assert killed.returncode == -9 and partial_dir(tmp_path / "out").exists()
-    resumed = subprocess.run([*cmd, "--resume"], env=env, capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run([*cmd, "--resume"], env=env, capture_output=True, text=True, timeout=1800)
     assert resumed.returncode == 0, resumed.stderr
     _merge(run, tmp_path / "ref")
     assert _files(tmp_path / "out") == _files(tmp_path / "ref")

@@ -201,7 +201,7 @@ def test_crash_mid_write_leaves_only_a_hidden_incomplete_dir(tmp_path: Path) -> 
         """
     )
     done = subprocess.run(
-        [sys.executable, "-c", script], env={"PYTHONPATH": str(SRC)}, capture_output=True, timeout=120
+        [sys.executable, "-c", script], env={"PYTHONPATH": str(SRC)}, capture_output=True, timeout=1800
     )
     assert done.returncode == 3, done.stderr
     partial = tmp_path / ".step-00000002.pmakit-partial"

@@ -1,3 +1,4 @@
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -112,3 +113,19 @@ def test_merge_of_a_short_run_and_its_errors_through_the_cli(
         and "spans 6B tokens back from 7K" in r.stderr
         and "-" not in r.stderr.split("spans")[1]
     )
+
+
+def test_merge_says_why_it_takes_the_runs_recorded_window_not_10(tmp_path: Path) -> None:
+    from conftest import run_cli, state, write_snapshot
+    from pmakit.snapshot import write_metadata
+
+    run = tmp_path / "run"
+    for k in range(1, 11):  # as `pmakit train` with average_last: 8 writes them
+        snap = write_snapshot(run / "snapshots" / f"step-{k}", state(k), step=k, tokens=100 * k)
+        write_metadata(snap, step=k, tokens=100 * k, window=8)
+    proc = run_cli("merge", run, "-o", tmp_path / "m", "-q")
+    assert proc.returncode == 0, proc.stderr
+    assert "merging the last 8 snapshots: the window of the run's own online merge" in proc.stderr
+    assert len(json.loads((tmp_path / "m" / "pmakit-merge.json").read_text())["inputs"]) == 8
+    helped = run_cli("merge", "--help")
+    assert "the window its own online merge used" in " ".join(helped.stdout.split())

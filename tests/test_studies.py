@@ -66,7 +66,7 @@ def _run(tmp: Path, name: str, config: dict[str, Any], *extra: str) -> tuple[Pat
     cfg = tmp / f"{name}.yaml"
     cfg.write_text(yaml.safe_dump(config))
     run = tmp / name
-    proc = run_cli("experiment", cfg, "-o", run, *extra, timeout=600)
+    proc = run_cli("experiment", cfg, "-o", run, *extra, timeout=1800)
     return run, proc
 
 
@@ -263,13 +263,13 @@ def test_spike_rerun_resumes_without_training_and_a_changed_config_is_refused(
     before = (run / "results.jsonl").read_text()
     cfg = tmp_path / "same.yaml"
     cfg.write_text(yaml.safe_dump(TINY_SPIKE))
-    proc = run_cli("experiment", cfg, "-o", run, timeout=300)
+    proc = run_cli("experiment", cfg, "-o", run, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "arm " not in proc.stderr and "main run" not in proc.stderr
     assert (run / "results.jsonl").read_text() == before
     changed = {**TINY_SPIKE, "spike": {**TINY_SPIKE["spike"], "push_factor": 30}}
     cfg.write_text(yaml.safe_dump(changed))
-    proc = run_cli("experiment", cfg, "-o", run, timeout=300)
+    proc = run_cli("experiment", cfg, "-o", run, timeout=1800)
     assert proc.returncode == 1 and "spike.push_factor" in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -282,7 +282,7 @@ def test_adding_a_seed_runs_only_the_new_seed(spike: tuple[Path, str], tmp_path:
     more = {**TINY_SPIKE, "spike": {**TINY_SPIKE["spike"], "seeds": [0, 1, 2]}}
     cfg = tmp_path / "more.yaml"
     cfg.write_text(yaml.safe_dump(more))
-    proc = run_cli("experiment", cfg, "-o", run, timeout=300)
+    proc = run_cli("experiment", cfg, "-o", run, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "seed 2: main run" in proc.stderr and "seed 0: main run" not in proc.stderr
     after = (run / "results.jsonl").read_text()

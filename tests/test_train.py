@@ -309,3 +309,51 @@ def test_a_copy_that_is_not_the_writer_leaves_the_writers_save_in_flight_alone(
     assert (in_flight / "model.safetensors").exists()
     Trainer(tiny(corpus_dir), run).close()  # the writer, restarted, tidies its own leftovers
     assert not in_flight.exists()
+
+
+def test_resume_from_and_init_from_take_the_model_of_the_weights(corpus_dir: Path, tmp_path: Path) -> None:
+    # A run of a model other than the demo's; a new run from its checkpoint or its merge, no config given.
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "preset: smoke\ntrain:\n  corpus: " + str(corpus_dir) + "\n  vocab_size: 300\n  val_fraction: 0.25\n"
+        "  max_corpus_bytes: null\n  model: {layers: 1, hidden: 32, heads: 2, seq_len: 32}\n  batch_size: 4\n"
+        "  total_tokens: 768\n  warmup_tokens: 128\n  every_tokens: 256\n  eval_every: 2\n  eval_batches: 2\n"
+    )
+    env = {"PMAKIT_CACHE": str(tmp_path / "cache")}
+    run = tmp_path / "run"
+    assert run_cli("train", config, "-o", run, env=env).returncode == 0
+    assert run_cli("merge", run, "-o", tmp_path / "m", "-q").returncode == 0
+    merged = tmp_path / "elsewhere" / "m"  # away from the run: the merge's manifest leads back to it
+    merged.parent.mkdir()
+    (tmp_path / "m").rename(merged)
+    init = run_cli("train", "--init-from", merged, "-o", tmp_path / "init", env=env)
+    assert init.returncode == 0, init.stderr
+    assert f"config: from the run {run}" in init.stderr and "trained 768 tokens" in init.stdout
+    fork = run_cli("train", "--resume-from", run / "checkpoint", "-o", tmp_path / "fork", env=env)
+    assert fork.returncode == 0, fork.stderr
+    assert "checkpoint" in fork.stderr and "trained 768 tokens" in fork.stdout
+    # a config that says otherwise: one line
+    other = tmp_path / "other.yaml"
+    other.write_text(config.read_text().replace("hidden: 32", "hidden: 64"))
+    bad = run_cli("train", other, "--init-from", merged, "-o", tmp_path / "bad", env=env)
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr, bad.stderr
+    assert bad.stderr.splitlines()[-1].startswith("Error: ") and "another model size" in bad.stderr
+
+
+def test_source_config_falls_back_to_the_weights_config_json(tmp_path: Path) -> None:
+    from transformers import LlamaConfig
+
+    from pmakit.train.loop import source_config
+
+    LlamaConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=96, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False,
+    ).save_pretrained(tmp_path)  # fmt: skip
+    found = source_config(tmp_path)
+    assert found is not None
+    section, where = found
+    model = TrainConfig.from_dict(section).model
+    assert (model.layers, model.hidden, model.heads, model.kv_heads, model.mlp_width) == (1, 32, 2, 1, 96)
+    assert (model.seq_len, model.tie_embeddings, section["vocab_size"]) == (32, False, 300)
+    assert "config.json" in where and "demo preset" in where
+    assert source_config(tmp_path / "nothing") is None

@@ -3,14 +3,16 @@
 Save weight snapshots every V tokens, merge the last N of them (SMA, WMA, EMA, WSM weightings) into a model that
 predicts, or replaces, what annealing the learning rate would give.
 
-``import pmakit`` is light: the names below are loaded on first use, so that entry points can set up the
-environment (``OMP_WAIT_POLICY``) before torch is imported.
+``import pmakit`` is light: the names below are loaded on first use, so that importing pmakit (any module of it)
+before torch sets up the environment (``OMP_WAIT_POLICY=PASSIVE`` unless set: see ``pmakit._env``) in time.
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
+
+from pmakit import _env  # noqa: F401  (first: before anything imports torch)
 
 __version__ = "0.1.0"
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import click
 
+from pmakit.config import preset_names
 from pmakit.errors import PmakitError
 from pmakit.layouts import out_formats
 from pmakit.layouts.kinds import BUFFER_RULES, DEFAULT_BUFFERS, describe, listing
@@ -103,7 +104,8 @@ def selection_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             "--last",
             type=int,
             default=None,
-            help="How many snapshots N to merge [default: 10 from a run directory; every snapshot named].",
+            help="How many snapshots N to merge [default from a run directory: the window its own online merge used "
+            "(pmakit train records it), else 10; every snapshot named].",
         ),
         click.option(
             "--every",
@@ -195,7 +197,10 @@ def _progress(total: int, quiet: bool, label: str) -> Iterator[Callable[[int], N
     help="Weighting over the chosen snapshots, oldest to newest (see README for the exact formulas).",
 )
 @click.option(
-    "--alpha", type=float, default=0.2, show_default=True, help="EMA factor for ema / ema-normalized."
+    "--alpha",
+    type=float,
+    default=None,
+    help="EMA factor for ema / ema-normalized (only those) [default: 0.2].",
 )
 @click.option(
     "--weights",
@@ -288,7 +293,7 @@ def _merge(
     inputs: tuple[Path, ...],
     output: Path,
     method: str,
-    alpha: float,
+    alpha: float | None,
     custom: list[float] | None,
     last: int | None,
     every: int | None,
@@ -310,6 +315,11 @@ def _merge(
     from pmakit.merge import merge as run_merge
     from pmakit.weights import get_weights
 
+    if alpha is not None and (custom is not None or not method.startswith("ema")):
+        raise PmakitError(
+            f"--alpha is the EMA factor: it does nothing with --{'weights' if custom else 'method ' + method}"
+        )
+    alpha = 0.2 if alpha is None else alpha
     chosen = _select(inputs, last, every, until, tokens_per_step, exclude)
     weights = get_weights("custom" if custom is not None else method, len(chosen), alpha=alpha, custom=custom)
     terms, term_weights, window = chosen, weights, None
@@ -341,6 +351,12 @@ def _merge(
             world=world,
             window=window,
             buffers=buffers,
+        )
+    if keep_fp32 and from_previous is None and not (output / "pmakit-fp32").is_dir() and world.rank == 0:
+        click.echo(
+            f"note: no {output / 'pmakit-fp32'}: the merge is fp32 already, so --from-previous {output} "
+            "updates it exactly as it is",
+            err=True,
         )
     if not quiet:
         _print_result(plan, result, output)
@@ -627,7 +643,12 @@ def recover(
 
 @cli.command()
 @click.argument("config", required=False, type=click.Path(path_type=Path))
-@click.option("--preset", type=str, default=None, help="A shipped config: smoke or demo [default: demo].")
+@click.option(
+    "--preset",
+    type=str,
+    default=None,
+    help=f"A shipped config: {', '.join(preset_names())} [default: demo].",
+)
 @click.option(
     "--corpus", type=str, default=None, help="Text file, directory, glob or .npy/.bin of token ids."
 )
@@ -714,10 +735,17 @@ def train(
     """
     from pmakit.config import load
     from pmakit.train.launch import start_copies
-    from pmakit.train.loop import TrainConfig, load_corpus, saved_config
+    from pmakit.train.loop import TrainConfig, load_corpus, saved_config, source_config
     from pmakit.train.loop import train as run_train
 
     saved = saved_config(output) if config is None and preset is None and not fresh else None
+    weights = resume_from or init_from
+    if saved is None and config is None and preset is None and weights is not None:
+        # the model must be the one the weights were trained as, not the demo's
+        found = source_config(weights)
+        if found is not None:
+            saved, where = found
+            click.echo(f"config: from {where}", err=True)
     section = (
         saved if saved is not None else dict(load(config, preset, default_preset="demo").get("train", {}))
     )
@@ -793,11 +821,12 @@ def experiment(
     With no arguments this is the demo: about 19 minutes on 2 idle CPU cores with native bf16 (27 in fp32).
     Re-running resumes.
     """
-    from pmakit.config import load, preset_text
+    from pmakit.config import load, printable_preset
 
     data = load(config, preset, default_preset="demo")
     if print_config:
-        click.echo(preset_text(data["preset"]) if config is None else json.dumps(data, indent=2))
+        text = printable_preset(data["preset"]) if config is None else json.dumps(data, indent=2)
+        click.echo(text.rstrip("\n"))
         return
     if corpus is not None:
         data.setdefault("train", {})["corpus"] = corpus

@@ -99,6 +99,17 @@ def preset_text(name: str) -> str:
     return resources.files("pmakit.presets").joinpath(f"{name}.yaml").read_text()
 
 
+def printable_preset(name: str) -> str:
+    """The preset's file with its name at the top (``preset: NAME``): loaded as a config file, the values it does
+    not spell out come from the same preset, so it reproduces the preset's run exactly, edited or not."""
+    lines = preset_text(name).splitlines(keepends=True)
+    head = 0
+    while head < len(lines) and lines[head].startswith("#"):
+        head += 1
+    line = f"preset: {name}  # the base of every value this file does not set\n"
+    return "".join([*lines[:head], line, *lines[head:]])
+
+
 def _parse(text: str, where: str) -> dict[str, Any]:
     import yaml
 

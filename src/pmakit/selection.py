@@ -22,16 +22,14 @@ def default_last(snapshots: Sequence[Snapshot]) -> int:
     newest snapshot's metadata, written by ``pmakit train`` and the callbacks), else 10; a run with fewer snapshots
     merges all it has, with a note."""
     recorded = snapshots[-1].meta.get("window") if snapshots else None
-    n = (
-        recorded
-        if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded > 0
-        else DEFAULT_LAST
-    )
+    from_run = isinstance(recorded, int) and not isinstance(recorded, bool) and recorded > 0
+    n = recorded if from_run and isinstance(recorded, int) else DEFAULT_LAST
+    why = "the window of the run's own online merge" if from_run else "the default window"
     if len(snapshots) < n:
-        log.info(
-            "merging all %d snapshots (the default window is %d; pass --last to choose)", len(snapshots), n
-        )
+        log.info("merging all %d snapshots (%s is %d; pass --last to choose)", len(snapshots), why, n)
         return max(len(snapshots), 1)
+    if from_run and n != DEFAULT_LAST:
+        log.info("merging the last %d snapshots: %s (pass --last to choose)", n, why)
     return n
 
 

@@ -115,6 +115,30 @@ def scan(
     return found
 
 
+def study_main_run(path: Path) -> Path:
+    """A study directory (``pmakit experiment -o STUDY``) stands for its main run, ``STUDY/main``: the run whose
+    snapshots every arm of the study merges (said on the console). Any other path is itself."""
+    from pmakit.layouts import candidates
+    from pmakit.runs import MAIN_RUN
+
+    main = path / MAIN_RUN
+    if path.is_dir() and main.is_dir() and not candidates(path) and candidates(main):
+        log.info("%s is a study: using its main run, %s", path, main)
+        return main
+    return path
+
+
+def runs_hint(path: Path) -> str:
+    """``'; runs with snapshots under it: A, B'`` naming the sub-runs of a study directory, or ``''``."""
+    if not path.is_dir():
+        return ""
+    runs = sorted(str(d.parent) for d in path.glob("**/snapshots") if d.is_dir() and any(d.iterdir()))
+    if not runs:
+        return ""
+    shown = ", ".join(runs[:6]) + (f" and {len(runs) - 6} more" if len(runs) > 6 else "")
+    return f"; runs with snapshots under it: {shown}"
+
+
 def discover(run_dir: str | os.PathLike[str], tokens_per_step: int | None = None) -> list[Snapshot]:
     """The complete snapshots of a run directory, oldest first; incomplete ones are skipped with a warning."""
     complete = []
@@ -174,11 +198,12 @@ def gather(
         if looks_like_snapshot(p):
             snapshots.append(read_snapshot(p, tokens_per_step))
             continue
+        p = study_main_run(p)
         found = discover(p, tokens_per_step)
         if not found:
             raise PmakitError(
                 f"{p}: no complete snapshots found (a run directory holds snapshot directories, "
-                f"each with weights and {METADATA_FILE})"
+                f"each with weights and {METADATA_FILE}){runs_hint(p)}"
             )
         snapshots += found
         from_run = True

@@ -17,8 +17,10 @@ from pmakit.snapshot import (
     Snapshot,
     looks_like_snapshot,
     read_snapshot,
+    runs_hint,
     scan,
     sort_snapshots,
+    study_main_run,
 )
 from pmakit.units import format_bytes, format_tokens
 
@@ -40,7 +42,7 @@ def _rows(
             except IncompleteSnapshot as e:
                 rows.append(e)
         else:
-            rows += scan(p, tokens_per_step)
+            rows += scan(study_main_run(p), tokens_per_step)
             from_run = True
     return rows, from_run
 
@@ -89,7 +91,8 @@ def inspect_inputs(
     report: dict[str, Any] = {"snapshots": table}
     if not complete:
         report["compatible"] = False
-        report["problems"] = ["no complete snapshots"]
+        hints = "".join(runs_hint(Path(p)) for p in inputs)
+        report["problems"] = [f"no complete snapshots{hints}"]
         return report
     try:
         every_plan = plan_merge(complete, [1 / len(complete)] * len(complete), dtype=dtype)
@@ -151,7 +154,8 @@ def render(report: dict[str, Any], *, show_all: bool = False) -> None:
     console.print(_summary(rows), highlight=False)
     window = set(report.get("merge", {}).get("snapshots", []))
     shown = rows if show_all or not window else [r for r in rows if r["path"] in window or not r["complete"]]
-    console.print(_snapshot_table(rows, shown, window))
+    if rows:  # nothing found: the summary line and the problem say it, not an empty table
+        console.print(_snapshot_table(rows, shown, window))
     for row in report["snapshots"]:
         if not row["complete"]:
             console.print(f"[yellow]incomplete:[/yellow] {row['reason']}", highlight=False)

@@ -24,7 +24,7 @@ def run_framework(
     script: Path,
     *args: str | Path,
     ranks: int = 1,
-    timeout: float = 1200,
+    timeout: float = 1800,
     path: tuple[Path, ...] = (),
 ) -> subprocess.CompletedProcess[str]:
     """Run a framework driver script (``torchrun`` for ``ranks > 1``), with ``path`` first on PYTHONPATH; fail
@@ -85,7 +85,7 @@ def olmo_core_all(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         capture_output=True,
         text=True,
         env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(SRC)},
-        timeout=300,
+        timeout=1800,
     )
     assert crashed.returncode == 17, crashed.stderr[-3000:]  # the Crash callback's os._exit
     run_framework(script, "callback", *resumed)

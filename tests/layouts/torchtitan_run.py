@@ -219,7 +219,7 @@ def config(dump: Path, *options: str) -> Any:
         *("--dump_folder", str(dump), "--training.seq_len", str(SEQ)),
         *("--training.local_batch_size", str(BATCH // world_size()), "--training.steps", "10"),
         *("--checkpoint.enable", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0"),
-        *("--metrics.log_freq", "1000", "--comm.init_timeout_seconds", "300"),
+        *("--metrics.log_freq", "1000", "--comm.init_timeout_seconds", "1800"),
         *("--parallelism.spmd_backend", "partial_dtensor"),  # see the module docstring
         *options,
     ]

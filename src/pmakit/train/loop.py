@@ -197,9 +197,12 @@ class Trainer:
         init_from: str | Path | None = None,
         resume_from: str | Path | None = None,
         resume: bool = True,
-        progress: bool = False,
+        progress: bool = True,
         copies: SingleCopy | None = None,
     ) -> None:
+        """``progress``: a progress bar on a terminal, else a line on stderr every ``_Progress.every_s`` seconds
+        (from the first interval on: a short run prints nothing); False: neither."""
+        from pmakit._env import warn_if_spinning
         from pmakit.evaluate import cpu_threads, native_bf16
 
         self.config = config
@@ -219,6 +222,7 @@ class Trainer:
         self.schedule = schedule or config.schedule()
         self.progress = progress
         cpu_threads(config.threads)
+        warn_if_spinning()
 
         self._setup_data(corpus)
         self._setup_model()
@@ -613,6 +617,15 @@ class Trainer:
         from pmakit.formats import read_state
 
         state = read_state(directory)
+        own = self.model.state_dict()
+        wrong = [k for k, v in state.items() if k in own and tuple(v.shape) != tuple(own[k].shape)]
+        if wrong:
+            k = wrong[0]
+            raise PmakitError(
+                f"{directory}: weights of another model size than this config's ({len(wrong)} tensors differ, "
+                f"e.g. {k} {list(state[k].shape)} vs {list(own[k].shape)}); give no config to take the model "
+                "from the weights' config.json, or one whose model matches"
+            )
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         missing = [k for k in missing if k != "lm_head.weight" or not self.config.model.tie_embeddings]
         if missing or unexpected:
@@ -725,6 +738,48 @@ def saved_config(run_dir: str | Path) -> dict[str, Any] | None:
     return dict(config) if isinstance(config, Mapping) else None
 
 
+def source_config(weights: str | Path) -> tuple[dict[str, Any], str] | None:
+    """The train config of the run ``weights`` came from, and where it was found: a full checkpoint's own; the
+    saved config of the run holding the snapshot (or, for a merge, its newest input); else the demo preset with
+    the model of the weights' ``config.json``. None when the weights carry no config at all."""
+    directory = Path(weights)
+    if trainer_state(directory).is_file():
+        config = torch.load(trainer_state(directory), weights_only=True).get("config")
+        if isinstance(config, Mapping):
+            return dict(config), f"{directory}'s checkpoint"
+    sources = [directory]
+    manifest = directory / "pmakit-merge.json"
+    if manifest.is_file():
+        with_inputs = json.loads(manifest.read_text()).get("inputs") or []
+        if with_inputs:
+            sources.append(Path(with_inputs[-1]["path"]))
+    for source in sources:
+        for run in (source.parent, source.parent.parent):  # RUN/snapshots/step-N -> RUN
+            config = saved_config(run)
+            if config is not None:
+                return config, f"the run {run}"
+    hf = directory / "config.json"
+    if not hf.is_file():
+        return None
+    from pmakit.config import load
+
+    c = json.loads(hf.read_text())
+    heads = c["num_attention_heads"]
+    model = {
+        "layers": c["num_hidden_layers"],
+        "hidden": c["hidden_size"],
+        "heads": heads,
+        "kv_heads": None if c.get("num_key_value_heads", heads) == heads else c["num_key_value_heads"],
+        "intermediate": c["intermediate_size"],
+        "seq_len": c["max_position_embeddings"],
+        "tie_embeddings": c.get("tie_word_embeddings", True),
+    }
+    train = dict(load(None, None, default_preset="demo").get("train", {}))
+    train["model"] = model
+    train["vocab_size"] = c["vocab_size"]
+    return train, f"{hf} (the model; the rest: the demo preset)"
+
+
 def load_corpus(config: TrainConfig) -> Any:
     """The tokenized corpus of ``config`` (built once, then read from the per-user cache)."""
     from pmakit.train.data import prepare_corpus
@@ -748,33 +803,55 @@ def _cache_dir() -> Path:
 
 
 class _Progress:
-    """A tokens progress bar with ETA on a terminal (rich); nothing otherwise."""
+    """Training progress: a tokens bar with ETA on a terminal (rich); elsewhere (a notebook, a log file, a pipe) a
+    line on stderr every ``every_s`` seconds, the first one ``every_s`` in, so a short run stays quiet."""
+
+    every_s = 30.0
 
     def __init__(self, start: int, end: int, *, enabled: bool, label: str) -> None:
+        import sys
+
         self.start = start
+        self.end = end
+        self.label = label
+        self.enabled = enabled
+        self._t0 = self._last = time.monotonic()
         self._bar: Any = None
-        if enabled:
-            import sys
+        if enabled and sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-            if sys.stderr.isatty():
-                from rich.console import Console
-                from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-                self._bar = Progress(
-                    TextColumn("{task.description}"),
-                    BarColumn(),
-                    TextColumn("{task.completed:,.0f}/{task.total:,.0f} tokens"),
-                    TextColumn("loss {task.fields[loss]:.3f}"),
-                    TimeRemainingColumn(),
-                    console=Console(stderr=True),
-                    transient=True,
-                )
-                self._task = self._bar.add_task(label, total=end, completed=start, loss=float("nan"))
-                self._bar.start()
+            self._bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                TextColumn("{task.completed:,.0f}/{task.total:,.0f} tokens"),
+                TextColumn("loss {task.fields[loss]:.3f}"),
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+                transient=True,
+            )
+            self._task = self._bar.add_task(label, total=end, completed=start, loss=float("nan"))
+            self._bar.start()
 
     def update(self, tokens: int, loss: float) -> None:
         if self._bar is not None:
             self._bar.update(self._task, completed=tokens, loss=loss)
+            return
+        now = time.monotonic()
+        if not self.enabled or now - self._last < self.every_s:
+            return
+        import sys
+
+        self._last = now
+        done = tokens - self.start
+        rate = done / max(now - self._t0, 1e-9)
+        eta = f", {(self.end - tokens) / rate:.0f} s left" if rate > 0 and tokens < self.end else ""
+        print(
+            f"{self.label}: {tokens:,}/{self.end:,} tokens ({100 * tokens / self.end:.0f}%), loss {loss:.3f}, "
+            f"{rate:,.0f} tokens/s{eta}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def close(self) -> None:
         if self._bar is not None:

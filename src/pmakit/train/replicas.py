@@ -288,8 +288,20 @@ def check_sync_interval(config: ReplicaConfig, copies: int, every_tokens: int, t
         raise PmakitError(
             f"snapshot and checkpoint intervals ({every_tokens:,} tokens) must be multiples of the tokens between syncs ({per_sync:,} = "
             f"sync_every {config.sync_every} x {copies} copies x {tokens_per_step:,} tokens per step), "
-            "so that every snapshot is of the synced model"
+            f"so that every snapshot is of the synced model; {_what_fits(config, copies, every_tokens, tokens_per_step)}"
         )
+
+
+def _what_fits(config: ReplicaConfig, copies: int, every_tokens: int, tokens_per_step: int) -> str:
+    """The --sync-every values this interval allows, or what to change when none does."""
+    step = tokens_per_step * copies  # all copies' tokens in one step
+    if every_tokens % step == 0:
+        fits = [h for h in range(1, every_tokens // step + 1) if every_tokens % (h * step) == 0]
+        return f"--sync-every {', '.join(map(str, fits[:8]))} fit{'s' if len(fits) == 1 else ''}"
+    return (
+        f"no --sync-every fits: with {copies} copies a step is {step:,} tokens, so every_tokens must be a "
+        f"multiple of {step:,} (e.g. {every_tokens // step * step or step:,}; or --preset replicas-smoke)"
+    )
 
 
 def from_env(config: ReplicaConfig | None) -> SingleCopy:

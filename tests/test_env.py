@@ -1,0 +1,83 @@
+"""The process set-up a library user gets without knowing of it: the OpenMP wait policy, progress from Python."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import SRC
+from pmakit.train import loop
+
+
+def _python(code: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """``python -c code`` as a user runs it: no OMP_WAIT_POLICY, this checkout's pmakit."""
+    base = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env={**base, "PYTHONPATH": str(SRC), "PMAKIT_CACHE": str(tmp_path / "cache"), **env},
+        cwd=tmp_path,
+        timeout=1800,  # a hang guard only
+    )
+
+
+def test_importing_pmakit_first_makes_torchs_threads_wait_passively(tmp_path: Path) -> None:
+    code = """
+        import os
+        from pmakit.train.loop import TrainConfig  # any pmakit module: the package sets up first
+        import torch
+        from pmakit._env import spinning
+        print(os.environ["OMP_WAIT_POLICY"], spinning())
+    """
+    proc = _python(code, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["PASSIVE", "False"]
+    assert "OMP_WAIT_POLICY" not in proc.stderr
+    # the user's own choice stands
+    proc = _python(code, tmp_path, OMP_WAIT_POLICY="ACTIVE")
+    assert proc.stdout.split() == ["ACTIVE", "False"], proc.stderr
+
+
+def test_torch_imported_first_gets_one_warning_naming_the_variable(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(3000)))
+    proc = _python(
+        f"""
+        import torch
+        from pmakit.train.loop import TrainConfig, Trainer
+        from pmakit.train.model import ModelConfig
+        cfg = TrainConfig(corpus={str(corpus)!r}, vocab_size=300, val_fraction=0.25, max_corpus_bytes=None,
+                          model=ModelConfig(layers=1, hidden=32, heads=2, seq_len=32), batch_size=4,
+                          total_tokens=256, warmup_tokens=128, every_tokens=128, eval_batches=1, threads=1)
+        for name in ("a", "b"):
+            Trainer(cfg, name).close()
+        """,
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("OMP_WAIT_POLICY=PASSIVE") == 1, proc.stderr
+    assert "torch was imported before pmakit" in proc.stderr
+
+
+def test_progress_off_a_terminal_is_a_line_per_interval(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(loop._Progress, "every_s", 0.0)
+    bar = loop._Progress(0, 1000, enabled=True, label="run")
+    bar.update(250, 5.5)
+    bar.close()
+    err = capsys.readouterr().err
+    assert err.startswith("run: 250/1,000 tokens (25%), loss 5.500, ") and "s left" in err
+    quiet = loop._Progress(0, 1000, enabled=False, label="run")
+    quiet.update(250, 5.5)
+    assert capsys.readouterr().err == ""
+    # the default interval: a run shorter than it prints nothing
+    monkeypatch.undo()
+    loop._Progress(0, 1000, enabled=True, label="run").update(250, 5.5)
+    assert capsys.readouterr().err == ""
