@@ -359,6 +359,50 @@ def _dim0_overlap(a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> bool:
     return a.offsets[0] < b.offsets[0] + b.sizes[0] and b.offsets[0] < a.offsets[0] + a.sizes[0]
 
 
+def check_chunks(key: str, md: TensorStorageMetadata) -> None:
+    """Refuse a tensor whose saved chunks do not tile it exactly: each inside the tensor, none overlapping, and
+    together as many elements as the tensor (the merge would otherwise read past a chunk or leave a gap)."""
+    size = tuple(md.size)
+    total = 0
+    boxes = []
+    for chunk in md.chunks:
+        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        if len(offsets) != len(size) or len(sizes) != len(size):
+            raise PmakitError(
+                f"entry {key!r}: a saved chunk of {len(sizes)} dims for a tensor of {len(size)}"
+            )
+        if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, size)):
+            raise PmakitError(
+                f"entry {key!r}: a saved chunk at {list(offsets)} of {list(sizes)} lies outside its size "
+                f"{list(size)}"
+            )
+        volume = 1
+        for s in sizes:
+            volume *= s
+        total += volume
+        if volume:
+            boxes.append((offsets, sizes))
+    numel = 1
+    for d in size:
+        numel *= d
+    if total != numel:
+        raise PmakitError(
+            f"entry {key!r}: its saved chunks hold {total:,} elements, the tensor {list(size)} has {numel:,}"
+        )
+    # With the volumes equal, no overlap means an exact tiling. A sweep on dim 0 compares only chunks whose
+    # dim-0 ranges meet (a handful per chunk in any real layout).
+    boxes.sort()
+    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for box in boxes:
+        active = [a for a in active if not size or a[0][0] + a[1][0] > box[0][0]]
+        for other in active:
+            if all(o1 < o2 + s2 and o2 < o1 + s1 for o1, s1, o2, s2 in zip(*box, *other)):
+                raise PmakitError(
+                    f"entry {key!r}: saved chunks at {list(other[0])} and {list(box[0])} overlap"
+                )
+        active.append(box)
+
+
 class DCPReader(Reader):
     format = "dcp"
 
@@ -388,6 +432,10 @@ class DCPReader(Reader):
         self.tensors = {}
         for name, key in names.items():
             md = cast("TensorStorageMetadata", self.metadata.state_dict_metadata[key])  # a tensor: see above
+            try:
+                check_chunks(key, md)
+            except PmakitError as e:
+                raise PmakitError(f"{path / METADATA_FILE}: {e}") from None
             info = storage.get(_dcp().MetadataIndex(key, md.chunks[0].offsets)) if md.chunks else None
             where = getattr(info, "relative_path", "")
             order = (files.index(where) if where in files else len(files), int(getattr(info, "offset", 0)))
@@ -463,8 +511,23 @@ class DCPReader(Reader):
                 warnings.simplefilter("ignore", UserWarning)
                 _dcp().dcp.load({}, storage_reader=self._storage, planner=planner, no_dist=True)
         except (Exception, _dcp().CheckpointException) as e:  # the latter is a BaseException
-            raise PmakitError(f"{self.path}: reading tensor {name!r} failed ({_brief(e)})") from e
+            raise PmakitError(
+                f"{self._files_of(name, box)}: reading tensor {name!r} failed ({_brief(e)})"
+            ) from e
         return dest.reshape(-1)
+
+    def _files_of(self, name: str, box: ChunkStorageMetadata) -> str:
+        """The data file(s) holding the saved chunks of ``name`` that ``box`` reads, for an error message."""
+        key, files = self._keys[name], []
+        for chunk in self._md[name].chunks:
+            info = self._storage_data.get(_dcp().MetadataIndex(key, chunk.offsets))
+            relative = str(getattr(info, "relative_path", ""))
+            if info is not None and _dim0_overlap(chunk, box) and relative not in files:
+                files.append(relative)
+        if not files:
+            return str(self.path)
+        more = f" (and {len(files) - 1} more)" if len(files) > 1 else ""
+        return f"{self.path / files[0]}{more}"
 
     def read(self, name: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         if name != self._current:
