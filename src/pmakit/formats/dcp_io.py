@@ -646,3 +646,75 @@ def _brief(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     hint = " (truncated or damaged file)" if isinstance(e, EOFError) else ""
     return f"{type(e).__name__}: {text[0]}{hint}" if text else f"{type(e).__name__}{hint}"
+
+
+def _make_namespace(made: safe_pickle.Made) -> Any:
+    """``argparse.Namespace`` (Megatron's ``args``): a fresh one holding the state's plain-named fields."""
+    import argparse
+
+    made.no_items()
+    state = made.state
+    if isinstance(state, tuple) and len(state) == 2 and state[1] is None:
+        state = state[0]
+    fields = safe_pickle.expect({} if state is None else state, dict, "a Namespace's state")
+    if made.args or not all(
+        isinstance(k, str) and k.isidentifier() and not k.startswith("__") for k in fields
+    ):
+        raise PmakitError("refused: argparse.Namespace takes only named fields")
+    return argparse.Namespace(**fields)
+
+
+def _make_collection(kind: type) -> safe_pickle.Constructor:
+    def build(made: safe_pickle.Made) -> Any:
+        made.no_items()
+        if made.state is not None or len(made.args) > 1:
+            raise PmakitError(f"refused: {kind.__name__} takes one list")
+        return kind(safe_pickle.expect(made.args[0], (list, tuple), kind.__name__) if made.args else ())
+
+    return build
+
+
+@functools.cache
+def _object_pickles() -> safe_pickle.Allowed:
+    """What a pickled non-tensor entry may build: containers, ``argparse.Namespace``, torch's scalar types;
+    any other class (a trainer's enums, even ``builtins.eval``) becomes an inert ``safe_pickle.StandIn``."""
+    sp = safe_pickle
+    constructors: dict[safe_pickle.Global, safe_pickle.Constructor] = {
+        ("argparse", "Namespace"): _make_namespace,
+        ("collections", "OrderedDict"): sp.make_ordered_dict,
+        ("torch", "Size"): sp.make_size,
+        ("torch.serialization", "_get_layout"): sp.make_layout,
+    }
+    for module in ("builtins", "__builtin__"):  # protocol 2 names Python 2's module (torch.save writes it)
+        constructors[(module, "set")] = _make_collection(set)
+        constructors[(module, "frozenset")] = _make_collection(frozenset)
+    storages = {("torch", name): name for name in dir(torch) if name.endswith("Storage")}
+    return sp.Allowed(constructors, {**storages, **sp.dtypes()}, stand_in_packages=("",))
+
+
+def loads_object(data: bytes) -> Any:
+    """The plain data of one pickled object from an untrusted file: the bytes DCP stores for a non-tensor entry
+    (a ``torch.save`` archive: Megatron 0.19's ``common_state``, torchtitan's ``train_state``), a ``common.pt``'s
+    bytes, or a bare pickle. Read through ``safe_pickle``: nothing in it is called and no class is touched;
+    ``argparse.Namespace`` comes back as a fresh Namespace, other classes as ``safe_pickle.StandIn`` records,
+    tensors' storages as ``safe_pickle.PersistentId``. Every failure is one ``PmakitError`` (callers add the
+    file's name)."""
+    import zipfile
+
+    if len(data) > limits.PICKLE_RECORD_BYTES.value and not data.startswith(b"PK"):
+        raise limits.refuse(limits.PICKLE_RECORD_BYTES, f"a pickle of {len(data):,} bytes")
+    if data.startswith(b"PK"):
+        try:
+            with zipfile.ZipFile(io.BytesIO(data)) as archive:
+                name = next((n for n in archive.namelist() if n.endswith("data.pkl")), None)
+                if name is None:
+                    raise PmakitError("a torch.save archive without its data.pkl")
+                size = archive.getinfo(name).file_size
+                if size > limits.PICKLE_RECORD_BYTES.value:
+                    raise limits.refuse(limits.PICKLE_RECORD_BYTES, f"its data.pkl ({size:,} bytes)")
+                data = archive.read(name)
+        except PmakitError:
+            raise
+        except Exception as e:  # zipfile raises a dozen types on damaged bytes
+            raise PmakitError(f"not a readable torch.save archive ({type(e).__name__}: {e})") from None
+    return safe_pickle.loads(data, _object_pickles(), persistent_ids=True)
