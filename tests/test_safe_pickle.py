@@ -7,7 +7,9 @@ allowed class's ``__dict__`` must be what it was; the only outcome besides a cle
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import enum
 import io
 import pathlib
 import pickle
@@ -32,6 +34,7 @@ def _allowed_classes() -> dict[tuple[str, str], Any]:
     import importlib
 
     refs = set(dcp_io._metadata_pickles().constructors) | set(torch_record._record_pickles().constructors)
+    refs |= set(dcp_io._object_pickles().constructors)
     refs |= set(dcp_io._metadata_pickles().constants) | {("pathlib", "PosixPath"), ("builtins", "object")}
     found = {}
     for module, name in sorted(refs):
@@ -88,14 +91,21 @@ def _assert_refused_or_plain(data: bytes, allowed: safe_pickle.Allowed, persiste
         safe_pickle.loads(data, allowed, persistent_ids=persistent)
 
 
-@pytest.mark.parametrize("reader", ["metadata", "record"])
+_READERS = {
+    "metadata": dcp_io._metadata_pickles,
+    "record": torch_record._record_pickles,
+    "object": dcp_io._object_pickles,
+}
+
+
+@pytest.mark.parametrize("reader", sorted(_READERS))
 def test_no_opcode_stream_touches_an_allowed_class(reader: str) -> None:
-    allowed = dcp_io._metadata_pickles() if reader == "metadata" else torch_record._record_pickles()
+    allowed = _READERS[reader]()
     classes = _allowed_classes()
     before = _snapshot(classes)
     for module, name in classes:
         for attack in _attacks(module, name):
-            _assert_refused_or_plain(attack, allowed, persistent=reader == "record")
+            _assert_refused_or_plain(attack, allowed, persistent=reader != "metadata")
     assert _snapshot(classes) == before
     assert pathlib.PosixPath("/a/b").is_file is not None and pathlib.PosixPath("/a/b").parts == (
         "/",
@@ -248,6 +258,9 @@ def test_random_opcode_streams_never_change_a_class_nor_raise_anything_else(
     for stream in (bytes(data), raw, b"\x80\x02" + raw):
         _assert_refused_or_plain(stream, dcp_io._metadata_pickles())
         _assert_refused_or_plain(stream, torch_record._record_pickles(), persistent=True)
+        _assert_refused_or_plain(stream, dcp_io._object_pickles(), persistent=True)
+        with contextlib.suppress(PmakitError):
+            dcp_io.loads_object(stream)
     assert _snapshot(classes) == before
 
 
@@ -286,3 +299,30 @@ def test_claims_the_vm_would_allocate_before_checking_are_refused_first() -> Non
     for data in (memo, buffer):
         with pytest.raises(PmakitError):
             safe_pickle.loads(data, allowed)
+
+
+class _Kind(enum.Enum):
+    A = 1
+
+
+def test_loads_object_reads_a_common_state_as_plain_data() -> None:
+    """What Megatron saves as its common state (a ``torch.save`` of a dict with ``args``, an enum, a set, an
+    OrderedDict): read without calling anything; the Namespace fresh, the enum an inert record."""
+    import argparse
+
+    args = argparse.Namespace(seq_length=8, consumed_train_samples=3, kind=_Kind.A, ranks={1, 2})
+    buffer = io.BytesIO()
+    torch.save({"args": args, "iteration": 5, "groups": collections.OrderedDict(lr=0.1)}, buffer)
+    before = dict(vars(argparse.Namespace))
+    common = dcp_io.loads_object(buffer.getvalue())
+    assert dict(vars(argparse.Namespace)) == before
+    assert common["iteration"] == 5 and common["groups"] == {"lr": 0.1}
+    assert common["args"].seq_length == 8 and common["args"].ranks == {1, 2}
+    assert common["args"].kind == safe_pickle.StandIn((_Kind.__module__, "_Kind"), (1,), None)
+    assert dcp_io.loads_object(pickle.dumps([1, "a"])) == [1, "a"]
+    # a call of any global stays a record: nothing runs
+    evil = b"\x80\x02" + _global("os", "system") + _unicode("touch /tmp/pwned") + b"\x85R."
+    assert dcp_io.loads_object(evil) == safe_pickle.StandIn(("os", "system"), ("touch /tmp/pwned",), None)
+    for bad in (b"PK\x03\x04garbage", b"", b"\x80\x02" + _global("argparse", "Namespace") + b")\x81K\x01b."):
+        with pytest.raises(PmakitError):
+            dcp_io.loads_object(bad)

@@ -359,6 +359,50 @@ def _dim0_overlap(a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> bool:
     return a.offsets[0] < b.offsets[0] + b.sizes[0] and b.offsets[0] < a.offsets[0] + a.sizes[0]
 
 
+def check_chunks(key: str, md: TensorStorageMetadata) -> None:
+    """Refuse a tensor whose saved chunks do not tile it exactly: each inside the tensor, none overlapping, and
+    together as many elements as the tensor (the merge would otherwise read past a chunk or leave a gap)."""
+    size = tuple(md.size)
+    total = 0
+    boxes = []
+    for chunk in md.chunks:
+        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        if len(offsets) != len(size) or len(sizes) != len(size):
+            raise PmakitError(
+                f"entry {key!r}: a saved chunk of {len(sizes)} dims for a tensor of {len(size)}"
+            )
+        if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, size)):
+            raise PmakitError(
+                f"entry {key!r}: a saved chunk at {list(offsets)} of {list(sizes)} lies outside its size "
+                f"{list(size)}"
+            )
+        volume = 1
+        for s in sizes:
+            volume *= s
+        total += volume
+        if volume:
+            boxes.append((offsets, sizes))
+    numel = 1
+    for d in size:
+        numel *= d
+    if total != numel:
+        raise PmakitError(
+            f"entry {key!r}: its saved chunks hold {total:,} elements, the tensor {list(size)} has {numel:,}"
+        )
+    # With the volumes equal, no overlap means an exact tiling. A sweep on dim 0 compares only chunks whose
+    # dim-0 ranges meet (a handful per chunk in any real layout).
+    boxes.sort()
+    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for box in boxes:
+        active = [a for a in active if not size or a[0][0] + a[1][0] > box[0][0]]
+        for other in active:
+            if all(o1 < o2 + s2 and o2 < o1 + s1 for o1, s1, o2, s2 in zip(*box, *other)):
+                raise PmakitError(
+                    f"entry {key!r}: saved chunks at {list(other[0])} and {list(box[0])} overlap"
+                )
+        active.append(box)
+
+
 class DCPReader(Reader):
     format = "dcp"
 
@@ -388,6 +432,10 @@ class DCPReader(Reader):
         self.tensors = {}
         for name, key in names.items():
             md = cast("TensorStorageMetadata", self.metadata.state_dict_metadata[key])  # a tensor: see above
+            try:
+                check_chunks(key, md)
+            except PmakitError as e:
+                raise PmakitError(f"{path / METADATA_FILE}: {e}") from None
             info = storage.get(_dcp().MetadataIndex(key, md.chunks[0].offsets)) if md.chunks else None
             where = getattr(info, "relative_path", "")
             order = (files.index(where) if where in files else len(files), int(getattr(info, "offset", 0)))
@@ -463,8 +511,23 @@ class DCPReader(Reader):
                 warnings.simplefilter("ignore", UserWarning)
                 _dcp().dcp.load({}, storage_reader=self._storage, planner=planner, no_dist=True)
         except (Exception, _dcp().CheckpointException) as e:  # the latter is a BaseException
-            raise PmakitError(f"{self.path}: reading tensor {name!r} failed ({_brief(e)})") from e
+            raise PmakitError(
+                f"{self._files_of(name, box)}: reading tensor {name!r} failed ({_brief(e)})"
+            ) from e
         return dest.reshape(-1)
+
+    def _files_of(self, name: str, box: ChunkStorageMetadata) -> str:
+        """The data file(s) holding the saved chunks of ``name`` that ``box`` reads, for an error message."""
+        key, files = self._keys[name], []
+        for chunk in self._md[name].chunks:
+            info = self._storage_data.get(_dcp().MetadataIndex(key, chunk.offsets))
+            relative = str(getattr(info, "relative_path", ""))
+            if info is not None and _dim0_overlap(chunk, box) and relative not in files:
+                files.append(relative)
+        if not files:
+            return str(self.path)
+        more = f" (and {len(files) - 1} more)" if len(files) > 1 else ""
+        return f"{self.path / files[0]}{more}"
 
     def read(self, name: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         if name != self._current:
@@ -583,3 +646,75 @@ def _brief(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     hint = " (truncated or damaged file)" if isinstance(e, EOFError) else ""
     return f"{type(e).__name__}: {text[0]}{hint}" if text else f"{type(e).__name__}{hint}"
+
+
+def _make_namespace(made: safe_pickle.Made) -> Any:
+    """``argparse.Namespace`` (Megatron's ``args``): a fresh one holding the state's plain-named fields."""
+    import argparse
+
+    made.no_items()
+    state = made.state
+    if isinstance(state, tuple) and len(state) == 2 and state[1] is None:
+        state = state[0]
+    fields = safe_pickle.expect({} if state is None else state, dict, "a Namespace's state")
+    if made.args or not all(
+        isinstance(k, str) and k.isidentifier() and not k.startswith("__") for k in fields
+    ):
+        raise PmakitError("refused: argparse.Namespace takes only named fields")
+    return argparse.Namespace(**fields)
+
+
+def _make_collection(kind: type) -> safe_pickle.Constructor:
+    def build(made: safe_pickle.Made) -> Any:
+        made.no_items()
+        if made.state is not None or len(made.args) > 1:
+            raise PmakitError(f"refused: {kind.__name__} takes one list")
+        return kind(safe_pickle.expect(made.args[0], (list, tuple), kind.__name__) if made.args else ())
+
+    return build
+
+
+@functools.cache
+def _object_pickles() -> safe_pickle.Allowed:
+    """What a pickled non-tensor entry may build: containers, ``argparse.Namespace``, torch's scalar types;
+    any other class (a trainer's enums, even ``builtins.eval``) becomes an inert ``safe_pickle.StandIn``."""
+    sp = safe_pickle
+    constructors: dict[safe_pickle.Global, safe_pickle.Constructor] = {
+        ("argparse", "Namespace"): _make_namespace,
+        ("collections", "OrderedDict"): sp.make_ordered_dict,
+        ("torch", "Size"): sp.make_size,
+        ("torch.serialization", "_get_layout"): sp.make_layout,
+    }
+    for module in ("builtins", "__builtin__"):  # protocol 2 names Python 2's module (torch.save writes it)
+        constructors[(module, "set")] = _make_collection(set)
+        constructors[(module, "frozenset")] = _make_collection(frozenset)
+    storages = {("torch", name): name for name in dir(torch) if name.endswith("Storage")}
+    return sp.Allowed(constructors, {**storages, **sp.dtypes()}, stand_in_packages=("",))
+
+
+def loads_object(data: bytes) -> Any:
+    """The plain data of one pickled object from an untrusted file: the bytes DCP stores for a non-tensor entry
+    (a ``torch.save`` archive: Megatron 0.19's ``common_state``, torchtitan's ``train_state``), a ``common.pt``'s
+    bytes, or a bare pickle. Read through ``safe_pickle``: nothing in it is called and no class is touched;
+    ``argparse.Namespace`` comes back as a fresh Namespace, other classes as ``safe_pickle.StandIn`` records,
+    tensors' storages as ``safe_pickle.PersistentId``. Every failure is one ``PmakitError`` (callers add the
+    file's name)."""
+    import zipfile
+
+    if len(data) > limits.PICKLE_RECORD_BYTES.value and not data.startswith(b"PK"):
+        raise limits.refuse(limits.PICKLE_RECORD_BYTES, f"a pickle of {len(data):,} bytes")
+    if data.startswith(b"PK"):
+        try:
+            with zipfile.ZipFile(io.BytesIO(data)) as archive:
+                name = next((n for n in archive.namelist() if n.endswith("data.pkl")), None)
+                if name is None:
+                    raise PmakitError("a torch.save archive without its data.pkl")
+                size = archive.getinfo(name).file_size
+                if size > limits.PICKLE_RECORD_BYTES.value:
+                    raise limits.refuse(limits.PICKLE_RECORD_BYTES, f"its data.pkl ({size:,} bytes)")
+                data = archive.read(name)
+        except PmakitError:
+            raise
+        except Exception as e:  # zipfile raises a dozen types on damaged bytes
+            raise PmakitError(f"not a readable torch.save archive ({type(e).__name__}: {e})") from None
+    return safe_pickle.loads(data, _object_pickles(), persistent_ids=True)
