@@ -173,6 +173,41 @@ def megatron19_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
 
 
 @pytest.fixture(scope="session")
+def megatron_lm19_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Megatron-LM's own ``save_checkpoint`` and ``load_checkpoint`` (``megatron.training`` of the 0.19.2 wheel,
+    ``lm-train``/``lm-load`` in ``megatron_run.py``), in 3 framework processes:
+
+    - ``ws1``: 4 iterations at TP=1, ``save_checkpoint`` every iteration (its common state: args, iteration,
+      checkpoint_version, the optimizer's param_groups, the scheduler, the rerun state machine);
+    - ``merged``: a Megatron-LM save folder: ``pmakit merge ws1 -o merged/iter_0000004`` (no flags) and
+      ``latest_checkpointed_iteration.txt``;
+    - ``loaded-tp1``, ``loaded-tp2``: what ``load_checkpoint`` (``--load merged --no-load-optim``) loaded at TP=1,
+      then at TP=2 over 2 ranks, saved again; each then trained a step (``root/loaded-tpN.json``).
+    """
+    if not (MCORE19 / "megatron" / "training").is_dir():
+        pytest.skip(f"megatron-core 0.19 is not unpacked at {MCORE19} (make test does it)")
+    if importlib.util.find_spec("psutil") is None:
+        pytest.skip("psutil is not installed (Megatron's torch_dist writer hangs without it)")
+    from conftest import run_cli
+
+    root = tmp_path_factory.mktemp("megatron-lm19")
+    script = HERE / "megatron_run.py"
+    p = {name: root / name for name in ("ws1", "merged", "loaded-tp1", "loaded-tp2")}
+    run_framework(script, "lm-train", p["ws1"], 4, path=(MCORE19,))
+    merge = run_cli("merge", p["ws1"], "-o", p["merged"] / "iter_0000004", "-q")
+    if merge.returncode != 0:
+        pytest.fail(f"pmakit merge failed:\n{merge.stderr[-3000:]}")
+    (p["merged"] / "latest_checkpointed_iteration.txt").write_text("4")
+    for ranks in (1, 2):
+        loaded = run_framework(
+            script, "lm-load", p["merged"], p[f"loaded-tp{ranks}"], ranks=ranks, path=(MCORE19,)
+        )
+        line = next(x for x in loaded.stdout.splitlines() if x.startswith('{"tp"'))
+        (root / f"loaded-tp{ranks}.json").write_text(line)
+    return {**p, "root": root}
+
+
+@pytest.fixture(scope="session")
 def torchtitan_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """torchtitan runs and loads (``torchtitan_run.py``: its own Trainer, llama3 debug model), in 2 processes:
 

@@ -15,6 +15,11 @@ Modes (several, separated by ``+``, run in one process one after the other):
                      loaded from CKPT by ``dist_checkpointing.load`` with its default strictness, saved again to
                      DUMP (model only, megatron's writer), then one training step; prints one JSON line
                      {"tp": ..., "loss": ..., "moved": ...}
+  lm-train SAVE STEPS  (megatron-core 0.19's wheel, which ships Megatron-LM's ``megatron.training``) Megatron-LM's
+                     own ``save_checkpoint`` every iteration: its args from its own parser, Megatron's FP32Optimizer
+                     over the torch Adam, its OptimizerParamScheduler; its layout, common state and tracker file
+  lm-load SAVE DUMP  Megatron-LM's own ``load_checkpoint`` of a save folder (``--no-load-optim``), the model saved
+                     again to DUMP, one training step; prints {"tp": ..., "iteration": ..., "loss": ..., "moved": ...}
 
 Patches (megatron-core assumes CUDA for these; nothing else is patched):
 - ``torch.cuda.current_device`` returns "cpu": layers and the loss allocate on ``current_device()``.
@@ -22,6 +27,8 @@ Patches (megatron-core assumes CUDA for these; nothing else is patched):
   ``torch.cuda.get_rng_state`` / ``manual_seed`` and megatron's ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``
   use the CPU generator, so the tracker's states are real CPU generator states.
 - ``torch.cuda.synchronize`` is a no-op (the torch_dist writer calls it before writing).
+- Megatron-LM only: FP32Optimizer's loss scale is made on the CPU (its constructor puts it on "cuda"), and the
+  tracker file is read without Megatron's max-over-ranks all-reduce (a "cuda" tensor).
 The model gets an explicit causal mask (megatron's default one is built on "cuda"). psutil must be installed or
 the torch_dist save hangs.
 """
@@ -219,6 +226,99 @@ def pma_init(checkpoint: Path, dump: Path) -> None:
         print(json.dumps({"tp": tp_size(), "loss": loss, "moved": moved}))
 
 
+def megatron_lm_args(save_dir: Path) -> Any:
+    """Megatron-LM's global args (its own parser and defaults, as ``pretrain`` has them) for this model, set as
+    the globals that ``save_checkpoint``/``load_checkpoint`` read."""
+    from megatron.core import num_microbatches_calculator, parallel_state
+    from megatron.training import arguments, global_vars
+
+    argv, sys.argv = sys.argv, ["pretrain_gpt.py"]
+    sys.argv += ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]
+    sys.argv += ["--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ), "--lr", str(LR)]
+    sys.argv += ["--micro-batch-size", str(BATCH), "--global-batch-size", str(BATCH), "--train-iters", "100"]
+    sys.argv += ["--save", str(save_dir), "--load", str(save_dir), "--ckpt-format", "torch_dist"]
+    sys.argv += ["--tensor-model-parallel-size", str(tp_size())]
+    try:
+        args = arguments.parse_args()
+    finally:
+        sys.argv = argv
+    args.use_dist_ckpt = True  # what validate_args derives from --ckpt-format torch_dist
+    args.consumed_train_samples = 0
+    global_vars.set_args(args)
+    dp = parallel_state.get_data_parallel_world_size()
+    num_microbatches_calculator.unset_num_microbatches_calculator()
+    num_microbatches_calculator.init_num_microbatches_calculator(
+        torch.distributed.get_rank(), None, BATCH, BATCH // dp, dp
+    )
+    return args
+
+
+def megatron_lm_optimizer(adam: Any) -> tuple[Any, Any]:
+    """Megatron's FP32Optimizer over the torch Adam (its ``sharded_state_dict`` is what save_checkpoint stores)
+    and Megatron-LM's OptimizerParamScheduler (constant lr). FP32Optimizer's loss scale is made on the CPU (its
+    constructor puts it on "cuda")."""
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    optimizer = FP32Optimizer.__new__(FP32Optimizer)
+    MegatronOptimizer.__init__(optimizer, adam, OptimizerConfig(lr=LR), lambda opt, config=None: None)
+    optimizer._scale, optimizer.is_stub_optimizer = torch.tensor([1.0]), False
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=LR,
+        max_lr=LR,
+        min_lr=LR,
+        lr_warmup_steps=0,
+        lr_decay_steps=100,
+        lr_decay_style="constant",
+        start_wd=0.0,
+        end_wd=0.0,
+        wd_incr_steps=100,
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler
+
+
+def lm_train(save_dir: Path, steps: int) -> None:
+    """Megatron-LM's own ``save_checkpoint`` every iteration (its iter_N layout, common state and
+    latest_checkpointed_iteration.txt)."""
+    from megatron.training.checkpointing import save_checkpoint
+
+    args = megatron_lm_args(save_dir)
+    model, adam = build()
+    optimizer, scheduler = megatron_lm_optimizer(adam)
+    for step in range(1, steps + 1):
+        train_step(model, adam, step)
+        scheduler.step(increment=BATCH)
+        args.consumed_train_samples = step * BATCH
+        save_checkpoint(step, [model], optimizer, scheduler, 0)
+
+
+def lm_load(load_dir: Path, dump: Path) -> None:
+    """Megatron-LM's own ``load_checkpoint`` of a save folder (``--load``, ``--no-load-optim``: the merge holds
+    no optimizer state), the loaded model saved again to DUMP (model only), then one training step; prints one
+    JSON line {"tp": ..., "iteration": ..., "loss": ..., "moved": ...}."""
+    from megatron.training import checkpointing
+
+    def read_tracker(tracker: str) -> tuple[int, bool]:  # Megatron's agrees on the max over ranks on "cuda"
+        text = Path(tracker).read_text().strip()
+        return (0, True) if text == "release" else (int(text), False)
+
+    checkpointing.read_metadata = read_tracker
+    args = megatron_lm_args(load_dir)
+    args.no_load_optim = True
+    model, adam = build()
+    optimizer, scheduler = megatron_lm_optimizer(adam)
+    iteration, _ = checkpointing.load_checkpoint([model], optimizer, scheduler)
+    save(model.sharded_state_dict(), dump)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = train_step(model, adam, 10**6)
+    moved = all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    if torch.distributed.get_rank() == 0:
+        print(json.dumps({"tp": tp_size(), "iteration": iteration, "loss": loss, "moved": moved}))
+
+
 def tp_size() -> int:
     from megatron.core import parallel_state
 
@@ -245,6 +345,10 @@ def run_job(mode: str, args: list[str]) -> None:
         reshard(Path(args[0]), Path(args[1]), int(args[2]))
     elif mode == "pma-init":
         pma_init(Path(args[0]), Path(args[1]))
+    elif mode == "lm-train":
+        lm_train(Path(args[0]), int(args[1]))
+    elif mode == "lm-load":
+        lm_load(Path(args[0]), Path(args[1]))
     else:
         raise SystemExit(f"unknown mode {mode}")
 

@@ -228,6 +228,10 @@ def test_common_pt_is_never_run_and_counts_are_validated(
 
     write_common(ckpt, {"iteration": 7, "tokens": 5000})  # an explicit count wins (megatron-core alone)
     assert discover(save)[0].tokens == 5000
+    # MoE's ChainedOptimizer keeps one common state per inner optimizer: the lr is the first one's.
+    inner = [{"optimizer": {"param_groups": [{"lr": lr}]}} for lr in (0.5, 0.25)]
+    write_common(ckpt, {"iteration": 7, "tokens": 5000, "optimizer": dict(enumerate(inner))})
+    assert discover(save)[0].lr == 0.5
     write_common(ckpt, {"iteration": 7})  # nothing but the iteration: --tokens-per-step
     assert discover(save, tokens_per_step=64)[0].tokens == 7 * 64
     r = CliRunner().invoke(cli, ["merge", str(save), "-o", str(tmp_path / "out")])
@@ -373,3 +377,35 @@ def test_megatron_019_safetensors_output_claims_no_megatron_format(
     names = sorted(p.name for p in (tmp_path / "hf").iterdir())
     assert "model.safetensors" in names
     assert not {"metadata.json", "common.pt", ".metadata"} & set(names), names
+
+
+def test_megatron_lm_save_checkpoint_folders_merge_and_load_checkpoint_loads_the_merge(
+    megatron_lm19_runs: dict[str, Path],
+) -> None:
+    """Megatron-LM's own save_checkpoint (0.19.2): counted from its common state with no flags, merged into the
+    same layout (its common state carried byte for byte as the entry it was), and loaded by its own
+    load_checkpoint at TP=1 and TP=2, which then trains a step."""
+    ws1, out = megatron_lm19_runs["ws1"], megatron_lm19_runs["merged"] / "iter_0000004"
+    iters = [f"iter_{i:07d}" for i in range(1, 5)]
+    snaps = discover(ws1)
+    assert [(s.path.name, s.step, s.tokens) for s in snaps] == [
+        (name, i, TOKENS_PER_ITER * i) for i, name in enumerate(iters, 1)
+    ]
+    assert {(s.layout, s.source, s.lr) for s in snaps} == {("megatron", "megatron", 0.01)}
+    assert not any(ws1.glob("*/common.pt"))
+    want, got = hand_average([ws1 / n for n in iters]), dcp_tensors(out)
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, msg=name)
+    carried = dcp_bytes(out)
+    newest = {k: v for k, v in dcp_bytes(ws1 / iters[-1]).items() if not k.startswith("optimizer.")}
+    assert carried == newest and any(k.startswith("common_state/") for k in carried)
+    assert not (out / "common.pt").exists()
+    for tp in (1, 2):
+        loaded = dcp_tensors(megatron_lm19_runs[f"loaded-tp{tp}"])
+        assert loaded.keys() == got.keys()
+        for name, value in got.items():
+            assert torch.equal(loaded[name], value), (tp, name)
+        step = json.loads((megatron_lm19_runs["root"] / f"loaded-tp{tp}.json").read_text())
+        assert step["tp"] == tp and step["iteration"] == 4, step
+        assert math.isfinite(step["loss"]) and step["moved"], step

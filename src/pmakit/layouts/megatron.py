@@ -128,10 +128,17 @@ def read_common(file: Path, data: bytes | None = None) -> dict[str, Any]:
 
 
 def _lr(common: dict[str, Any]) -> float | None:
-    """The learning rate of the first parameter group, where Megatron's optimizer keeps it in ``common.pt``."""
+    """The learning rate of the first parameter group, where Megatron's optimizer keeps it in the common state:
+    ``{"optimizer": {"param_groups": ...}}``, wrapped (``{"optimizer": {"optimizer": {...}}}``), or per inner
+    optimizer of a ChainedOptimizer (``{0: {...}, 1: {...}}``: MoE's dense and expert optimizers)."""
     optimizer = common.get("optimizer")
-    if isinstance(optimizer, dict) and "param_groups" not in optimizer:
-        optimizer = optimizer.get("optimizer")  # a wrapped optimizer: {"optimizer": {"param_groups": ...}}
+    while isinstance(optimizer, dict) and "param_groups" not in optimizer:
+        if "optimizer" in optimizer:
+            optimizer = optimizer["optimizer"]
+        elif 0 in optimizer:  # ChainedOptimizer: the first inner optimizer's groups
+            optimizer = optimizer[0]
+        else:
+            return None
     groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
     if isinstance(groups, list) and groups and isinstance(groups[0], dict):
         return float_or_none(groups[0].get("lr"))  # the scheduler's lr at the save

@@ -288,8 +288,10 @@ def run_stage(world: World, out: Path, fn: Callable[[], Any], rank0: bool = Fals
         error = e
     everyone = world.agree(error is None)
     if isinstance(error, OSError):
+        where = f" ({error.filename})" if error.filename else ""  # which file: one an input lacks, say
         raise PmakitError(
-            f"writing {out} failed: {error.strerror or error}" + (" (disk full)" if error.errno == 28 else "")
+            f"writing {out} failed: {error.strerror or error}{where}"
+            + (" (disk full)" if error.errno == 28 else "")
         ) from error
     if error is not None:
         raise error
