@@ -173,6 +173,35 @@ def megatron19_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
 
 
 @pytest.fixture(scope="session")
+def megatron_moe_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """megatron-core 0.16.1 MoE (4 SequentialMLP experts, ``router.expert_bias``) at expert parallelism EP=2 over
+    2 ranks (``moe-train``/``moe-pma-init`` in ``megatron_run.py``), in 2 framework processes:
+
+    - ``ws1``: 3 iterations, a checkpoint every iteration; ``merged``: ``pmakit merge ws1 -o merged`` (no flags);
+    - ``loaded-ep2``, ``loaded-ep1``: what ``dist_checkpointing.load`` loaded from ``merged`` at EP=2, then at
+      EP=1 (2 data-parallel replicas), saved again; each then trained a step (``root/loaded-epN.json``).
+    """
+    for module in ("megatron", "psutil"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} is not installed")
+    from conftest import run_cli
+
+    root = tmp_path_factory.mktemp("megatron-moe")
+    script = HERE / "megatron_run.py"
+    p = {name: root / name for name in ("ws1", "merged", "loaded-ep1", "loaded-ep2")}
+    run_framework(script, "moe-train", p["ws1"], 3, ranks=2)
+    merge = run_cli("merge", p["ws1"], "-o", p["merged"], "-q")
+    if merge.returncode != 0:
+        pytest.fail(f"pmakit merge failed:\n{merge.stderr[-3000:]}")
+    loads = ("moe-pma-init", p["merged"], p["loaded-ep2"], 2, "+", "moe-pma-init", p["merged"], p["loaded-ep1"], 1)
+    loaded = run_framework(script, *loads, ranks=2)
+    for line in loaded.stdout.splitlines():
+        if line.startswith('{"tp"'):
+            (root / f"loaded-ep{json.loads(line)['ep']}.json").write_text(line)
+    return {**p, "root": root}
+
+
+@pytest.fixture(scope="session")
 def megatron_lm19_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Megatron-LM's own ``save_checkpoint`` and ``load_checkpoint`` (``megatron.training`` of the 0.19.2 wheel,
     ``lm-train``/``lm-load`` in ``megatron_run.py``), in 3 framework processes:

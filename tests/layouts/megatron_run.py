@@ -15,6 +15,9 @@ Modes (several, separated by ``+``, run in one process one after the other):
                      loaded from CKPT by ``dist_checkpointing.load`` with its default strictness, saved again to
                      DUMP (model only, megatron's writer), then one training step; prints one JSON line
                      {"tp": ..., "loss": ..., "moved": ...}
+  moe-train, moe-pma-init  the same with a MoE model (4 SequentialMLP experts, top-2 sigmoid router with
+                     ``router.expert_bias``) at TP=1 and expert parallelism EP = the world size (or pma-init's last
+                     argument: EP=1 on 2 ranks is 2 data-parallel replicas)
   lm-train SAVE STEPS  (megatron-core 0.19's wheel, which ships Megatron-LM's ``megatron.training``) Megatron-LM's
                      own ``save_checkpoint`` every iteration: its args from its own parser, Megatron's FP32Optimizer
                      over the torch Adam, its OptimizerParamScheduler; its layout, common state and tracker file
@@ -27,6 +30,7 @@ Patches (megatron-core assumes CUDA for these; nothing else is patched):
   ``torch.cuda.get_rng_state`` / ``manual_seed`` and megatron's ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``
   use the CPU generator, so the tracker's states are real CPU generator states.
 - ``torch.cuda.synchronize`` is a no-op (the torch_dist writer calls it before writing).
+- megatron-core 0.16.1's MoE router reads Transformer Engine's ``te_general_gemm`` unguarded: None without TE.
 - Megatron-LM only: FP32Optimizer's loss scale is made on the CPU (its constructor puts it on "cuda"), and the
   tracker file is read without Megatron's max-over-ranks all-reduce (a "cuda" tensor).
 The model gets an explicit causal mask (megatron's default one is built on "cuda"). psutil must be installed or
@@ -60,6 +64,8 @@ if __name__ == "__main__":
     import torch
 
 VOCAB, SEQ, BATCH, LR = 64, 16, 4, 1e-2
+EXPERTS = 0
+"""MoE experts per layer (``moe-*`` modes: 4); 0 is the dense model."""
 
 
 def init_distributed() -> None:
@@ -76,6 +82,10 @@ def patch_cuda() -> None:
     """The CPU stand-ins listed in the module docstring."""
     from megatron.core.tensor_parallel import random as mrandom
 
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # 0.16.1 tests this Transformer Engine name without TE
+        moe_utils.te_general_gemm = None
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
     torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()  # type: ignore[assignment]
@@ -87,6 +97,7 @@ def patch_cuda() -> None:
 def build() -> tuple[Any, Any]:
     """The tiny GPTModel (same initial weights at any TP degree: CPU initialization splits one master weight)
     and a torch Adam over its parameters."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -94,7 +105,20 @@ def build() -> tuple[Any, Any]:
 
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(0)
+    moe = {}
+    if EXPERTS:  # SequentialMLP experts over the expert-parallel group, a sigmoid router with a load-balancing bias
+        moe = dict(
+            num_moe_experts=EXPERTS,
+            moe_router_topk=2,
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            moe_token_dispatcher_type="allgather",
+            moe_ffn_hidden_size=16,
+            add_bias_linear=False,  # 0.16.1's expert bias add is in place on a view at EP=1 (autograd refuses it)
+            expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        )
     config = TransformerConfig(
+        **moe,
         num_layers=2,
         hidden_size=32,
         num_attention_heads=4,
@@ -105,7 +129,7 @@ def build() -> tuple[Any, Any]:
     )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=EXPERTS or None, moe_grouped_gemm=False),
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         position_embedding_type="learned_absolute",
@@ -142,7 +166,8 @@ def sharded_state(model: Any, optimizer: Any, common: dict[str, Any]) -> dict[st
     id_map = get_param_id_to_sharded_param_map(model_state, params)
     optim_state_to_sharding_state(optim_state, id_map, exclude_keys=("step",))
     tp, tp_rank = tp_size(), parallel_state.get_tensor_model_parallel_rank()
-    rng = ShardedObject("rng_state", [torch.get_rng_state()], (1, tp), (0, tp_rank), replica_id=0)
+    dp_rank = parallel_state.get_data_parallel_rank()  # data-parallel copies (EP=2 at TP=1) are replicas
+    rng = ShardedObject("rng_state", [torch.get_rng_state()], (1, tp), (0, tp_rank), replica_id=dp_rank)
     return {"model": model_state, "optimizer": optim_state, "rng_state": rng, **common}
 
 
@@ -223,7 +248,10 @@ def pma_init(checkpoint: Path, dump: Path) -> None:
     loss = train_step(model, optimizer, 10**6)
     moved = all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
     if torch.distributed.get_rank() == 0:
-        print(json.dumps({"tp": tp_size(), "loss": loss, "moved": moved}))
+        from megatron.core import parallel_state
+
+        ep = parallel_state.get_expert_model_parallel_world_size()
+        print(json.dumps({"tp": tp_size(), "ep": ep, "loss": loss, "moved": moved}))
 
 
 def megatron_lm_args(save_dir: Path) -> Any:
@@ -325,20 +353,27 @@ def tp_size() -> int:
     return parallel_state.get_tensor_model_parallel_world_size()
 
 
-def use_tp(tp: int) -> None:
-    """Megatron's model-parallel groups for tensor parallelism ``tp`` (rebuilt when a job asks for another)."""
+def use_tp(tp: int, ep: int = 1) -> None:
+    """Megatron's model-parallel groups for tensor parallelism ``tp`` and expert parallelism ``ep`` (rebuilt when
+    a job asks for others)."""
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
-        if tp == tp_size():
+        if (tp, ep) == (tp_size(), parallel_state.get_expert_model_parallel_world_size()):
             return
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
 
 
 def run_job(mode: str, args: list[str]) -> None:
+    global EXPERTS
     world = torch.distributed.get_world_size()
-    use_tp(int(args[2]) if mode == "pma-init" and len(args) > 2 else world)
+    if mode.startswith("moe-"):  # TP=1, EP = the world size unless a job names it
+        EXPERTS, mode = 4, mode[4:]
+        use_tp(1, int(args[2]) if mode == "pma-init" and len(args) > 2 else world)
+    else:
+        EXPERTS = 0
+        use_tp(int(args[2]) if mode == "pma-init" and len(args) > 2 else world)
     if mode == "train":
         train(Path(args[0]), int(args[1]))
     elif mode == "reshard":

@@ -409,3 +409,28 @@ def test_megatron_lm_save_checkpoint_folders_merge_and_load_checkpoint_loads_the
         step = json.loads((megatron_lm19_runs["root"] / f"loaded-tp{tp}.json").read_text())
         assert step["tp"] == tp and step["iteration"] == 4, step
         assert math.isfinite(step["loss"]) and step["moved"], step
+
+
+def test_megatron_moe_at_ep2_merges_to_the_hand_average_and_loads_at_ep1_and_ep2(
+    megatron_moe_runs: dict[str, Path],
+) -> None:
+    ws1, out = megatron_moe_runs["ws1"], megatron_moe_runs["merged"]
+    iters = [f"iter_{i:07d}" for i in range(1, 4)]
+    snaps = discover(ws1)
+    assert [(s.step, s.tokens, s.lr) for s in snaps] == [(i, TOKENS_PER_ITER * i, 0.01) for i in (1, 2, 3)]
+    want, got = hand_average([ws1 / n for n in iters]), dcp_tensors(out)
+    assert got.keys() == want.keys()
+    experts = [k for k in got if ".experts." in k]
+    assert experts and "decoder.layers.mlp.router.expert_bias" in got  # every expert of both EP ranks
+    for name, value in want.items():  # the router's bias too: the default rule averages it, in fp32
+        torch.testing.assert_close(got[name], value, msg=name)
+    assert got["decoder.layers.mlp.router.expert_bias"].dtype == torch.float32
+    manifest = json.loads((out / "pmakit-merge.json").read_text())
+    assert "decoder.layers.mlp.router.expert_bias" in json.dumps(manifest)  # listed as a router bias
+    for ep in (1, 2):
+        loaded = dcp_tensors(megatron_moe_runs[f"loaded-ep{ep}"])
+        assert loaded.keys() == got.keys()
+        for name, value in got.items():
+            assert torch.equal(loaded[name], value), (ep, name)
+        step = json.loads((megatron_moe_runs["root"] / f"loaded-ep{ep}.json").read_text())
+        assert step["ep"] == ep and math.isfinite(step["loss"]) and step["moved"], step
