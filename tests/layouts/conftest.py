@@ -193,7 +193,17 @@ def megatron_moe_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pat
     merge = run_cli("merge", p["ws1"], "-o", p["merged"], "-q")
     if merge.returncode != 0:
         pytest.fail(f"pmakit merge failed:\n{merge.stderr[-3000:]}")
-    loads = ("moe-pma-init", p["merged"], p["loaded-ep2"], 2, "+", "moe-pma-init", p["merged"], p["loaded-ep1"], 1)
+    loads = (
+        "moe-pma-init",
+        p["merged"],
+        p["loaded-ep2"],
+        2,
+        "+",
+        "moe-pma-init",
+        p["merged"],
+        p["loaded-ep1"],
+        1,
+    )
     loaded = run_framework(script, *loads, ranks=2)
     for line in loaded.stdout.splitlines():
         if line.startswith('{"tp"'):

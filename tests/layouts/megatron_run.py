@@ -81,7 +81,6 @@ def init_distributed() -> None:
 def patch_cuda() -> None:
     """The CPU stand-ins listed in the module docstring."""
     from megatron.core.tensor_parallel import random as mrandom
-
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):  # 0.16.1 tests this Transformer Engine name without TE
@@ -106,7 +105,9 @@ def build() -> tuple[Any, Any]:
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(0)
     moe = {}
-    if EXPERTS:  # SequentialMLP experts over the expert-parallel group, a sigmoid router with a load-balancing bias
+    if (
+        EXPERTS
+    ):  # SequentialMLP experts over the expert-parallel group, a sigmoid router with a load-balancing bias
         moe = dict(
             num_moe_experts=EXPERTS,
             moe_router_topk=2,
