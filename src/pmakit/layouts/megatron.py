@@ -7,29 +7,32 @@ Written by Megatron-LM's ``save_checkpoint`` (``--ckpt-format torch_dist``, the 
   is written last, so a checkpoint without it is incomplete. ``latest_checkpointed_iteration.txt`` beside them is a
   loose file, never a candidate. The legacy ``--ckpt-format torch`` (``mp_rank_XX/model_optim_rng.pt``) is not
   read.
-- Tokens and step: from ``common.pt`` (the non-sharded part of the state dict), loaded with
+- Tokens, step and lr: from the common state (the non-sharded part of the state dict): ``common.pt`` up to
+  megatron-core 0.18; from 0.19 the ``common_state/shard_0_1`` entry inside the DCP files (a ``torch.save`` record
+  of ``[common dict]``, read through ``dcp_io``'s record reader). Either is loaded with
   ``torch.load(weights_only=True)``. Megatron-LM stores ``iteration`` and its ``args`` (an ``argparse.Namespace``):
   tokens = ``args.consumed_train_samples`` x ``args.seq_length``. A megatron-core caller stores what it passes: an
   explicit top-level ``tokens`` wins, else ``consumed_train_samples`` x ``seq_length`` at the top level or in
-  ``args``; else ``iteration`` (or the step in the name) x ``--tokens-per-step``. ``argparse.Namespace`` and any
-  other class pickled there (Megatron's enums in ``args``) become inert stand-ins that keep their attributes:
-  nothing from the file is called, and Megatron need not be installed.
+  ``args``; else ``iteration`` (or the step in the name) x ``--tokens-per-step``. The lr is the first parameter
+  group's of ``optimizer`` (plain, wrapped, or a ChainedOptimizer's ``{0: ..., 1: ...}``, MoE's). ``argparse.
+  Namespace`` and any other class pickled there (Megatron's enums in ``args``) become inert stand-ins that keep
+  their attributes: nothing from the file is called, and Megatron need not be installed.
 - Model weights: the tensor entries of the DCP checkpoint under their sharded keys, as Megatron's
   ``sharded_state_dict()`` names them: layers stacked on a leading axis (``decoder.layers.self_attention.
   linear_qkv.weight`` of shape ``[num_layers, 3h, h]``), global (unsharded) shapes whatever the TP/PP degree, so
   TP=2 and TP=1 checkpoints merge alike. Optimizer state (``optimizer.state.exp_avg.*``, ``optimizer.state.
   fp32_param.*``, ``chained_N.optimizer.*``) is never averaged; non-tensor entries (``*._extra_state/shard_*``, the
   RNG state ``rng_state/shard_*``) are not weights either. All of them are listed in ``Reader.skipped``.
-- Written back (the default output for such inputs): ``OUT/`` with ``.metadata`` and ``*.distcp`` holding the
-  merged weights under the same keys (one unsharded chunk each), the newest input's non-tensor entries
-  (``_extra_state``, RNG state) copied byte for byte, no optimizer state, and the newest input's ``common.pt`` and
-  ``metadata.json``. Megatron loads it with its default strictness, at any TP degree:
-  ``megatron.core.dist_checkpointing.load(model.sharded_state_dict(), OUT)`` then
-  ``model.load_state_dict(...)``; the optimizer starts fresh, as PMA-init wants. Megatron-LM's ``--load`` takes a
-  save folder: merge into ``MERGED/iter_0000500``, write ``500`` to ``MERGED/latest_checkpointed_iteration.txt``
-  and pass ``--load MERGED --no-load-optim`` (``--finetune`` restarts the iteration count; Megatron-LM is not
-  installed here, so this recipe is untested). ``--format safetensors`` writes one HF-layout directory under these
-  Megatron keys (megatron-core ships no HF converter).
+- Written back (the default output for such inputs), in the layout of the newest input: ``OUT/`` with
+  ``.metadata`` and ``*.distcp`` holding the merged weights under the same keys (one unsharded chunk each), the
+  newest input's non-tensor entries (``_extra_state``, RNG state, from 0.19 the ``common_state`` entry) copied byte
+  for byte, no optimizer state, its ``common.pt`` where it has one, and its ``metadata.json`` last. Megatron loads
+  it with its default strictness, at any TP/EP degree: ``dist_checkpointing.load({"model":
+  model.sharded_state_dict()}, OUT)["model"]`` into ``model.load_state_dict``; the optimizer starts fresh, as
+  PMA-init wants. Megatron-LM's ``--load`` takes a save folder: merge into ``MERGED/iter_0000500``, write ``500`` to
+  ``MERGED/latest_checkpointed_iteration.txt`` and pass ``--load MERGED --no-load-optim`` (tested with
+  Megatron-LM's own ``load_checkpoint`` of megatron-core 0.19.2). ``--format safetensors`` writes one HF-layout
+  directory under these Megatron keys (megatron-core ships no HF converter) and none of Megatron's own files.
 """
 
 from __future__ import annotations
