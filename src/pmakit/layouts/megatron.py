@@ -1,9 +1,10 @@
-"""Megatron save folders: ``iter_000000N/{.metadata, __R_I.distcp, common.pt, metadata.json}`` (``torch_dist``).
+"""Megatron save folders: ``iter_000000N/{.metadata, __R_I.distcp, [common.pt,] metadata.json}`` (``torch_dist``).
 
 Written by Megatron-LM's ``save_checkpoint`` (``--ckpt-format torch_dist``, the default) or by megatron-core's own
 ``dist_checkpointing.save(sharded_state_dict, dir)``, at any tensor/pipeline parallelism.
 
-- Checkpoints: directories holding ``common.pt`` (any name; Megatron-LM's are ``iter_0000500``). ``metadata.json``
+- Checkpoints: directories holding ``common.pt`` or, from megatron-core 0.19, a ``.metadata`` that names a
+  ``common_state`` entry (any name; Megatron-LM's are ``iter_0000500``). ``metadata.json``
   is written last, so a checkpoint without it is incomplete. ``latest_checkpointed_iteration.txt`` beside them is a
   loose file, never a candidate. The legacy ``--ckpt-format torch`` (``mp_rank_XX/model_optim_rng.pt``) is not
   read.
