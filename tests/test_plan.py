@@ -110,6 +110,12 @@ def test_plan_of_snapshots_matches_the_merge_plan(make_run: Callable[..., Path])
     )
     assert r.exit_code == 0, r.output
     assert "expected time" in r.output and "rank   1" in r.output and "measured" in r.output
+    assert "no work" not in r.output
+    # 8 ranks for 5 tensors, two of them 40% of the bytes each: the idle ranks are named and explained
+    r = CliRunner().invoke(cli, ["inspect", "--plan", str(snaps[0].path.parent), "--ranks", "8"])
+    assert r.exit_code == 0, r.output
+    idle = next(line for line in r.output.splitlines() if "have no work" in line)
+    assert "each tensor is written whole by one rank" in idle and "1/8 of the" in " ".join(r.output.split())
 
 
 def test_plan_scale_matches_hand_numbers() -> None:

@@ -147,12 +147,13 @@ def test_report_fit_and_cli_agree(smoke: tuple[Path, str], tmp_path: Path) -> No
     assert len(record["floors"]) == 2 * len(json.loads((run / "experiment.json").read_text())["sizes"])
     assert record["targets"]["heldout_floor"]["n"] == record["holdout_n"]
     assert "Scaling study" in stdout and "save" in stdout
-    # a user feeding the study's own results file to `pmakit scaling-fit` gets the report's fit
-    proc = run_cli("scaling-fit", run / "results.jsonl", "-o", tmp_path, "--bootstrap", "20")
+    # a user feeding the study's own results file to `pmakit scaling-fit` gets the report's fit, intervals
+    # included: with no options it takes the study's bootstrap count (the smoke preset's 20, not 400) and holdout
+    proc = run_cli("scaling-fit", run / "results.jsonl", "-o", tmp_path)
     assert proc.returncode == 0, proc.stderr
     again = json.loads((tmp_path / "scaling_fit.json").read_text())
     assert again["fits"] == record["fits"] and again["predictions"] == record["predictions"]
-    assert again["floors"] == record["floors"]
+    assert again["floors"] == record["floors"] and again["bootstrap"] == 20
 
 
 def test_rerun_resumes_without_redoing_and_a_changed_config_is_refused(

@@ -192,6 +192,15 @@ def test_train_cli_writes_a_run_and_resumes(corpus_dir: Path, tmp_path: Path) ->
     assert len(discover(tmp_path / "run")) == 6
     state = json.loads((tmp_path / "run" / "checkpoint" / "pmakit.json").read_text())
     assert state["tokens"] == 1536
+    # its report: the curves, the online merge's evaluations, the snapshots (not an experiment's empty report)
+    report = run_cli("report", tmp_path / "run")
+    assert report.returncode == 0, report.stderr
+    assert "6 snapshots" in report.stdout and "online merge (sma:" in report.stdout
+    md = (tmp_path / "run" / "report.md").read_text()
+    assert (
+        "missing" not in md and "| 1.536K |" in md and "6 snapshots in `snapshots/`, every 256 tokens" in md
+    )
+    assert (tmp_path / "run" / "plots" / "train_curves.png").stat().st_size > 0
     again = run_cli("train", config, "-o", tmp_path / "run", env=env_cache)
     assert again.returncode == 0 and "trained 1,536 tokens" in again.stdout  # nothing left to do
     bad = run_cli("train", config, "-o", tmp_path / "r2", "--corpus", tmp_path / "missing", env=env_cache)

@@ -360,6 +360,9 @@ def test_cli_runs_and_prints_both_splits(tiny: dict[str, Path], tmp_path: Path) 
     proc = run_cli("tune", tiny["run"], "-o", out, "--budget-evals", "4", "--batches", "2", env=env)
     assert proc.returncode == 0, proc.stderr
     assert "chosen on the selection split" in proc.stdout and "test: tuned - fixed" in proc.stdout
+    assert (
+        "held-out loss: mean over 2 selection and 2 test batches of " in proc.stdout
+    )  # not the demo's count
     assert (out / "tune.json").is_file()
     # --compile: the same search through torch.compile, the same choice and (to float rounding) the same scores
     proc = run_cli(

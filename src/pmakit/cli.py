@@ -862,19 +862,21 @@ def report(run_dir: Path) -> None:
 @click.option(
     "--holdout",
     type=click.Choice(["largest", "none"]),
-    default="largest",
-    show_default=True,
-    help="Leave the largest model size out of both fits and predict its annealed loss, or fit everything.",
+    default=None,
+    help="Leave the largest model size out of both fits and predict its annealed loss, or fit everything "
+    "[default: a study's results file: the study's own; else largest].",
 )
 @click.option(
     "--bootstrap",
     type=click.IntRange(min=0),
-    default=400,
-    show_default=True,
-    help="Bootstrap refits (points resampled) for the 95% intervals.",
+    default=None,
+    help="Bootstrap refits (points resampled) for the 95% intervals [default: a study's results file: the "
+    "study's own count, so the intervals are its report's; else 400].",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the bootstrap resampling.")
-def scaling_fit(results: tuple[Path, ...], output: Path, holdout: str, bootstrap: int, seed: int) -> None:
+def scaling_fit(
+    results: tuple[Path, ...], output: Path, holdout: str | None, bootstrap: int | None, seed: int
+) -> None:
     """Fit L(N, D) = E + A/N^alpha + B/D^beta separately to merged and annealed losses.
 
     RESULTS are CSV or JSONL files with columns params (N), tokens (D), loss (or val_loss) and kind (merge or

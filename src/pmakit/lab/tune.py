@@ -822,6 +822,13 @@ def render(record: Mapping[str, Any]) -> str:
         f"{format_tokens(m['end_tokens'])} (trial {record['best_trial']} of {len(record['trials'])}, "
         "chosen on the selection split)"
     )
+    data = record.get("data") or {}
+    batches = data.get("batches") if isinstance(data.get("batches"), Mapping) else None
+    if batches:  # a loss on 16 batches is not the experiment's on 23: say which
+        lines.append(
+            f"  held-out loss: mean over {batches.get('selection')} selection and {batches.get('test')} test "
+            f"batches of {data.get('source')} ({data.get('batch_size')} x {data.get('seq_len')} tokens each)"
+        )
     for name, label in (
         ("tuned", "tuned"),
         ("fixed", "fixed recipe (SMA N=10)"),

@@ -304,6 +304,13 @@ def render_plan(report: Mapping[str, Any]) -> str:
             f"{format_bytes(r['write_bytes']):>10}, memory {format_bytes(r['memory_bytes']):>10}, "
             f"{_duration(r['seconds'])}"
         )
+    idle = [r["rank"] for r in report["per_rank"] if not r["write_bytes"]]
+    if idle:
+        lines.append(
+            f"  rank(s) {', '.join(map(str, idle))} have no work: each tensor is written whole by one rank, in "
+            f"order, and the largest ({format_bytes(report['largest_tensor_bytes'])}) alone outweighs "
+            f"1/{report['ranks']} of the {format_bytes(report['write_bytes'])} written; fewer ranks do as well"
+        )
     lines.append(
         f"expected time {_duration(report['seconds'])}; peak work memory per rank "
         f"{format_bytes(report['max_memory_bytes'])}"

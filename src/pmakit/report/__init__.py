@@ -114,7 +114,7 @@ def write_report(run_dir: str | Path) -> ReportPaths:
     """
     run_dir = Path(run_dir)
     _check_dir(run_dir)
-    from pmakit.report import recovery, replicas, scaling
+    from pmakit.report import recovery, replicas, scaling, train_run
 
     if recovery.study_of(run_dir):  # the spike / init studies have their own sections
         blocks, drawn = recovery.build(run_dir)
@@ -123,6 +123,8 @@ def write_report(run_dir: str | Path) -> ReportPaths:
         return _render(run_dir, *replicas.build(run_dir))
     if scaling.is_scaling(run_dir):
         return _render(run_dir, *scaling.build(run_dir))
+    if train_run.is_train_run(run_dir):
+        return _render(run_dir, *train_run.build(run_dir))
     data = load_run(run_dir)
     forks = summarize_forks(data)
     base = base_interval(data)
@@ -227,7 +229,7 @@ def summary_text(run_dir: str | Path) -> str:
     """The headline numbers and the report's paths, in one terminal screen (about 25 lines at most)."""
     run_dir = Path(run_dir)
     _check_dir(run_dir)
-    from pmakit.report import recovery, replicas, scaling
+    from pmakit.report import recovery, replicas, scaling, train_run
 
     if recovery.study_of(run_dir):
         return recovery.summary(run_dir)
@@ -235,6 +237,8 @@ def summary_text(run_dir: str | Path) -> str:
         return replicas.summary(run_dir)
     if scaling.is_scaling(run_dir):
         return scaling.summary(run_dir)
+    if train_run.is_train_run(run_dir):
+        return train_run.summary(run_dir)
     data = load_run(run_dir)
     base = base_interval(data)
     forks = summarize_forks(data)

@@ -39,16 +39,45 @@ class FitOutput:
     """OUT/scaling_fit.png (None when matplotlib is missing)."""
 
 
+def study_settings(paths: Sequence[Path]) -> dict[str, Any]:
+    """The fit settings (``holdout``, ``bootstrap``) of the study whose results file is ``paths``' only one: a
+    refit of a study's results.jsonl then reproduces the study's own intervals, not 400 refits against its 20."""
+    if len(paths) != 1:
+        return {}
+    try:
+        exp = json.loads((Path(paths[0]).parent / "experiment.json").read_text())
+        cfg = exp["config"][STUDY]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return {k: cfg[k] for k in ("holdout", "bootstrap") if isinstance(cfg, Mapping) and k in cfg}
+
+
 def fit_files(
-    paths: Sequence[Path], out: Path, *, holdout: str = "largest", bootstrap: int = 400, seed: int = 0
+    paths: Sequence[Path],
+    out: Path,
+    *,
+    holdout: str | None = None,
+    bootstrap: int | None = None,
+    seed: int = 0,
 ) -> FitOutput:
-    """``pmakit scaling-fit``: fit the merge and anneal points of ``paths``; write OUT/scaling_fit.json and .png."""
+    """``pmakit scaling-fit``: fit the merge and anneal points of ``paths``; write OUT/scaling_fit.json and .png.
+
+    ``holdout`` and ``bootstrap`` default to the study's own (a study's results file) else ``largest`` and 400."""
     points = read_points(paths)
+    own = study_settings(paths)
+    holdout = holdout or str(own.get("holdout", "largest"))
+    bootstrap = int(own.get("bootstrap", 400)) if bootstrap is None else bootstrap
     if bootstrap < 0:
         raise PmakitError("--bootstrap must be 0 or more")
     study = fit_study(points, holdout=holdout, bootstrap=bootstrap, seed=seed)
     out.mkdir(parents=True, exist_ok=True)
-    record = {**to_json(study), "inputs": [str(p) for p in paths], "bootstrap_seed": seed}
+    record = {
+        **to_json(study),
+        "inputs": [str(p) for p in paths],
+        "holdout": holdout,
+        "bootstrap": bootstrap,
+        "bootstrap_seed": seed,
+    }
     json_path = out / FIT_JSON
     atomic_write_text(json_path, json.dumps(record, indent=1) + "\n")
     try:
