@@ -52,3 +52,19 @@ def test_torchtitan_job_config_skips_fifos_and_deep_files(tmp_path: Path) -> Non
     reader.join(timeout=120)  # a hang guard, not a timing assertion
     assert not reader.is_alive(), "job_config blocked on a FIFO"
     assert found == [{"model_spec": {"name": "llama3", "flavor": "debug"}}]
+
+
+@pytest.mark.parametrize("where", ["input", "output"])
+def test_a_path_longer_than_path_max_is_one_line(tmp_path: Path, where: str) -> None:
+    from conftest import run_cli, state, write_snapshot
+
+    long = tmp_path / "/".join(["d" * 250] * 20)  # 5,000 characters: past PATH_MAX (4,096)
+    run = tmp_path / "run"
+    write_snapshot(run / "step-1", state(0), step=1, tokens=100)
+    args = ("merge", long, "-o", tmp_path / "out") if where == "input" else ("merge", run, "-o", long)
+    result = run_cli(*args)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr[-1500:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "too long" in errors[0], result.stderr[-1500:]
+    assert not (tmp_path / "out").exists()
