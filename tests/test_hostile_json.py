@@ -68,3 +68,10 @@ def test_a_path_longer_than_path_max_is_one_line(tmp_path: Path, where: str) -> 
     errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "too long" in errors[0], result.stderr[-1500:]
     assert not (tmp_path / "out").exists()
+
+
+def test_the_docs_limits_table_is_the_code_table() -> None:
+    """docs/reliability.md lists every limit with its value (a limit added to limits.TABLE must be documented)."""
+    text = (Path(__file__).parents[1] / "docs" / "reliability.md").read_text()
+    for limit in limits.TABLE:
+        assert f"| `{limit.name}` | {limit.value:,} |" in text, limit.name
