@@ -6,6 +6,7 @@ import pmakit._env  # noqa: F401  (before torch)
 
 # isort: split
 
+import errno
 import json
 import logging
 import os
@@ -36,6 +37,14 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except PmakitError as e:
             raise click.ClickException(str(e)) from None
+        except OSError as e:
+            if e.errno not in (errno.ENAMETOOLONG, errno.ELOOP):
+                raise
+            # A path the system cannot resolve (longer than PATH_MAX or NAME_MAX, a symlink loop) is the user's
+            # input, wherever it is first touched; the name is cut to fit one line.
+            name = str(e.filename or "")
+            short = name if len(name) <= 160 else f"{name[:80]}...{name[-60:]} ({len(name):,} characters)"
+            raise click.ClickException(f"{short}: {e.strerror}") from None
         except Exception:
             # A model copy of `pmakit train --replicas` whose peer failed: one line, the peer said why.
             if os.environ.get("PMAKIT_COPIES") and os.environ.get("RANK", "0") != "0":

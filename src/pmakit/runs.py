@@ -191,3 +191,13 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
     """Append one record as a line (flushed when this returns; a kill can tear only this line)."""
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def resolves_inside(path: Path, root: Path) -> bool:
+    """Whether ``path``, every symlink followed, lies inside ``root`` (its own symlinks followed too). Files
+    carried from an input into an output must: a symlink in a checkpoint to a file elsewhere (another user's
+    tokenizer, ``~/.ssh``) is not part of that checkpoint and is never copied."""
+    try:
+        return path.resolve(strict=True).is_relative_to(root.resolve(strict=True))
+    except (OSError, RuntimeError):  # missing, a loop, a name too long
+        return False

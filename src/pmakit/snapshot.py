@@ -20,7 +20,7 @@ from typing import Any
 from pmakit.errors import PmakitError
 from pmakit.layouts import candidates, layout_of
 from pmakit.layouts.base import MERGE_MANIFEST, METADATA_FILE, IncompleteSnapshot, Snapshot, is_merge_output
-from pmakit.runs import atomic_write_text
+from pmakit.runs import atomic_write_text, resolves_inside
 
 __all__ = [
     "MERGE_MANIFEST",
@@ -97,13 +97,22 @@ def scan(
 
     A run directory is a folder of snapshot directories; they may also sit one level down (``RUN/snapshots/``).
     Hidden directories (a merge's temporary output), merged models (``pmakit-merge.json``) and full training
-    checkpoints (``"kind": "checkpoint"`` in ``pmakit.json``) are ignored.
+    checkpoints (``"kind": "checkpoint"`` in ``pmakit.json``) are ignored. A snapshot directory that is a symlink
+    to somewhere outside the run is not part of it: reported as skipped (naming it explicitly merges it, and the
+    console and the manifest show where it really is).
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise PmakitError(f"{run_dir}: no such directory")
     found: list[Snapshot | IncompleteSnapshot] = []
     for candidate, layout in candidates(run_dir):
+        if not resolves_inside(candidate, run_dir):
+            found.append(
+                IncompleteSnapshot(
+                    candidate, f"a symlink to {candidate.resolve()}, outside the run (name it to merge it)"
+                )
+            )
+            continue
         try:
             snap = layout.read(candidate, tokens_per_step)
         except IncompleteSnapshot as e:
@@ -196,6 +205,8 @@ def gather(
         if not p.exists():
             raise PmakitError(f"{p}: no such snapshot or run directory")
         if looks_like_snapshot(p):
+            if p.is_symlink():
+                log.info("%s is a symlink to %s: merging it, as named", p, p.resolve())
             snapshots.append(read_snapshot(p, tokens_per_step))
             continue
         p = study_main_run(p)

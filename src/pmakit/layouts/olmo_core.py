@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import pickle
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,9 @@ from pmakit.layouts.base import (
     load_json,
     validate_metadata,
 )
+from pmakit.runs import resolves_inside
+
+log = logging.getLogger(__name__)
 
 MODEL_DIR = "model_and_optim"
 TRAIN_DIR = "train"
@@ -138,11 +142,23 @@ class OLMoCoreLayout(Layout):
             return []
         files = [f"{MODEL_DIR}/{f.name}" for f in sorted((out / MODEL_DIR).iterdir()) if f.is_file()]
         if (template / TRAIN_DIR).is_dir():
-            shutil.copytree(template / TRAIN_DIR, out / TRAIN_DIR)
+            shutil.copytree(template / TRAIN_DIR, out / TRAIN_DIR, ignore=_outside(template))
             files += [f"{TRAIN_DIR}/{f.name}" for f in sorted((out / TRAIN_DIR).iterdir()) if f.is_file()]
         # Last, as OLMo-core does: it marks the checkpoint complete.
         shutil.copy2(template / CHECKPOINT_METADATA, out / CHECKPOINT_METADATA)
         return [*files, CHECKPOINT_METADATA]
+
+
+def _outside(template: Path) -> Callable[[str, list[str]], set[str]]:
+    """For ``copytree``: the entries that resolve outside the checkpoint (symlinks to elsewhere), with a warning."""
+
+    def ignore(directory: str, names: list[str]) -> set[str]:
+        skipped = {n for n in names if not resolves_inside(Path(directory) / n, template)}
+        for name in sorted(skipped):
+            log.warning("not copying %s: it resolves outside %s", Path(directory) / name, template)
+        return skipped
+
+    return ignore
 
 
 LAYOUT = OLMoCoreLayout()

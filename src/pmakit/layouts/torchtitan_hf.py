@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import json
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any
 
 import torch
 
+from pmakit import limits
 from pmakit.errors import PmakitError
 from pmakit.formats.safetensors_io import OutputTensor, Shard, ShardWriter
 from pmakit.layouts.base import Layout, Snapshot
@@ -37,11 +37,11 @@ def job_config(checkpoint: Path) -> dict[str, Any] | None:
     """torchtitan's saved job config (``--debug.save_config_file``) in the dump folder of ``checkpoint``."""
     dump = checkpoint.absolute().parent.parent  # the save folder named, symlinks not followed
     for file in sorted(dump.glob("*.json")) + sorted(dump.glob("*/*.json")):
-        if file.stat().st_size > 2**22:
-            continue
         try:
-            data = json.loads(file.read_text())
-        except (OSError, ValueError):
+            if file.stat().st_size > 2**22:
+                continue
+            data = limits.read_json(file)  # a FIFO or a deeply nested file is not a job config: skipped
+        except (OSError, PmakitError):
             continue
         spec = data.get("model_spec") if isinstance(data, dict) else None
         if (

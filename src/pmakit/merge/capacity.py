@@ -6,7 +6,6 @@ per rank, and an expected time from measured disk and accumulation bandwidths.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -16,6 +15,7 @@ from typing import Any
 
 import torch
 
+from pmakit import limits
 from pmakit.errors import PmakitError
 from pmakit.merge.plan import CHUNK_ELEMS, DTYPES, N_BUFFERS
 from pmakit.world import split_by_bytes
@@ -58,9 +58,9 @@ def load_layout(path: str | os.PathLike[str]) -> list[LayoutTensor]:
     optionally wrapped as ``{"tensors": {...}}``."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise PmakitError(f"{path}: unreadable layout file ({e})") from e
+        data = limits.read_json(path)
+    except PmakitError as e:
+        raise PmakitError(f"unreadable layout file ({e})") from None
     if isinstance(data, Mapping) and isinstance(data.get("tensors"), Mapping):
         data = data["tensors"]
     if not isinstance(data, Mapping) or not data:

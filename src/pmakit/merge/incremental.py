@@ -3,7 +3,6 @@ and left the window become the merge of the new window."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Sequence
@@ -13,6 +12,7 @@ from typing import Any
 
 import torch
 
+from pmakit import limits
 from pmakit.errors import PmakitError
 from pmakit.formats import is_float
 from pmakit.layouts import open_weights
@@ -144,10 +144,10 @@ def _read_previous(
     """The previous merge's manifest and its inputs by path, checked to be an update ``method`` can make."""
     manifest_file = previous / MERGE_MANIFEST
     try:
-        manifest = json.loads(manifest_file.read_text())
+        manifest = limits.read_json(manifest_file)
         prior = {str(Path(i["path"])): (float(i["weight"]), i) for i in manifest["inputs"]}
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise PmakitError(f"{previous}: not a pmakit merge with a readable {MERGE_MANIFEST} ({e})") from e
+    except (PmakitError, KeyError, TypeError, ValueError) as e:
+        raise PmakitError(f"{previous}: not a pmakit merge with a readable {MERGE_MANIFEST} ({e})") from None
     if method not in INCREMENTAL_METHODS:
         raise PmakitError(
             f"--from-previous updates {', '.join(INCREMENTAL_METHODS)} merges: with {method} the weight of "

@@ -28,7 +28,7 @@ from pmakit.layouts import layout_of, open_weights, writer
 from pmakit.layouts.kinds import listing
 from pmakit.merge.plan import MergePlan
 from pmakit.merge.stream import stream_average
-from pmakit.runs import atomic_write_text, fsync_dir, replace_dir
+from pmakit.runs import atomic_write_text, fsync_dir, replace_dir, resolves_inside
 from pmakit.snapshot import MERGE_MANIFEST, METADATA_FILE, Snapshot
 from pmakit.units import format_bytes
 from pmakit.world import World
@@ -65,7 +65,6 @@ def copy_extras(source: Path, target: Path) -> list[str]:
     """
     layout = layout_of(source)
     own = layout.own_files if layout is not None else ()
-    root = source.resolve()
     copied = []
     for f in sorted(source.iterdir()):
         if (
@@ -76,7 +75,7 @@ def copy_extras(source: Path, target: Path) -> list[str]:
             or f.name in own
         ):
             continue
-        if f.is_symlink() and not f.resolve().is_relative_to(root):
+        if not resolves_inside(f, source):  # a link, or a link to a directory on the way
             log.warning("not copying %s: a link to %s, outside the snapshot", f, f.resolve())
             continue
         shutil.copy2(f, target / f.name)
