@@ -32,7 +32,15 @@ from pmakit.errors import PmakitError
 from pmakit.evaluate import batch_losses, paired_difference, result_of
 from pmakit.formats import read_state
 from pmakit.merge import average_states
-from pmakit.runs import MAIN_RUN, RESULTS, anneal_run, atomic_write_json, checkpoint_dir, read_jsonl, snapshots_dir
+from pmakit.runs import (
+    MAIN_RUN,
+    RESULTS,
+    anneal_run,
+    atomic_write_json,
+    checkpoint_dir,
+    read_jsonl,
+    snapshots_dir,
+)
 from pmakit.snapshot import discover
 from pmakit.train.model import active_parameters, build_model, count_parameters, routers
 from pmakit.weights import get_weights
@@ -82,7 +90,9 @@ def merge_with_bias_rule(
     return merged
 
 
-def routing_health(model: torch.nn.Module, batches: Sequence[Any]) -> tuple[list[float], list[dict[str, Any]]]:
+def routing_health(
+    model: torch.nn.Module, batches: Sequence[Any]
+) -> tuple[list[float], list[dict[str, Any]]]:
     """``model``'s loss per batch and, per MoE layer, its routing on the same tokens (see the module docstring)."""
     rs = routers(model)
     seen: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in rs]
@@ -173,7 +183,12 @@ def moe_tables(study: Any, run_dir: Path, corpus: Any) -> dict[str, Any]:
     return {
         "fork_tokens": last.fork_tokens,
         "tokens": last.eval_tokens,
-        "merge": {"label": best["label"], "n": best["n"], "v_tokens": best["v_tokens"], "chosen_on": "selection"},
+        "merge": {
+            "label": best["label"],
+            "n": best["n"],
+            "v_tokens": best["v_tokens"],
+            "chosen_on": "selection",
+        },
         "batches": {k: len(v) for k, v in batches.items()},
         "tokens_per_batch": cfg.tokens_per_step,
         "dead_share": DEAD_SHARE,
@@ -215,6 +230,7 @@ def _best_sma(run_dir: Path, fork_tokens: int) -> dict[str, Any]:
         and r.get("split") == "selection"
     ]
     if not rows:
-        raise PmakitError(f"{run_dir / RESULTS} has no SMA merge on the selection split at {fork_tokens} tokens")
+        raise PmakitError(
+            f"{run_dir / RESULTS} has no SMA merge on the selection split at {fork_tokens} tokens"
+        )
     return min(rows, key=lambda r: r["val_loss"])
-

@@ -156,7 +156,9 @@ class TrainConfig:
         if min(self.router_aux_coef, self.router_bias_rate) < 0:
             raise PmakitError("train.router_aux_coef and train.router_bias_rate must be at least 0")
         if (self.router_aux_coef or self.router_bias_rate) and not self.model.moe:
-            raise PmakitError("train.router_aux_coef and train.router_bias_rate need a MoE model (model.experts)")
+            raise PmakitError(
+                "train.router_aux_coef and train.router_bias_rate need a MoE model (model.experts)"
+            )
 
     @property
     def tokens_per_step(self) -> int:
@@ -175,7 +177,9 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        if not self.model.moe:  # a dense run's stamp reads as it did before MoE keys existed (resume compares it)
+        if (
+            not self.model.moe
+        ):  # a dense run's stamp reads as it did before MoE keys existed (resume compares it)
             for key in ("experts", "top_k", "expert_width"):
                 out["model"].pop(key)
             for key in ("router_aux_coef", "router_bias_rate"):
@@ -428,7 +432,9 @@ class Trainer:
         a compiler failure is one warning and the eager loss from then on (nothing was changed: no backward yet)."""
         if self.config.router_aux_coef:
             out = self.model(input_ids=x, output_router_logits=True)
-            loss = torch.nn.functional.cross_entropy(out.logits.reshape(-1, out.logits.size(-1)).float(), y.reshape(-1))
+            loss = torch.nn.functional.cross_entropy(
+                out.logits.reshape(-1, out.logits.size(-1)).float(), y.reshape(-1)
+            )
             return loss + self.config.router_aux_coef * out.aux_loss
         if not self.compiled:
             return batch_loss(self.model, x, y)
