@@ -11,7 +11,8 @@ import torch
 
 from conftest import run_cli
 from pmakit.errors import PmakitError
-from pmakit.lab.moe import merge_with_bias_rule, routing_health
+from pmakit.lab.moe import routing_health
+from pmakit.merge import average_states
 from pmakit.train.model import ModelConfig, active_parameters, balance_experts, build_model, routers
 
 TINY = ModelConfig(layers=2, hidden=16, heads=2, seq_len=16, experts=4, top_k=2, expert_width=16)
@@ -48,16 +49,15 @@ def test_active_parameters_count_top_k_of_the_experts() -> None:
     assert active_parameters(model) == total - experts // 2  # top-2 of 4
 
 
-def test_merge_bias_rule() -> None:
-    a = {"w": torch.zeros(2), "mlp.gate.e_score_correction_bias": torch.tensor([0.0, 1.0])}
-    b = {"w": torch.ones(2), "mlp.gate.e_score_correction_bias": torch.tensor([2.0, 3.0])}
-    avg = merge_with_bias_rule([a, b], [0.5, 0.5], "average")
-    new = merge_with_bias_rule([a, b], [0.5, 0.5], "latest")
+def test_the_engine_finds_this_models_router_bias() -> None:
+    bias = "model.layers.0.mlp.gate.e_score_correction_bias"
+    a = {"w": torch.zeros(2), bias: torch.tensor([0.0, 1.0])}
+    b = {"w": torch.ones(2), bias: torch.tensor([2.0, 3.0])}
+    avg = average_states([a, b], [0.5, 0.5], buffers="average")
+    new = average_states([a, b], [0.5, 0.5], buffers="latest")
     torch.testing.assert_close(avg["w"], new["w"])
-    torch.testing.assert_close(avg["mlp.gate.e_score_correction_bias"], torch.tensor([1.0, 2.0]))
-    torch.testing.assert_close(new["mlp.gate.e_score_correction_bias"], torch.tensor([2.0, 3.0]))
-    with pytest.raises(PmakitError, match="unknown bias rule"):
-        merge_with_bias_rule([a, b], [0.5, 0.5], "max")
+    torch.testing.assert_close(avg[bias], torch.tensor([1.0, 2.0]))
+    torch.testing.assert_close(new[bias], torch.tensor([2.0, 3.0]))
 
 
 def test_routing_health_counts_every_slot() -> None:

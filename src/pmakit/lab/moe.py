@@ -5,8 +5,9 @@
    headline on the test split with paired standard errors.
 2. At the last fork's end, four models: the latest snapshot, the anneal, and the best SMA window of the grid
    (chosen on the selection split) merged twice, its routers' load-balancing bias averaged like the weights
-   (``bias: average``) or taken from the window's newest snapshot (``bias: latest``). Each is scored on both splits
-   with its routing health on the same tokens: per layer, the share of the top-k slots each expert received (sums
+   (``bias: average``) or taken from the window's newest snapshot (``bias: latest``): the engine's rule
+   (``average_states(buffers=...)``, ``pmakit merge --buffers``), the bias found by ``pmakit.layouts.kinds``.
+   Each is scored on both splits with its routing health on the same tokens: per layer, the share of the top-k slots each expert received (sums
    to 1), max/mean load, dead experts (share below ``DEAD_SHARE`` / E), dropped tokens (none: OLMoE has no
    capacity factor, every token reaches its k experts) and the router entropy (mean over tokens of the entropy of
    the unbiased softmax; at most log E).
@@ -50,8 +51,8 @@ log = logging.getLogger(__name__)
 MOE_JSON = "moe.json"
 DEAD_SHARE = 0.1
 """An expert is dead on a held-out set when it gets less than this fraction of the uniform share 1/E of the slots."""
-BIAS_SUFFIX = "e_score_correction_bias"
 RULES = ("average", "latest")
+"""The merge's rules for router biases (``pmakit.layouts.kinds``, ``pmakit merge --buffers``)."""
 
 
 def run_moe_study(
@@ -71,23 +72,6 @@ def run_moe_study(
         atomic_write_json(run_dir / MOE_JSON, moe_tables(study, run_dir, load_corpus(study.train)))
     paths = write_report(run_dir)
     return Path(getattr(paths, "html", run_dir / "report.html"))
-
-
-def is_router_bias(name: str) -> bool:
-    """Whether a state key is a router's load-balancing bias (the rule's classifier, by name)."""
-    return name.endswith(BIAS_SUFFIX)
-
-
-def merge_with_bias_rule(
-    states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float], rule: str
-) -> dict[str, torch.Tensor]:
-    """The weighted average of ``states``; router biases averaged too (``average``) or the newest's (``latest``)."""
-    if rule not in RULES:
-        raise PmakitError(f"unknown bias rule {rule!r}; use {' or '.join(RULES)}")
-    merged = average_states(list(states), list(weights))
-    if rule == "latest":
-        merged.update({k: v.clone() for k, v in states[-1].items() if is_router_bias(k)})
-    return merged
 
 
 def routing_health(
@@ -148,7 +132,7 @@ def moe_tables(study: Any, run_dir: Path, corpus: Any) -> dict[str, Any]:
     models = {
         "latest": read_state(snaps[last.eval_tokens].path),
         "annealed": read_state(checkpoint_dir(anneal_run(run_dir, last.fork_tokens))),
-        **{f"merged, bias {rule}": merge_with_bias_rule(states, weights, rule) for rule in RULES},
+        **{f"merged, bias {rule}": average_states(states, weights, buffers=rule) for rule in RULES},
     }
     model = build_model(cfg.model, corpus.vocab_size, seed=cfg.seed)
     results: dict[str, dict[str, Any]] = {}
