@@ -2,7 +2,7 @@
 
 A config's ``study`` key picks the study: none is the paper's PMA study (``pma``), ``spike`` and ``init`` the
 recovery studies (``recovery``), ``replicas`` model copies (``replicas``), ``scaling`` scaling laws from merges
-(``scaling``). ``--seeds K`` repeats the PMA study over K training seeds (``seeds``).
+(``scaling``), ``moe`` the PMA study on a mixture of experts plus its routing health (``moe``). ``--seeds K`` repeats the PMA study over K training seeds (``seeds``).
 """
 
 from __future__ import annotations
@@ -43,6 +43,10 @@ def run_experiment(
         from pmakit.lab.scaling import run_scaling_study
 
         return run_scaling_study(data, run_dir, fresh=fresh, progress=progress)
+    if study == "moe":
+        from pmakit.lab.moe import run_moe_study
+
+        return run_moe_study(data, run_dir, fresh=fresh, progress=progress)
     if study:  # spike, init
         from pmakit.lab.recovery import run_study
 
@@ -58,7 +62,7 @@ def _run_seeds(data: Mapping[str, Any], run_dir: Path, seeds: int, *, fresh: boo
     from pmakit.report import write_report
     from pmakit.runs import atomic_write_json
 
-    if data.get("study"):
+    if data.get("study") not in (None, "moe"):
         raise PmakitError(
             "--seeds repeats the PMA study; the spike, init, replicas and scaling studies have their own"
         )

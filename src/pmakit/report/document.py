@@ -785,6 +785,9 @@ def build(
     from pmakit.report import spectrum
 
     blocks += spectrum.blocks(data.run_dir, figs.spectrum)
+    from pmakit.report import moe
+
+    blocks += moe.blocks(data.run_dir)
     blocks += run_blocks(exp, data.run_dir)
     blocks.append(Heading("Files"))
     files = [

@@ -46,7 +46,7 @@ from pmakit.saver import SnapshotSaver
 from pmakit.schedule import WSD
 from pmakit.train.averaging import Averaging
 from pmakit.train.callbacks import Callback, StopTraining
-from pmakit.train.model import ModelConfig, build_model, count_parameters
+from pmakit.train.model import ModelConfig, active_parameters, balance_experts, build_model, count_parameters
 from pmakit.train.replicas import SingleCopy
 
 log = logging.getLogger(__name__)
@@ -117,6 +117,12 @@ class TrainConfig:
     """Seed of the initialisation and the data order."""
     threads: int | None = None
     """Torch intra-op threads (default: the cores available)."""
+    router_aux_coef: float = 0.0
+    """MoE only: weight of HF's router load-balancing loss (``output_router_logits``; Switch-style, over every
+    layer) added to the training loss. 0: none."""
+    router_bias_rate: float = 0.0
+    """MoE only: auxiliary-loss-free balancing, the step u of ``bias += u * sign(mean load - load)`` after every
+    optimizer step (``pmakit.train.model.balance_experts``). 0: the bias stays zero."""
     precision: str = "fp32"
     """Training step's forward and backward: ``fp32``; ``bf16`` (autocast to bfloat16 on CPU or GPU; weights,
     optimizer state, snapshots and every evaluation stay fp32); ``auto``: bf16 where the hardware multiplies bf16
@@ -147,6 +153,12 @@ class TrainConfig:
             raise PmakitError(f"unknown precision {self.precision!r}; use fp32, bf16 or auto")
         if self.compile not in ("off", "on", "auto"):
             raise PmakitError(f"train.compile must be off, on or auto, got {self.compile!r}")
+        if min(self.router_aux_coef, self.router_bias_rate) < 0:
+            raise PmakitError("train.router_aux_coef and train.router_bias_rate must be at least 0")
+        if (self.router_aux_coef or self.router_bias_rate) and not self.model.moe:
+            raise PmakitError(
+                "train.router_aux_coef and train.router_bias_rate need a MoE model (model.experts)"
+            )
 
     @property
     def tokens_per_step(self) -> int:
@@ -164,7 +176,15 @@ class TrainConfig:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if (
+            not self.model.moe
+        ):  # a dense run's stamp reads as it did before MoE keys existed (resume compares it)
+            for key in ("experts", "top_k", "expert_width"):
+                out["model"].pop(key)
+            for key in ("router_aux_coef", "router_bias_rate"):
+                out.pop(key)
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TrainConfig:
@@ -410,6 +430,12 @@ class Trainer:
     def _step_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The batch's loss for the step: through ``torch.compile`` when ``self.compiled`` (built on the first call);
         a compiler failure is one warning and the eager loss from then on (nothing was changed: no backward yet)."""
+        if self.config.router_aux_coef:
+            out = self.model(input_ids=x, output_router_logits=True)
+            loss = torch.nn.functional.cross_entropy(
+                out.logits.reshape(-1, out.logits.size(-1)).float(), y.reshape(-1)
+            )
+            return loss + self.config.router_aux_coef * out.aux_loss
         if not self.compiled:
             return batch_loss(self.model, x, y)
         if self._compiled_loss is None:
@@ -447,6 +473,8 @@ class Trainer:
         grad_norm = self._clip()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.config.model.moe:
+            balance_experts(self.model, self.config.router_bias_rate)
         self.state.step += 1
         self.state.tokens += step_tokens
         if self.copies.due(self.step):
@@ -683,6 +711,9 @@ class Trainer:
     def describe(self) -> dict[str, Any]:
         return {
             "parameters": count_parameters(self.model),
+            "active_parameters": active_parameters(self.model),
+            "experts": self.config.model.experts,
+            "top_k": self.config.model.top_k if self.config.model.moe else None,
             "layers": self.config.model.layers,
             "hidden": self.config.model.hidden,
             "vocab_size": self.corpus.vocab_size,

@@ -2,6 +2,17 @@
 
 Using the stock architecture means every snapshot pmakit writes loads with ``AutoModelForCausalLM.from_pretrained``,
 exactly like a real pre-training checkpoint would.
+
+With ``experts`` > 0 the model is transformers' own OLMoE (``OlmoeForCausalLM``: every MLP a mixture of experts
+with a top-k softmax router and no shared expert; of the HF MoEs it is the plainest, and Qwen2-MoE's shared expert
+only adds time on a CPU). Its router is swapped for ``BiasedRouter``, a subclass that adds a per-expert
+load-balancing bias to the routing scores for the top-k choice only (DeepSeek-V3's auxiliary-loss-free balancing).
+The bias is a persistent buffer named as in HF's DeepSeek-V3, ``mlp.gate.e_score_correction_bias``, so every
+snapshot carries it and a merge has to decide what to do with it (average it or take the newest). The trainer
+moves it after each step (``balance_experts``); the weights of the chosen experts stay the unbiased softmax
+probabilities, so the bias steers the choice and never the output's scale. A snapshot loads with
+``OlmoeForCausalLM.from_pretrained`` (the bias is then an unexpected key, dropped: plain top-k routing); to route
+as trained, build the model with ``build_model`` and load the state into it.
 """
 
 from __future__ import annotations
@@ -32,6 +43,12 @@ class ModelConfig:
     """Context length in tokens."""
     tie_embeddings: bool = True
     """Share the input embedding and the output head (saves parameters at small sizes)."""
+    experts: int = 0
+    """Experts per MLP: 0 is the dense Llama; more is an OLMoE mixture of experts with a biased top-k router."""
+    top_k: int = 2
+    """Experts each token is routed to (MoE only)."""
+    expert_width: int | None = None
+    """Each expert's MLP width (MoE only; default: hidden, so top-2 is about the dense MLP's active width)."""
 
     def __post_init__(self) -> None:
         if self.hidden % self.heads:
@@ -40,6 +57,15 @@ class ModelConfig:
             )
         if min(self.layers, self.hidden, self.heads, self.seq_len) < 1:
             raise PmakitError(f"model sizes must be positive: {asdict(self)}")
+        if self.experts < 0 or (self.experts and not 1 <= self.top_k <= self.experts):
+            raise PmakitError(
+                f"model.experts must be 0 (dense) or positive with 1 <= model.top_k <= model.experts, got "
+                f"experts={self.experts}, top_k={self.top_k}"
+            )
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
 
     @property
     def mlp_width(self) -> int:
@@ -67,18 +93,127 @@ def llama_config(cfg: ModelConfig, vocab_size: int, *, bos: int | None = None, e
     )
 
 
+def olmoe_config(cfg: ModelConfig, vocab_size: int, *, bos: int | None = None, eos: int | None = None) -> Any:
+    """A ``transformers.OlmoeConfig`` for this size (``cfg.experts`` > 0)."""
+    from transformers import OlmoeConfig
+
+    return OlmoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden,
+        intermediate_size=cfg.expert_width or cfg.hidden,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads or cfg.heads,
+        max_position_embeddings=cfg.seq_len,
+        tie_word_embeddings=cfg.tie_embeddings,
+        rms_norm_eps=1e-5,
+        num_experts=cfg.experts,
+        num_experts_per_tok=cfg.top_k,
+        norm_topk_prob=True,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        use_cache=False,
+    )
+
+
 def build_model(
     cfg: ModelConfig, vocab_size: int, *, seed: int = 0, **token_ids: int | None
 ) -> torch.nn.Module:
-    """A freshly initialised ``LlamaForCausalLM`` (deterministic in ``seed``), fp32 on the CPU."""
-    from transformers import LlamaForCausalLM
+    """A freshly initialised ``LlamaForCausalLM`` (``OlmoeForCausalLM`` with biased routers when ``cfg.experts``),
+    deterministic in ``seed``, fp32 on the CPU."""
+    from transformers import LlamaForCausalLM, OlmoeForCausalLM
 
-    config = llama_config(cfg, vocab_size, **token_ids)
+    config = (olmoe_config if cfg.moe else llama_config)(cfg, vocab_size, **token_ids)
     config._attn_implementation = "sdpa"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = (OlmoeForCausalLM if cfg.moe else LlamaForCausalLM)(config)
+        if cfg.moe:
+            for layer in model.model.layers:
+                layer.mlp.gate = BiasedRouter.replacing(layer.mlp.gate)
     return model
+
+
+def _router_base() -> type[torch.nn.Module]:
+    from transformers.models.olmoe.modeling_olmoe import OlmoeTopKRouter
+
+    return OlmoeTopKRouter  # type: ignore[no-any-return]
+
+
+class BiasedRouter(_router_base()):  # type: ignore[misc]
+    """OLMoE's top-k router with a load-balancing bias on the choice (not the weights) of the experts.
+
+    ``e_score_correction_bias`` (persistent, fp32) is added to the softmax probabilities before the top-k; the
+    chosen experts' weights are their unbiased probabilities, renormalised as OLMoE does. In training mode the router
+    counts the tokens each expert was given (``load``, not persistent) for ``balance_experts``.
+    ``observe``: when set, every forward appends (unbiased probabilities, chosen experts) to it, for the routing
+    health of a held-out set (``routing_stats``).
+    """
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts))
+        self.register_buffer("load", torch.zeros(self.num_experts), persistent=False)
+        self.observe: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @classmethod
+    def replacing(cls, router: torch.nn.Module) -> BiasedRouter:
+        """A biased router with ``router``'s config and weight (zero bias)."""
+        new = cls.__new__(cls)
+        torch.nn.Module.__init__(new)
+        new.top_k, new.num_experts = router.top_k, router.num_experts
+        new.norm_topk_prob, new.hidden_dim = router.norm_topk_prob, router.hidden_dim
+        new.weight = router.weight
+        new.register_buffer("e_score_correction_bias", torch.zeros(new.num_experts))
+        new.register_buffer("load", torch.zeros(new.num_experts), persistent=False)
+        new.observe = None
+        return new
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        logits = torch.nn.functional.linear(hidden_states, self.weight)
+        probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+        chosen = torch.topk(probs.detach() + self.e_score_correction_bias, self.top_k, dim=-1).indices
+        weights = probs.gather(-1, chosen)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.training:
+            self.load += torch.bincount(chosen.reshape(-1), minlength=self.num_experts).to(self.load)
+        if self.observe is not None:
+            self.observe.append((probs.detach(), chosen))
+        return logits, weights.to(logits.dtype), chosen
+
+
+def routers(model: torch.nn.Module) -> list[BiasedRouter]:
+    """The model's biased routers, first layer first (empty for a dense model)."""
+    return [m for m in model.modules() if isinstance(m, BiasedRouter)]
+
+
+def balance_experts(model: torch.nn.Module, rate: float) -> None:
+    """One step of auxiliary-loss-free balancing: ``bias += rate * sign(mean load - load)`` per router over the
+    tokens counted since the last call (DeepSeek-V3, section 2.1.2), then the counts restart. ``rate`` 0 only
+    clears the counts."""
+    with torch.no_grad():
+        for r in routers(model):
+            if rate:
+                r.e_score_correction_bias += rate * torch.sign(r.load.mean() - r.load)
+            r.load.zero_()
+
+
+def active_parameters(model: torch.nn.Module) -> int:
+    """Parameters one token passes through: all of a dense model; a MoE's top-k of its experts (and every router)."""
+    total = count_parameters(model)
+    for r in routers(model):
+        moe = model.get_submodule(_parent(model, r))
+        experts = sum(p.numel() for p in moe.experts.parameters())
+        total -= experts - experts * r.top_k // r.num_experts
+    return total
+
+
+def _parent(model: torch.nn.Module, module: torch.nn.Module) -> str:
+    name = next(n for n, m in model.named_modules() if m is module)
+    return name.rpartition(".")[0]
 
 
 def count_parameters(model: torch.nn.Module) -> int:
