@@ -60,6 +60,7 @@ def _snapshot_row(snap: Snapshot) -> dict[str, Any]:
             "loss": snap.loss,
             "format": reader.format,
             "bytes": sum(f.size for f in reader.files),
+            "model_bytes": sum(info.nbytes for info in reader.tensors.values()),
             "tensors": len(reader.tensors),
             "skipped_entries": reader.skipped,
         }
@@ -129,7 +130,10 @@ def inspect_inputs(
 
 
 def _summary(rows: list[dict[str, Any]]) -> str:
-    """One line for the whole series: count, layouts, token range and spacing, format, size each."""
+    """One line for the whole series: count, layouts, format, token range and spacing, then the checkpoints' size on
+    disk and the model's size (its weights alone) each under its own name: a trainer's checkpoint holds optimizer
+    and trainer state too (torchtitan's full saves are 3x its model-only last save), so neither stands for the
+    other."""
     done = [r for r in rows if r["complete"]]
     if not done:
         return f"{len(rows)} snapshot directories, none complete"
@@ -137,9 +141,12 @@ def _summary(rows: list[dict[str, Any]]) -> str:
     gaps = sorted(b - a for a, b in zip(tokens, tokens[1:]))
     spacing = f", every ~{format_tokens(gaps[len(gaps) // 2])}" if gaps else ""
     layouts = ", ".join(sorted({r["layout"] for r in done}))
+    sizes = sorted({r["bytes"] for r in done})
+    disk = format_bytes(sizes[0]) + (f" .. {format_bytes(sizes[-1])}" if len(sizes) > 1 else "")
     return (
-        f"{len(done)} complete snapshots ({layouts}, {done[0]['format']}, {format_bytes(done[-1]['bytes'])} "
-        f"each): {format_tokens(tokens[0])} .. {format_tokens(tokens[-1])} tokens{spacing}"
+        f"{len(done)} complete snapshots ({layouts}, {done[0]['format']}): {format_tokens(tokens[0])} .. "
+        f"{format_tokens(tokens[-1])} tokens{spacing}; checkpoint {disk} on disk, model "
+        f"{format_bytes(done[-1]['model_bytes'])}"
         + (f"; {len(rows) - len(done)} incomplete" if len(rows) > len(done) else "")
     )
 

@@ -279,3 +279,60 @@ def torchtitan_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
         ranks=2,
     )
     return {**p, "root": root, "online": root / "online"}
+
+
+@pytest.fixture(scope="session")
+def torchtitan_moe_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """torchtitan's deepseek_v3 debug model (MoE: 8 grouped experts stored as ``[E, ...]`` tensors, a shared expert,
+    the router's aux-loss-free ``expert_bias_E``), trained by torchtitan's Trainer in one process: ``ws1`` (3 steps,
+    a checkpoint every step, step-3 the model-only last save), ``pmakit merge ws1 -o merged`` and
+    ``--format safetensors -o merged-hf`` (no token flags), torchtitan loading each and taking a training step
+    (``loaded.pt``/``.json``, ``loaded-hf.pt``/``.json``, as ``torchtitan_runs``)."""
+    if importlib.util.find_spec("torchtitan") is None:
+        pytest.skip("torchtitan is not installed")
+    root = tmp_path_factory.mktemp("torchtitan_moe")
+    script = HERE / "torchtitan_run.py"
+    p = {name: root / name for name in ("ws1", "merged", "merged-hf")}
+    run_framework(
+        script,
+        *("--module", "deepseek_v3", "train", p["ws1"], 3, "+"),
+        *("cli", "merge", p["ws1"], "-o", p["merged"], "-q", "+"),
+        *("cli", "merge", p["ws1"], "-o", p["merged-hf"], "-q", "--format", "safetensors", "+"),
+        *("pma-init", p["merged"], root / "pma-init", root / "loaded.pt", "+"),
+        *("hf-init", p["merged-hf"], root / "hf-init", root / "loaded-hf.pt"),
+        timeout=600,
+    )
+    return {**p, "root": root}
+
+
+@pytest.fixture(scope="session")
+def olmo_core_moe_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """OLMo-core MoE checkpoints (``olmo_core_run.py --experts``), in one process: ``e4`` (4 experts, steps 1..3 saved
+    by the Trainer's checkpointer after seeded perturbations: OLMo-core's MoE forward needs triton on CPU),
+    ``merged`` (``pmakit merge e4`` through the CLI, no flags), what OLMo-core's ``Trainer.load_checkpoint`` loaded
+    from it (``loaded.pt``), and ``e2`` (the same model with 2 experts, steps 1..4)."""
+    pytest.importorskip("olmo_core")
+    root = tmp_path_factory.mktemp("olmo_core_moe")
+    p = {"e4": root / "e4" / "save", "e2": root / "e2" / "save", "merged": root / "merged"}
+    run_framework(
+        HERE / "olmo_core_run.py",
+        *(
+            "experts",
+            4,
+            "+",
+            "perturb",
+            p["e4"],
+            3,
+            "+",
+            "cli",
+            "merge",
+            p["e4"],
+            "-o",
+            p["merged"],
+            "-q",
+            "+",
+        ),
+        *("pma-init", p["merged"], root / "init" / "save", root / "loaded.pt", "+"),
+        *("experts", 2, "+", "perturb", p["e2"], 4),
+    )
+    return {**p, "root": root}

@@ -1,10 +1,17 @@
 """Runs OLMo-core's own Trainer on CPU (gloo) for the layout tests: ``python olmo_core_run.py MODE ARGS`` or under
 ``torchrun --nproc-per-node 2`` (FSDP over 2 ranks).
 
+``--experts E`` before the modes: OLMo-core's MoE transformer (``TransformerConfig.llama_like_moe``, E experts,
+top-2, a shared expert, the router's ``score_bias`` for auxiliary-loss-free balancing) instead of the dense one.
+
 Modes (several, separated by ``+``, run in one process one after the other):
   train SAVE STEPS        a tiny transformer, a checkpoint every step (CheckpointerCallback), ModelMergeCallback on
+  perturb SAVE STEPS      the model's weights and router biases moved by seeded noise, saved by the Trainer at steps 1..
   reshard SRC DST K       the last K SRC/stepN loaded by OLMo-core's Checkpointer into this world size, saved to DST/stepN
   pma-init CKPT SAVE DUMP Trainer.load_checkpoint(CKPT), its loaded weights saved to DUMP, then one training step
+                          (dense only: see perturb)
+  experts E               the jobs after this one use the MoE model of E experts (0: dense), as ``--experts``
+  cli ARGS...             ``python -m pmakit ARGS`` (rank 0), e.g. the merge the next job loads
   callback SAVE PMA STEPS [CRASH]  pmakit's OLMo-core PMACallback (snapshots into PMA every 2 steps' tokens, online
                           merge of 3 evaluated by an LM evaluator every 2 steps, checkpoints every 2 steps);
                           with CRASH, the process dies (os._exit) right after step CRASH
@@ -66,10 +73,35 @@ def workdir(save: Path) -> Path:
     return save.parent.parent / "work"
 
 
+EXPERTS = 0
+"""``--experts E`` before the first mode: an MoE transformer of E experts (0: the dense one)."""
+
+
+def model_config() -> TransformerConfig:
+    if not EXPERTS:
+        return TransformerConfig.llama_like(
+            d_model=32, vocab_size=VOCAB, n_layers=2, n_heads=2, hidden_size_multiple_of=16
+        )
+    # OLMo-core's MoE builder (MoEType.default: batched expert MLPs, no grouped-GEMM kernel needed on CPU), with
+    # auxiliary-loss-free balancing (``bias_gamma``: the router's ``score_bias`` buffer) as well as its LB loss.
+    config = TransformerConfig.llama_like_moe(
+        d_model=32,
+        vocab_size=VOCAB,
+        n_layers=2,
+        n_heads=2,
+        num_experts=EXPERTS,
+        top_k=2,
+        expert_hidden_size=32,
+        shared_expert_hidden_size=32,
+        hidden_size_multiple_of=16,
+    )
+    assert config.block.feed_forward_moe is not None
+    config.block.feed_forward_moe.router.bias_gamma = 1e-2
+    return config
+
+
 def train_module(work: Path) -> Any:
-    model = TransformerConfig.llama_like(
-        d_model=32, vocab_size=VOCAB, n_layers=2, n_heads=2, hidden_size_multiple_of=16
-    ).build(init_device="cpu")
+    model = model_config().build(init_device="cpu")
     ws = get_world_size()
     dp = None
     if ws > 1:
@@ -132,6 +164,22 @@ def train(save: Path, steps: int) -> None:
     trainer(save, steps, callbacks).fit()
 
 
+def perturb(save: Path, steps: int) -> None:
+    """In place of training (OLMo-core's MoE forward needs its triton kernels, which have no CPU driver): each step
+    adds seeded noise to every parameter and router ``score_bias``, sets the step and token count, and saves through
+    the Trainer's own ``save_checkpoint`` (its Checkpointer: model, optimizer, trainer state)."""
+    t = trainer(save, steps, {})
+    model = t.train_module.model
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for step in range(1, steps + 1):
+            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+                if tensor.is_floating_point() and (not name.endswith("_bias") or "score_bias" in name):
+                    tensor.add_(0.01 * torch.randn(tensor.shape, generator=g))
+            t.global_step, t.global_train_tokens_seen = step, step * TOKENS_PER_STEP
+            t.save_checkpoint()
+
+
 def reshard(src: Path, dst: Path, last: int) -> None:
     tm = train_module(workdir(dst))
     checkpointer = CheckpointerConfig(work_dir=str(workdir(dst)), save_overwrite=True).build()
@@ -148,8 +196,9 @@ def pma_init(ckpt: Path, save: Path, dump: Path) -> None:
     model = t.train_module.model
     if get_rank() == 0:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, dump)
-    t.max_duration = Duration.steps(t.global_step + 1)
-    t.fit()
+    if not EXPERTS:  # OLMo-core's MoE forward needs triton kernels (see ``perturb``)
+        t.max_duration = Duration.steps(t.global_step + 1)
+        t.fit()
 
 
 class Crash(Callback):
@@ -191,11 +240,22 @@ def callback(save: Path, pma: Path, steps: int, crash: int | None) -> None:
 
 
 def run_job(mode: str, args: list[str]) -> None:
+    global EXPERTS
     seed_all(0)  # each job starts from the same RNG state, as a fresh process would
     # OLMo-core builds its FSDP world mesh once per process; a job of its own gets a new one (the only patch).
     olmo_parallel._WORLD_MESH = None
     if mode == "train":
         train(Path(args[0]), int(args[1]))
+    elif mode == "experts":  # the model of the jobs after this one (see --experts)
+        EXPERTS = int(args[0])
+    elif mode == "cli":  # pmakit's real CLI (rank 0), between the framework's jobs
+        import subprocess
+
+        if get_rank() == 0:
+            subprocess.run([sys.executable, "-m", "pmakit", *args], check=True)
+        torch.distributed.barrier()
+    elif mode == "perturb":
+        perturb(Path(args[0]), int(args[1]))
     elif mode == "reshard":
         reshard(Path(args[0]), Path(args[1]), int(args[2]))
     elif mode == "pma-init":
@@ -209,7 +269,10 @@ def run_job(mode: str, args: list[str]) -> None:
 
 def main() -> None:
     """Jobs separated by ``+`` run one after the other in this process (one start-up for several runs)."""
+    global EXPERTS
     argv = sys.argv[1:]
+    if argv[:1] == ["--experts"]:
+        EXPERTS, argv = int(argv[1]), argv[2:]
     prepare_training_environment(seed=0, backend="cpu:gloo")
     try:
         while argv:

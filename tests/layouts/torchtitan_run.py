@@ -3,7 +3,11 @@ or under ``torchrun --nproc-per-node 2`` (FSDP over 2 ranks). Several modes sepa
 other in one process (torchtitan skips its process-group set-up once one exists).
 
 Every job builds its config with torchtitan's own ``ConfigManager`` from the command line a user would type
-(``--module llama3 --config llama3_debugmodel`` and the options below), then builds ``Trainer`` from it.
+(``--module llama3 --config llama3_debugmodel`` and the options below), then builds ``Trainer`` from it. Before the
+first mode, ``--module deepseek_v3`` picks the deepseek_v3 debug model instead (MoE: 8 routed experts as grouped
+``[E, ...]`` tensors, 2 shared, top-3 routing, aux-loss-free ``expert_bias_E``), and ``--ep N`` sets
+``--parallelism.expert_parallel_degree N`` (with ``--training.disable_cuda_graphs``, which torchtitan requires of
+EP's all-to-all dispatcher; no CPU patch beyond those below was needed for EP over gloo).
 
 Modes:
   train DUMP STEPS          the llama3 debug model, a checkpoint every step (DUMP/checkpoint/step-N, full state,
@@ -77,7 +81,10 @@ assert tt_utils.device_type == "cpu"
 
 from torch.utils.data import IterableDataset  # noqa: E402
 
-VOCAB = 2048  # the debug model's
+MODELS = {"llama3": "llama3_debugmodel", "deepseek_v3": "deepseek_v3_debugmodel"}
+MODULE = "llama3"  # ``--module M`` before the first mode picks another debug model (see MODELS)
+EP = 1  # ``--ep N`` before the first mode: expert parallelism over N ranks (deepseek_v3)
+VOCAB = 2048  # both debug models
 SEQ = 32
 BATCH = 4  # sequences per step, over all data-parallel ranks
 TOKENS_PER_STEP = BATCH * SEQ
@@ -215,12 +222,15 @@ def world_size() -> int:
 def config(dump: Path, *options: str) -> Any:
     """torchtitan's config from the options a user would pass to its ``train.py``."""
     args = [
-        *("--module", "llama3", "--config", "llama3_debugmodel"),
+        *("--module", MODULE, "--config", MODELS[MODULE]),
         *("--dump_folder", str(dump), "--training.seq_len", str(SEQ)),
         *("--training.local_batch_size", str(BATCH // world_size()), "--training.steps", "10"),
         *("--checkpoint.enable", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0"),
         *("--metrics.log_freq", "1000", "--comm.init_timeout_seconds", "1800"),
         *("--parallelism.spmd_backend", "partial_dtensor"),  # see the module docstring
+        *("--parallelism.expert_parallel_degree", str(EP)),
+        # torchtitan refuses EP's all-to-all dispatcher under CUDA graphs, which are off on CPU anyway.
+        *(("--training.disable_cuda_graphs",) if EP > 1 else ()),
         *options,
     ]
     cfg = ConfigManager().parse_args(args)
@@ -337,7 +347,14 @@ def run_job(mode: str, args: list[str]) -> None:
 
 
 def main() -> None:
+    global MODULE, EP
     argv = sys.argv[1:]
+    while argv[:1] in (["--module"], ["--ep"]):
+        if argv[0] == "--module":
+            MODULE = argv[1]
+        else:
+            EP = int(argv[1])
+        argv = argv[2:]
     if "RANK" not in os.environ:  # a plain python process: a group of one
         import socket
 
