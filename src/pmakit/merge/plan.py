@@ -155,11 +155,12 @@ def _validate(readers: Sequence[Reader], snapshots: Sequence[Snapshot], cast: bo
 
 def _validate_moe(readers: Sequence[Reader], snapshots: Sequence[Snapshot]) -> None:
     """The two MoE mistakes, each in one line that names its cause: a different number of experts (every expert
-    tensor's shape then differs; the first one says why), and a router bias some snapshots lack."""
+    tensor's shape then differs; one of them says why), and a router bias some snapshots lack."""
     ref, ref_snap = readers[-1].tensors, snapshots[-1]
     for reader, snap in zip(readers[:-1], snapshots[:-1]):
         keys = reader.tensors
         _same_experts_naming(keys, snap, ref, ref_snap)
+        differ: list[tuple[str, Kind, TensorInfo, TensorInfo]] = []
         for name in [*ref, *(k for k in keys if k not in ref)]:
             a, b = keys.get(name), ref.get(name)
             if a is not None and b is not None and a.shape == b.shape:
@@ -181,10 +182,24 @@ def _validate_moe(readers: Sequence[Reader], snapshots: Sequence[Snapshot]) -> N
                 and a.shape[0] != b.shape[0]
                 and a.shape[1:] == b.shape[1:]
             ):
-                raise PmakitError(
-                    f"the number of experts differs: tensor {name!r} is {list(a.shape)} in {snap.path} but "
-                    f"{list(b.shape)} in {ref_snap.path} ({a.shape[0]} vs {b.shape[0]} experts)"
-                )
+                differ.append((name, kind, a, b))
+        if differ:
+            # The first dimension is the number of experts only where the experts are not flattened into it:
+            # a router bias (one value an expert) or a grouped [E, ...] tensor; OLMo-core stores its experts as
+            # [E * hidden, d_model] and its router as [E * d_model], whose first dimensions are no count.
+            exact = [d for d in differ if d[1] is Kind.ROUTER_BIAS] or [
+                d for d in differ if len(d[2].shape) >= 3
+            ]
+            name, _, a, b = (exact or differ)[0]
+            count = (
+                f"{a.shape[0]} vs {b.shape[0]} experts"
+                if exact
+                else f"first dimension {a.shape[0]} vs {b.shape[0]}, the experts flattened into it"
+            )
+            raise PmakitError(
+                f"the number of experts differs: tensor {name!r} is {list(a.shape)} in {snap.path} but "
+                f"{list(b.shape)} in {ref_snap.path} ({count})"
+            )
 
 
 _PER_EXPERT = re.compile(r"\.experts\.\d+\.")
