@@ -287,7 +287,9 @@ def torchtitan_moe_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, P
     the router's aux-loss-free ``expert_bias_E``), trained by torchtitan's Trainer in one process: ``ws1`` (3 steps,
     a checkpoint every step, step-3 the model-only last save), ``pmakit merge ws1 -o merged`` and
     ``--format safetensors -o merged-hf`` (no token flags), torchtitan loading each and taking a training step
-    (``loaded.pt``/``.json``, ``loaded-hf.pt``/``.json``, as ``torchtitan_runs``)."""
+    (``loaded.pt``/``.json``, ``loaded-hf.pt``/``.json``, as ``torchtitan_runs``); then over 2 ranks at expert
+    parallelism 2 (each rank holds 4 experts): ``ep2`` (2 steps), ``merged-ep2``, and torchtitan at EP=2 loading it
+    and taking a step (``loaded-ep2.pt``/``.json``)."""
     if importlib.util.find_spec("torchtitan") is None:
         pytest.skip("torchtitan is not installed")
     root = tmp_path_factory.mktemp("torchtitan_moe")
@@ -300,6 +302,15 @@ def torchtitan_moe_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, P
         *("cli", "merge", p["ws1"], "-o", p["merged-hf"], "-q", "--format", "safetensors", "+"),
         *("pma-init", p["merged"], root / "pma-init", root / "loaded.pt", "+"),
         *("hf-init", p["merged-hf"], root / "hf-init", root / "loaded-hf.pt"),
+        timeout=600,
+    )
+    p["ep2"], p["merged-ep2"] = root / "ep2", root / "merged-ep2"
+    run_framework(
+        script,
+        *("--module", "deepseek_v3", "--ep", 2, "train", p["ep2"], 2, "+"),
+        *("cli", "merge", p["ep2"], "-o", p["merged-ep2"], "-q", "+"),
+        *("pma-init", p["merged-ep2"], root / "pma-init-ep2", root / "loaded-ep2.pt"),
+        ranks=2,
         timeout=600,
     )
     return {**p, "root": root}

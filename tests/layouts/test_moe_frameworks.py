@@ -66,6 +66,25 @@ def test_torchtitan_moe_merge_is_the_hand_average_and_torchtitan_loads_it(
     assert record["step"] == 1 and math.isfinite(record["loss"])
 
 
+def test_torchtitan_expert_parallel_checkpoints_merge_and_load_back_at_ep2(
+    torchtitan_moe_runs: dict[str, Path],
+) -> None:
+    """Expert parallelism 2 over 2 gloo ranks: each rank saved its 4 experts of every grouped tensor; the merge is
+    the hand average of the global tensors, and torchtitan at EP=2 loads it exactly and trains a step."""
+    runs = torchtitan_moe_runs
+    assert list((runs["ep2"] / "checkpoint" / "step-1").glob("__1_*.distcp"))  # saved by 2 ranks
+    states = [torchtitan_weights(runs["ep2"] / "checkpoint" / f"step-{i}") for i in (1, 2)]
+    got = torchtitan_weights(runs["merged-ep2"])
+    assert got[EXPERTS].shape == (8, 256, 256)
+    assert_hand_average(got, states)
+    loaded = torch.load(runs["root"] / "loaded-ep2.pt", weights_only=True)  # full tensors, gathered by rank 0
+    assert loaded.keys() == got.keys()
+    for name, value in got.items():
+        assert torch.equal(loaded[name], value), name
+    record = json.loads((runs["root"] / "loaded-ep2.json").read_text())
+    assert record["step"] == 1 and math.isfinite(record["loss"])
+
+
 def test_torchtitan_moe_safetensors_export_splits_the_experts_into_hf_names_and_loads_back(
     torchtitan_moe_runs: dict[str, Path],
 ) -> None:

@@ -340,7 +340,11 @@ def run_job(mode: str, args: list[str]) -> None:
         import subprocess
 
         if torch.distributed.get_rank() == 0:
-            subprocess.run([sys.executable, "-m", "pmakit", *args], check=True)
+            # A merge of its own, not a rank of this job: under torchrun's variables pmakit would wait for the
+            # other ranks to join its distributed merge.
+            torchrun = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+            env = {k: v for k, v in os.environ.items() if k not in torchrun}
+            subprocess.run([sys.executable, "-m", "pmakit", *args], check=True, env=env)
         torch.distributed.barrier()
     else:
         raise SystemExit(f"unknown mode {mode}")
