@@ -709,11 +709,15 @@ class Trainer:
         self.copies.close()
 
     def describe(self) -> dict[str, Any]:
+        m = self.config.model
+        experts = (  # a dense model's description stays as it was
+            {"active_parameters": active_parameters(self.model), "experts": m.experts, "top_k": m.top_k}
+            if m.moe
+            else {}
+        )
         return {
             "parameters": count_parameters(self.model),
-            "active_parameters": active_parameters(self.model),
-            "experts": self.config.model.experts,
-            "top_k": self.config.model.top_k if self.config.model.moe else None,
+            **experts,
             "layers": self.config.model.layers,
             "hidden": self.config.model.hidden,
             "vocab_size": self.corpus.vocab_size,
