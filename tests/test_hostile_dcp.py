@@ -153,3 +153,51 @@ def test_record_view_returns_none_for_any_damaged_record() -> None:
         mm.write(bytes(data))
         view = record_view(mm, 0, len(data), torch.float32, (6,))
         assert view is None or view.numel() == 6
+
+
+@pytest.mark.parametrize(
+    "ref",
+    [
+        ("argparse", "Namespace"),  # becomes pmakit's stand-in
+        ("collections", "OrderedDict"),
+        ("torch", "Size"),
+        ("torch._utils", "_rebuild_tensor_v2"),
+        ("torch", "float32"),
+    ],
+)
+def test_common_pt_cannot_build_on_a_class(tmp_path: Path, ref: tuple[str, str]) -> None:
+    """Megatron's ``common.pt`` goes through ``torch.load(weights_only=True)`` with a stand-in class: its
+    unpickler refuses BUILD/SETITEM/APPEND on a class object (checked here on the real reader), so a pickle cannot
+    change the stand-in or a class torch allows."""
+    import importlib
+
+    from pmakit.layouts import megatron
+    from pmakit.layouts.base import IncompleteSnapshot
+
+    module, name = ref
+    target = (
+        megatron._StandIn
+        if ref == ("argparse", "Namespace")
+        else getattr(importlib.import_module(module), name)
+    )
+    before = dict(getattr(target, "__dict__", {}))
+    g = b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+    state = b"}X\x07\x00\x00\x00is_fileX\x05\x00\x00\x00pwneds"
+    for body in (b"N" + state + b"\x86b", state + b"b", b"X\x01\x00\x00\x00kK\x01s", b"K\x01a"):
+        buffer = io.BytesIO()
+        torch.save({"iteration": 1}, buffer)
+        file = tmp_path / "common.pt"
+        file.write_bytes(buffer.getvalue())
+        _rewrite_zip(file, b"\x80\x02" + g + body + b".")
+        with pytest.raises(IncompleteSnapshot):
+            megatron.read_common(file)
+    assert dict(getattr(target, "__dict__", {})) == before
+
+
+def _rewrite_zip(file: Path, pkl: bytes) -> None:
+    old = zipfile.ZipFile(io.BytesIO(file.read_bytes()))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as new:
+        for name in old.namelist():
+            new.writestr(zipfile.ZipInfo(name), pkl if name.endswith("data.pkl") else old.read(name))
+    file.write_bytes(out.getvalue())

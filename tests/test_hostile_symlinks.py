@@ -74,3 +74,19 @@ def test_a_checkpoint_linked_from_outside_the_run_is_merged_only_when_named(tmp_
     assert named.returncode == 0, named.stderr
     assert "is a symlink to" in named.stderr
     assert str(tmp_path / "elsewhere" / "step-3") in (tmp_path / "out2" / "pmakit-merge.json").read_text()
+
+
+def test_megatron_write_back_refuses_a_common_pt_linked_from_outside(tmp_path: Path) -> None:
+    import pytest
+
+    from pmakit.errors import PmakitError
+    from pmakit.layouts import megatron
+
+    (tmp_path / "other.pt").write_bytes(b"theirs")
+    template = tmp_path / "iter_0000010"
+    template.mkdir()
+    (template / "common.pt").symlink_to(tmp_path / "other.pt")
+    (template / "metadata.json").write_text("{}")
+    with pytest.raises(PmakitError, match="outside the checkpoint"):
+        megatron.LAYOUT.write({}, template, tmp_path / "out", distributed=False, fsync=False)
+    assert not (tmp_path / "out").exists()

@@ -63,6 +63,7 @@ from pmakit.layouts.base import (
     validate_metadata,
 )
 from pmakit.layouts.dcp import written_dcp_files
+from pmakit.runs import resolves_inside
 
 COMMON_FILE = "common.pt"
 """The non-sharded part of Megatron's state dict (``COMMON_STATE_FNAME``), up to megatron-core 0.18."""
@@ -231,6 +232,11 @@ class MegatronLayout(Layout):
         fsync: bool,
     ) -> list[str]:
         rank0 = not distributed or torch.distributed.get_rank() == 0
+        for name in (COMMON_FILE, CONFIG_FILE):  # carried over below: a link to a file elsewhere is refused
+            if (template / name).exists() and not resolves_inside(template / name, template):
+                raise PmakitError(
+                    f"{template / name}: a link to a file outside the checkpoint; not copying it"
+                )
         state: dict[str, Any] = dict(merged)
         if rank0:  # non-tensor entries once, from the newest input, byte for byte
             state.update(
