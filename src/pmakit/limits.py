@@ -43,6 +43,15 @@ TENSORS_PER_FILE = Limit(
     "tensors-per-file", 200_000, "tensors in one weights file or index (a 405B model has ~2,000)"
 )
 
+RESULTS_BYTES = Limit("results-bytes", 256 * MIB, "a results file read by pmakit scaling-fit (CSV or JSONL)")
+SCALING_POINTS = Limit(
+    "scaling-points", 10_000, "merge and anneal points of one scaling-fit (10 sizes x 20 budgets: 400)"
+)
+CONFIG_BYTES = Limit("config-bytes", 16 * MIB, "a YAML or TOML config file")
+CONFIG_NODES = Limit(
+    "config-nodes", 100_000, "values in a config file once its YAML aliases are expanded (a preset has ~100)"
+)
+
 TABLE: tuple[Limit, ...] = (
     DCP_METADATA_BYTES,
     PICKLE_RECORD_BYTES,
@@ -50,6 +59,10 @@ TABLE: tuple[Limit, ...] = (
     JSON_DEPTH,
     SAFETENSORS_HEADER_BYTES,
     TENSORS_PER_FILE,
+    RESULTS_BYTES,
+    SCALING_POINTS,
+    CONFIG_BYTES,
+    CONFIG_NODES,
 )
 
 

@@ -16,7 +16,6 @@ says when a target is out of reach of every fit. A leaf module: numpy and scipy 
 from __future__ import annotations
 
 import csv
-import json
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -28,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from pmakit.errors import PmakitError
+from pmakit.limits import RESULTS_BYTES, SCALING_POINTS, loads_json, read_regular, refuse
 
 KINDS = ("merge", "anneal")
 PARAMS = ("E", "A", "B", "alpha", "beta")
@@ -43,6 +43,7 @@ _GRID = {
     "alpha": np.linspace(0.0, 2.0, 5),
     "beta": np.linspace(0.0, 2.0, 5),
 }
+_GRID_CHUNK = 256
 _LOWER = np.array([-10.0, -20.0, -20.0, 0.0, 0.0])
 _UPPER = np.array([10.0, 80.0, 80.0, 4.0, 4.0])
 
@@ -160,11 +161,13 @@ def _grid_starts(
     """The ``keep`` grid points with the lowest objective, best first."""
     grid = np.array(list(product(*_GRID.values())))  # columns e, a, b, alpha, beta
     e, a, b, alpha, beta = (grid[:, i : i + 1] for i in range(5))
-    terms = np.stack(
-        [a - alpha * log_n[None, :], b - beta * log_d[None, :], np.broadcast_to(e, (len(grid), len(log_n)))]
-    )
-    pred = np.logaddexp(np.logaddexp(terms[0], terms[1]), terms[2])
-    order = np.argsort(_huber(pred - log_l[None, :], delta), kind="stable")
+    score = np.zeros(len(grid))
+    # Points in chunks: the grid times every point at once would be 5,400 x N doubles per array (21 GB at 200k).
+    for lo in range(0, len(log_n), _GRID_CHUNK):
+        n_, d_, l_ = (x[None, lo : lo + _GRID_CHUNK] for x in (log_n, log_d, log_l))
+        pred = np.logaddexp(np.logaddexp(a - alpha * n_, b - beta * d_), e)
+        score += _huber(pred - l_, delta)
+    order = np.argsort(score, kind="stable")
     return grid[order[:keep]]
 
 
@@ -185,24 +188,28 @@ def _minimise(
 ) -> tuple[np.ndarray, float] | None:
     """The best local optimum over ``starts`` (None when no start converged)."""
     from scipy.optimize import minimize
+    from threadpoolctl import threadpool_limits
 
     best: tuple[np.ndarray, float] | None = None
-    for x0 in starts:
-        res = minimize(
-            _objective,
-            np.clip(x0, _LOWER, _UPPER),
-            args=(log_n, log_d, log_l, delta),
-            jac=True,
-            method="L-BFGS-B",
-            bounds=list(zip(_LOWER, _UPPER)),
-            # Tolerances near machine precision: the objective is ~1e-6 at the optimum, so scipy's defaults would
-            # stop far from it (the flaw Besiroglu et al. found in the original fit).
-            options={"maxiter": 5000, "ftol": 1e-15, "gtol": 1e-12, "maxcor": 20},
-        )
-        if not res.success or not np.all(np.isfinite(res.x)):
-            continue  # not converged: never report an optimiser that stopped early
-        if best is None or res.fun < best[1]:
-            best = (res.x, float(res.fun))
+    # One BLAS thread: L-BFGS-B's products are 5 x 20, and on a busy machine more threads only wait for each other
+    # at every one of them (a fit of 48 points: 40 s with two OpenBLAS threads at load 20, 3.7 s with one).
+    with threadpool_limits(limits=1, user_api="blas"):
+        for x0 in starts:
+            res = minimize(
+                _objective,
+                np.clip(x0, _LOWER, _UPPER),
+                args=(log_n, log_d, log_l, delta),
+                jac=True,
+                method="L-BFGS-B",
+                bounds=list(zip(_LOWER, _UPPER)),
+                # Tolerances near machine precision: the objective is ~1e-6 at the optimum, so scipy's defaults
+                # would stop far from it (the flaw Besiroglu et al. found in the original fit).
+                options={"maxiter": 5000, "ftol": 1e-15, "gtol": 1e-12, "maxcor": 20},
+            )
+            if not res.success or not np.all(np.isfinite(res.x)):
+                continue  # not converged: never report an optimiser that stopped early
+            if best is None or res.fun < best[1]:
+                best = (res.x, float(res.fun))
     return best
 
 
@@ -345,13 +352,16 @@ def _minimax_at(beta: float, d: np.ndarray, loss: np.ndarray) -> float:
 
     x = d**-beta
     rows = np.stack([1 / loss, x / loss, -np.ones_like(x)], axis=1)  # |(c + B x) / L - 1| <= t, t minimised
-    res = linprog(
-        [0.0, 0.0, 1.0],
-        A_ub=np.concatenate([rows, -rows * [1, 1, -1]]),
-        b_ub=np.concatenate([np.ones_like(x), -np.ones_like(x)]),
-        bounds=[(0, None)] * 3,
-        method="highs",
-    )
+    try:
+        res = linprog(
+            [0.0, 0.0, 1.0],
+            A_ub=np.concatenate([rows, -rows * [1, 1, -1]]),
+            b_ub=np.concatenate([np.ones_like(x), -np.ones_like(x)]),
+            bounds=[(0, None)] * 3,
+            method="highs",
+        )
+    except ValueError:  # HiGHS refuses a badly scaled programme: no curve found, not an error of the fit
+        return math.inf
     return float(res.x[2]) if res.success else math.inf
 
 
@@ -611,6 +621,7 @@ def _null_nans(x: Any) -> Any:
 
 # --------------------------------------------------------------------------------------------------- files
 
+_VALUE_RANGE = (1e-30, 1e30)
 _ALIASES = {
     "n": ("params", "n", "parameters", "non_embedding_params"),
     "d": ("tokens", "d"),
@@ -640,6 +651,11 @@ def _point(record: Mapping[str, Any], where: str) -> Point | None:
             raise PmakitError(f"{where}: {name} value {raw!r} is not a number") from None
         if not (math.isfinite(x) and x > 0):
             raise PmakitError(f"{where}: {name} must be a positive number, got {raw!r}")
+        if not _VALUE_RANGE[0] <= x <= _VALUE_RANGE[1]:
+            # Far outside any model size, token count or loss in nats; their reciprocals overflow the floor's LP.
+            raise PmakitError(
+                f"{where}: {name} {raw!r} is outside {_VALUE_RANGE[0]:g} .. {_VALUE_RANGE[1]:g}"
+            )
         values.append(x)
     return Point(values[0], values[1], values[2], kind)
 
@@ -647,21 +663,21 @@ def _point(record: Mapping[str, Any], where: str) -> Point | None:
 def _records(path: Path) -> list[tuple[str, Mapping[str, Any]]]:
     if not path.is_file():
         raise PmakitError(f"{path}: no such results file")
-    text = path.read_text(encoding="utf-8", errors="replace")
+    text = read_regular(path, RESULTS_BYTES).decode("utf-8", errors="replace")
     if path.suffix in (".jsonl", ".json"):
         out: list[tuple[str, Mapping[str, Any]]] = []
         for i, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                raise PmakitError(f"{path}:{i}: not a JSON object") from None
+            obj = loads_json(line, f"{path}:{i}")
             if not isinstance(obj, dict):
                 raise PmakitError(f"{path}:{i}: not a JSON object")
             out.append((f"{path}:{i}", obj))
         return out
-    rows = list(csv.DictReader(text.splitlines()))
+    try:
+        rows = list(csv.DictReader(text.splitlines()))
+    except csv.Error as e:  # a field over csv's own limit (128 KiB), a NUL byte
+        raise PmakitError(f"{path}: not a readable CSV file ({e})") from None
     return [(f"{path}:{i + 2}", r) for i, r in enumerate(rows)]
 
 
@@ -674,4 +690,6 @@ def read_points(paths: Sequence[str | Path]) -> list[Point]:
         if not mine:
             raise PmakitError(f"{path}: no rows with kind merge or anneal")
         points += mine
+        if len(points) > SCALING_POINTS.value:
+            raise refuse(SCALING_POINTS, f"{path}: {len(points):,} merge and anneal points")
     return points

@@ -63,6 +63,8 @@ def fit_files(
     """``pmakit scaling-fit``: fit the merge and anneal points of ``paths``; write OUT/scaling_fit.json and .png.
 
     ``holdout`` and ``bootstrap`` default to the study's own (a study's results file) else ``largest`` and 400."""
+    if out.exists() and not out.is_dir():  # before minutes of fitting, not after
+        raise PmakitError(f"{out}: exists and is not a directory (-o names the directory to write)")
     points = read_points(paths)
     own = study_settings(paths)
     holdout = holdout or str(own.get("holdout", "largest"))
