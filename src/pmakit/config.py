@@ -7,6 +7,7 @@ to start your own from. A config file replaces the preset it names (``preset: de
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 from pmakit.errors import PmakitError
+from pmakit.limits import CONFIG_BYTES, CONFIG_NODES, read_regular, refuse
 from pmakit.units import parse_tokens
 
 TOKENS = "tokens"
@@ -53,7 +55,12 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is Annotated:
         if TOKENS in args[1:] and isinstance(value, str):
-            return parse_tokens(value)
+            try:
+                return parse_tokens(value)
+            except PmakitError as e:
+                raise PmakitError(f"{where}: {e}") from None
+        if TOKENS in args[1:] and isinstance(value, float) and value.is_integer():
+            return int(value)  # TOML's 1e6
         return _convert(value, args[0], where)
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         if isinstance(value, hint):
@@ -66,11 +73,25 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         options = [a for a in args if a is not type(None)]
         return _convert(value, options[0], where) if len(options) == 1 else value
-    if hint is float and isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            raise PmakitError(f"{where}: expected a number, got {value!r}") from None
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise PmakitError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise PmakitError(f"{where}: expected a whole number, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                raise PmakitError(f"{where}: expected a number, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise PmakitError(f"{where}: expected a number, got {value!r}")
+        if not math.isfinite(value):
+            raise PmakitError(f"{where}: expected a finite number, got {value!r}")
+        return value
     return value
 
 
@@ -113,29 +134,83 @@ def printable_preset(name: str) -> str:
 def _parse(text: str, where: str) -> dict[str, Any]:
     import yaml
 
+    loader = yaml.SafeLoader(text)
     try:
-        data = yaml.safe_load(text) or {}
+        node = loader.get_single_node()
+        if node is not None:
+            _check_expanded_size(node, where)
+        data = (loader.construct_document(node) if node is not None else None) or {}
     except yaml.YAMLError as e:
         raise PmakitError(f"{where}: not valid YAML ({e})") from e
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise refuse(CONFIG_NODES, f"{where} (nested too deeply)") from None
+    finally:
+        loader.dispose()
     if not isinstance(data, dict):
         raise PmakitError(f"{where}: expected a mapping at the top level")
     return data
+
+
+def _check_expanded_size(root: Any, where: str) -> None:
+    """Refuse a YAML document whose values, with every alias expanded, are over ``CONFIG_NODES``: a 1 KB file of
+    nested aliases (a "billion laughs") loads as a few shared lists, then every walk over the config (merging it
+    into its preset, printing it, converting it) visits each of their billions of leaves. Counted on the composed
+    nodes (each shared node sized once), without building anything."""
+    import yaml
+
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        if id(node) in sizes:
+            continue
+        if isinstance(node, yaml.MappingNode):
+            children = [c for pair in node.value for c in pair]
+        elif isinstance(node, yaml.SequenceNode):
+            children = list(node.value)
+        else:
+            children = []
+        if done:
+            open_.discard(id(node))
+            sizes[id(node)] = 1 + sum(sizes[id(c)] for c in children)
+            if sizes[id(node)] > CONFIG_NODES.value:
+                raise refuse(
+                    CONFIG_NODES, f"{where} (its aliases expand to over {CONFIG_NODES.value:,} values)"
+                )
+            continue
+        if id(node) in open_:
+            raise PmakitError(f"{where}: a YAML alias refers to a value that contains it")
+        open_.add(id(node))
+        stack.append((node, True))
+        for c in children:
+            if id(c) in open_:
+                raise PmakitError(f"{where}: a YAML alias refers to a value that contains it")
+            if id(c) not in sizes:
+                stack.append((c, False))
 
 
 def read_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise PmakitError(f"{path}: no such config file")
+    raw = read_regular(path, CONFIG_BYTES)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PmakitError(f"{path}: not UTF-8 text ({e.reason})") from None
     if path.suffix == ".toml":
         try:
             import tomllib
         except ImportError as e:  # Python 3.10
             raise PmakitError(f"{path}: TOML configs need Python 3.11+; use YAML") from e
         try:
-            return tomllib.loads(path.read_text())
+            return tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise PmakitError(f"{path}: not valid TOML ({e})") from e
-    return _parse(path.read_text(), str(path))
+        except RecursionError:
+            raise refuse(CONFIG_NODES, f"{path} (nested too deeply)") from None
+    return _parse(text, str(path))
 
 
 def merge_dicts(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

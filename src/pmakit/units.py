@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from pmakit.errors import PmakitError
@@ -30,7 +31,10 @@ def _parse(text: str | int, suffixes: dict[str, int], what: str) -> int:
     if not match or suffix not in suffixes:
         known = ", ".join(s for s in suffixes if s)
         raise PmakitError(f"cannot read {what} {text!r}: use a number with an optional suffix ({known})")
-    return round(float(match.group(1)) * suffixes[suffix])
+    value = float(match.group(1)) * suffixes[suffix]
+    if not math.isfinite(value):
+        raise PmakitError(f"cannot read {what} {text!r}: not a finite number")
+    return round(value)
 
 
 def parse_tokens(text: str | int) -> int:

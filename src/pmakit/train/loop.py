@@ -159,6 +159,33 @@ class TrainConfig:
             raise PmakitError(
                 "train.router_aux_coef and train.router_bias_rate need a MoE model (model.experts)"
             )
+        self._check_ranges()
+
+    def _check_ranges(self) -> None:
+        """The fields that would otherwise fail deep in a run (a division by zero, torch's own errors) or be
+        silently meaningless (a NaN clip), each named."""
+        for name in ("log_every", "eval_batches", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise PmakitError(f"train.{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("eval_every", "warmup_tokens", "decay_tokens", "weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise PmakitError(f"train.{name} must be 0 or more, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise PmakitError(f"train.lr must be positive, got {self.lr}")
+        if not 0 < self.val_fraction < 1:
+            raise PmakitError(f"train.val_fraction must be between 0 and 1, got {self.val_fraction}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise PmakitError(f"train.min_lr_ratio must be between 0 and 1, got {self.min_lr_ratio}")
+        if not 0 < self.average_alpha <= 1:
+            raise PmakitError(f"train.average_alpha must be in (0, 1], got {self.average_alpha}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise PmakitError(f"train.betas must be two numbers in [0, 1), got {list(self.betas)}")
+        if not 0 <= self.seed < 2**63:
+            raise PmakitError(f"train.seed must be in 0 .. 2^63 - 1, got {self.seed}")
+        for name in ("threads", "keep_last", "max_corpus_bytes", "checkpoint_every_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise PmakitError(f"train.{name} must be at least 1 (or null), got {value}")
 
     @property
     def tokens_per_step(self) -> int:

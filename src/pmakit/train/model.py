@@ -51,12 +51,20 @@ class ModelConfig:
     """Each expert's MLP width (MoE only; default: hidden, so top-2 is about the dense MLP's active width)."""
 
     def __post_init__(self) -> None:
+        if min(self.layers, self.hidden, self.heads, self.seq_len) < 1:
+            raise PmakitError(f"model sizes must be positive: {asdict(self)}")
+        if self.intermediate is not None and self.intermediate < 1:
+            raise PmakitError(
+                f"model.intermediate must be positive (or null: ~8/3 x hidden), got {self.intermediate}"
+            )
+        if self.kv_heads is not None and (self.kv_heads < 1 or self.heads % self.kv_heads):
+            raise PmakitError(
+                f"model.kv_heads ({self.kv_heads}) must be a positive divisor of model.heads ({self.heads})"
+            )
         if self.hidden % self.heads:
             raise PmakitError(
                 f"model.hidden ({self.hidden}) must be a multiple of model.heads ({self.heads})"
             )
-        if min(self.layers, self.hidden, self.heads, self.seq_len) < 1:
-            raise PmakitError(f"model sizes must be positive: {asdict(self)}")
         if self.experts < 0 or (self.experts and not 1 <= self.top_k <= self.experts):
             raise PmakitError(
                 f"model.experts must be 0 (dense) or positive with 1 <= model.top_k <= model.experts, got "
