@@ -28,6 +28,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from pmakit.limits import JSON_DEPTH, json_depth_ok, refuse
+
 SNAPSHOTS = "snapshots"
 """``RUN/snapshots/``: the weight snapshots of a training run."""
 CHECKPOINT = "checkpoint"
@@ -177,12 +179,16 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     records = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+    for i, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
         try:
             record = json.loads(line)
         except ValueError:
             continue
+        except RecursionError:  # not a torn line: a written one, nested past any record pmakit writes
+            raise refuse(JSON_DEPTH, f"{path}:{i}") from None
         if isinstance(record, dict):
+            if not json_depth_ok(record):
+                raise refuse(JSON_DEPTH, f"{path}:{i}")
             records.append(record)
     return records
 

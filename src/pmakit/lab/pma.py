@@ -117,6 +117,8 @@ class ExperimentConfig:
     def __post_init__(self) -> None:
         if not self.forks:
             raise PmakitError("experiment.forks needs at least one fork point")
+        if min(self.forks) < 1:
+            raise PmakitError(f"experiment.forks must be positive token counts, got {list(self.forks)}")
         if not 0 < self.anneal_fraction <= 1:
             raise PmakitError(f"experiment.anneal_fraction must be in (0, 1], got {self.anneal_fraction}")
         if min(self.ns, default=0) < 1 or min(self.v_multiples, default=0) < 1:
@@ -178,6 +180,15 @@ def resolve(data: Mapping[str, Any]) -> Study:
             )
         forks.append(Fork(fork, anneal))
     total = max(f.eval_tokens for f in forks)
+    if total > train.total_tokens:
+        # The study trains to the last fork's end; past the config's own length it is a typo (forks: [1e9] with
+        # total_tokens: 8192 was a silent 13-hour run), never a wish.
+        last = forks[-1]
+        raise PmakitError(
+            f"experiment.forks: the last fork ({format_tokens(last.fork_tokens)}) and its anneal end at "
+            f"{format_tokens(total)} tokens, beyond train.total_tokens ({format_tokens(train.total_tokens)}); "
+            "raise train.total_tokens to train that long"
+        )
     # The constant-LR run goes exactly to the last fork's end; fork states are kept for the anneal branches.
     train = replace(
         train, total_tokens=total, decay_tokens=0, keep_checkpoints_at=tuple(f.fork_tokens for f in forks)

@@ -102,8 +102,12 @@ class TuneConfig:
             raise PmakitError(
                 f"--budget-evals must be at least 2 (the two baselines), got {self.budget_evals}"
             )
-        if self.budget_seconds is not None and self.budget_seconds <= 0:
-            raise PmakitError(f"--budget-seconds must be positive, got {self.budget_seconds}")
+        if self.budget_seconds is not None and not 0 < self.budget_seconds < math.inf:  # NaN: never stops
+            raise PmakitError(
+                f"--budget-seconds must be a positive number of seconds, got {self.budget_seconds}"
+            )
+        if not 0 <= self.seed < 2**32:  # optuna's TPE sampler seeds numpy's legacy RandomState
+            raise PmakitError(f"--seed must be in 0 .. 2^32 - 1, got {self.seed}")
         if self.batches < 2:
             raise PmakitError(
                 f"--batches must be at least 2 (a standard error needs two), got {self.batches}"
