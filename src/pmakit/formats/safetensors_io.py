@@ -54,7 +54,10 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 def _weight_map(index: Path) -> dict[str, str]:
     """The ``weight_map`` of a sharded checkpoint's index (bounded in size and nesting)."""
-    data = limits.read_json(index)
+    try:
+        data = limits.read_json(index)
+    except PmakitError as e:
+        raise PmakitError(f"{index}: unreadable index ({str(e).removeprefix(f'{index}: ')})") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise PmakitError(f"{index}: unreadable index (no weight_map of tensor names to file names)")
