@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from pmakit.errors import PmakitError
-from pmakit.evaluate import batch_losses, paired_difference, result_of
+from pmakit.evaluate import EvalResult, batch_losses, paired_difference, result_of
 from pmakit.formats import read_state
 from pmakit.merge import average_states
 from pmakit.runs import (
@@ -135,8 +135,9 @@ def moe_tables(study: Any, run_dir: Path, corpus: Any) -> dict[str, Any]:
         **{f"merged, bias {rule}": average_states(states, weights, buffers=rule) for rule in RULES},
     }
     model = build_model(cfg.model, corpus.vocab_size, seed=cfg.seed)
-    results: dict[str, dict[str, Any]] = {}
-    routing, losses = [], []
+    results: dict[tuple[str, str], EvalResult] = {}
+    routing: list[dict[str, Any]] = []
+    losses: list[dict[str, Any]] = []
     for name, state in models.items():
         for split, split_batches_ in batches.items():
             log.info("moe: %s on the %s split (%d batches)", name, split, len(split_batches_))

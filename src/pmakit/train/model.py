@@ -146,7 +146,7 @@ def build_model(
 def _router_base() -> type[torch.nn.Module]:
     from transformers.models.olmoe.modeling_olmoe import OlmoeTopKRouter
 
-    return OlmoeTopKRouter  # type: ignore[no-any-return]
+    return OlmoeTopKRouter
 
 
 class BiasedRouter(_router_base()):  # type: ignore[misc]
@@ -213,8 +213,8 @@ def active_parameters(model: torch.nn.Module) -> int:
     """Parameters one token passes through: all of a dense model; a MoE's top-k of its experts (and every router)."""
     total = count_parameters(model)
     for r in routers(model):
-        moe = model.get_submodule(_parent(model, r))
-        experts = sum(p.numel() for p in moe.experts.parameters())
+        experts_module = model.get_submodule(f"{_parent(model, r)}.experts")
+        experts = sum(p.numel() for p in experts_module.parameters())
         total -= experts - experts * r.top_k // r.num_experts
     return total
 
