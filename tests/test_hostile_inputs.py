@@ -144,7 +144,7 @@ def test_a_toml_float_seed_is_refused_before_any_work(tmp_path: Path) -> None:
     assert proc.stderr.strip() == "Error: train.seed: expected a whole number, got 1e+40"
     assert not (tmp_path / "run").exists()
     # TOML's own float spelling of a token count is still a token count
-    assert TrainConfig.from_dict({"total_tokens": 8192.0}).total_tokens == 8192
+    assert TrainConfig.from_dict({"total_tokens": 81920.0, "every_tokens": 40960}).total_tokens == 81920
 
 
 # --------------------------------------------------------------------------------------------------- studies
