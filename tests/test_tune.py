@@ -504,3 +504,32 @@ def test_files_too_unequal_to_divide_whole_are_halved() -> None:
     assert held.mode == "halves" and held.documents == (2, 2)
     assert held.selection.tolist() == [*small[:2], *big[:10]]
     assert held.test.tolist() == [*small[2:], *big[10:]]
+
+
+def test_a_failing_eval_cmd_and_foreign_token_ids_are_one_line(tiny: dict[str, Path], tmp_path: Path) -> None:
+    """optuna logged the failing trial with its traceback before our error; token ids past the model's vocabulary
+    were an IndexError inside its forward."""
+    import numpy as np
+
+    env = {"PMAKIT_CACHE": str(tiny["cache"])}
+    failing = run_cli(
+        "tune",
+        tiny["run"],
+        "-o",
+        tmp_path / "a",
+        "--budget-evals",
+        "2",
+        "--eval-cmd",
+        "false {model}",
+        env=env,
+    )
+    big = tmp_path / "ids.npy"
+    np.save(big, np.arange(100_000, 160_000, dtype=np.int64))
+    foreign = run_cli(
+        "tune", tiny["run"], "-o", tmp_path / "b", "--budget-evals", "2", "--eval", big, env=env
+    )
+    for proc, message in ((failing, "--eval-cmd failed"), (foreign, "outside the model's vocabulary")):
+        assert proc.returncode != 0
+        lines = [x for x in proc.stderr.strip().splitlines() if not x.startswith("info:")]
+        assert len(lines) == 1 and lines[0].startswith("Error:") and message in lines[0], proc.stderr
+        assert "Traceback" not in proc.stderr

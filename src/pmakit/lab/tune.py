@@ -459,7 +459,9 @@ def load_eval_data(data: str | None, run: Path, newest: Snapshot, config: TuneCo
     else:
         path = Path(data).expanduser()
         if path.is_file() and path.suffix in (".npy", ".bin"):
-            held, source = heldout_splits(read_token_file(path), eot=None), f"token file {path}"
+            tokens = read_token_file(path)
+            _check_vocabulary(tokens, newest.path, path)
+            held, source = heldout_splits(tokens, eot=None), f"token file {path}"
         else:
             held, source = _text_heldout(data, newest.path, config.seed), f"text {data}"
         batch_size, seq_len = 8, min(256, model_ctx)
@@ -469,6 +471,17 @@ def load_eval_data(data: str | None, run: Path, newest: Snapshot, config: TuneCo
                 int(raw.get("model", {}).get("seq_len", seq_len)),
             )
     return EvalData(held, source, config.batch_size or batch_size, min(config.seq_len or seq_len, model_ctx))
+
+
+def _check_vocabulary(tokens: Any, snapshot_dir: Path, path: Path) -> None:
+    """Token ids the model cannot embed are one error line here, not an IndexError inside its forward."""
+    config = snapshot_dir / "config.json"
+    vocab = json.loads(config.read_text()).get("vocab_size") if config.is_file() else None
+    if isinstance(vocab, int) and len(tokens) and int(tokens.max()) >= vocab:
+        raise PmakitError(
+            f"{path}: token id {int(tokens.max())} is outside the model's vocabulary of {vocab} "
+            f"({config}): the ids must come from the run's own tokenizer"
+        )
 
 
 def _model_context(snapshot_dir: Path) -> int:
@@ -608,7 +621,9 @@ def search(
     coarse SMA ``lattice``, up to half the trial budget; TPE samples from there on."""
     import optuna
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    # ERROR, not WARNING: optuna logs a trial that raised (a failing --eval-cmd: our one-line PmakitError) as a
+    # warning with its traceback, before the error itself reaches the command line.
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
     startup = max(2, min(10, (config.budget_evals or 40) // 3))
     sampler = optuna.samplers.TPESampler(seed=config.seed, n_startup_trials=startup)
     study = optuna.create_study(direction="minimize", sampler=sampler)
