@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from pmakit.errors import PmakitError
@@ -90,6 +91,7 @@ def _launch(replicas: int) -> None:
     """Run this command again as ``replicas`` worker processes on this machine (a torchrun of our own)."""
     import uuid
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -108,7 +110,21 @@ def _launch(replicas: int) -> None:
     try:
         elastic_launch(launch, entrypoint=sys.executable)("-m", "pmakit", *sys.argv[1:])
     except ChildFailedError as e:
-        rank, failure = min(e.failures.items())
-        raise PmakitError(
-            f"model copy {rank} of {replicas} failed (exit {failure.exitcode}); its error is printed above"
-        ) from None
+        raise PmakitError(failure_line(e.failures, replicas)) from None
+    except SignalException as e:  # Ctrl-C or a SIGTERM to this launcher: torch's agent stopped the copies
+        print(f"stopped by {e.sigval.name}: the model copies were stopped", file=sys.stderr)
+        raise SystemExit(128 + int(e.sigval)) from None
+
+
+_STOPPED = (-int(signal.SIGTERM), 128 + int(signal.SIGTERM))
+"""How a copy ends that the launcher stopped because another one failed: SIGTERM, or our handler's exit 143."""
+
+
+def failure_line(failures: Mapping[int, Any], replicas: int) -> str:
+    """The one line for copies that failed: the copy that failed first, not one the launcher stopped after it
+    (every other copy then ends with SIGTERM); a copy killed by a signal has no error of its own to point to."""
+    rank = next((r for r in sorted(failures) if failures[r].exitcode not in _STOPPED), min(failures))
+    code = failures[rank].exitcode
+    if code < 0:
+        return f"model copy {rank} of {replicas} was killed by {signal.Signals(-code).name}"
+    return f"model copy {rank} of {replicas} failed (exit {code}); its error is printed above"
