@@ -98,8 +98,8 @@ def scan(
     A run directory is a folder of snapshot directories; they may also sit one level down (``RUN/snapshots/``).
     Hidden directories (a merge's temporary output), merged models (``pmakit-merge.json``) and full training
     checkpoints (``"kind": "checkpoint"`` in ``pmakit.json``) are ignored. A snapshot directory that is a symlink
-    to somewhere outside the run is not part of it: reported as skipped (naming it explicitly merges it, and the
-    console and the manifest show where it really is).
+    to somewhere outside the run is part of it (runs are assembled from links), with a warning naming where it
+    points; the merge manifest records every input's resolved path.
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -107,12 +107,13 @@ def scan(
     found: list[Snapshot | IncompleteSnapshot] = []
     for candidate, layout in candidates(run_dir):
         if not resolves_inside(candidate, run_dir):
-            found.append(
-                IncompleteSnapshot(
-                    candidate, f"a symlink to {candidate.resolve()}, outside the run (name it to merge it)"
-                )
+            # Runs assembled from links (checkpoints on another volume linked into the run folder) are common:
+            # merged, but never silently, and the manifest keeps where each input really is.
+            log.warning(
+                "%s is a symlink to %s, outside the run: merged as part of it (the manifest records where it is)",
+                candidate,
+                candidate.resolve(),
             )
-            continue
         try:
             snap = layout.read(candidate, tokens_per_step)
         except IncompleteSnapshot as e:
