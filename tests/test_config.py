@@ -88,3 +88,15 @@ def test_every_presets_printed_config_reproduces_its_run(tmp_path: Path) -> None
     again = tmp_path / "again.yaml"
     again.write_text(proc.stdout)
     assert load(again, None, "demo") == load(None, "smoke", "demo")
+
+
+def test_every_shipped_study_preset_resolves() -> None:
+    """Each preset passes the checks a user's config goes through (the moe preset's last anneal once ended past its
+    own total_tokens: refused at start)."""
+    from pmakit.config import _parse, preset_names, preset_text
+    from pmakit.lab import pma
+
+    for name in preset_names():
+        data = _parse(preset_text(name), name)
+        if data.get("study", "pma") in ("pma", "moe"):
+            pma.resolve(data)  # raises on a fork past the run, a fork in the warmup, a bad field
