@@ -137,7 +137,6 @@ def moe_tables(study: Any, run_dir: Path, corpus: Any) -> dict[str, Any]:
     model = build_model(cfg.model, corpus.vocab_size, seed=cfg.seed)
     results: dict[tuple[str, str], EvalResult] = {}
     routing: list[dict[str, Any]] = []
-    losses: list[dict[str, Any]] = []
     for name, state in models.items():
         for split, split_batches_ in batches.items():
             log.info("moe: %s on the %s split (%d batches)", name, split, len(split_batches_))
@@ -146,20 +145,7 @@ def moe_tables(study: Any, run_dir: Path, corpus: Any) -> dict[str, Any]:
             results[name, split] = result_of(per_batch, corpus.bytes_per_token)
             base = {"model": name, "split": split, "batches": len(split_batches_), "tokens": last.eval_tokens}
             routing += [{**base, **layer} for layer in layers]
-    for (name, split), r in results.items():
-        delta, se = paired_difference(r, results["latest", split]) if name != "latest" else (0.0, 0.0)
-        losses.append(
-            {
-                "model": name,
-                "split": split,
-                "batches": len(batches[split]),
-                "val_loss": r.loss,
-                "val_loss_se": r.loss_se,
-                "delta_vs_latest": delta,
-                "delta_se": se,
-                "batch_losses": r.batch_losses,
-            }
-        )
+    losses = _loss_rows(results, {split: len(b) for split, b in batches.items()})
     a, b = (f"merged, bias {rule}" for rule in RULES)
     chosen = min(RULES, key=lambda rule: results[f"merged, bias {rule}", "selection"].loss)
     diff, diff_se = paired_difference(results[b, "test"], results[a, "test"])
@@ -191,16 +177,42 @@ def moe_tables(study: Any, run_dir: Path, corpus: Any) -> dict[str, Any]:
             "batches": len(batches["test"]),
             "split": "test",
         },
-        "compute": {
-            "active_parameters": active,
-            "parameters": total,
-            "anneal_tokens": last.anneal_tokens,
-            "anneal_flops": 6 * active * last.anneal_tokens,
-            "merge_eval_tokens": eval_tokens,
-            "merge_flops": 2 * active * eval_tokens,
-            "merge_snapshots_read": best["n"],
-            "merge_bytes_read": best["n"] * 4 * total,
-        },
+        "compute": _compute(active, total, last.anneal_tokens, eval_tokens, best["n"]),
+    }
+
+
+def _loss_rows(results: dict[tuple[str, str], EvalResult], batches: dict[str, int]) -> list[dict[str, Any]]:
+    """One row per (model, split): its loss and its paired difference to the latest snapshot on that split."""
+    rows = []
+    for (name, split), r in results.items():
+        delta, se = paired_difference(r, results["latest", split]) if name != "latest" else (0.0, 0.0)
+        rows.append(
+            {
+                "model": name,
+                "split": split,
+                "batches": batches[split],
+                "val_loss": r.loss,
+                "val_loss_se": r.loss_se,
+                "delta_vs_latest": delta,
+                "delta_se": se,
+                "batch_losses": r.batch_losses,
+            }
+        )
+    return rows
+
+
+def _compute(active: int, total: int, anneal_tokens: int, eval_tokens: int, n: int) -> dict[str, int]:
+    """What the anneal costs (6 x active parameters x its tokens) against scoring the merge once (2 x active
+    parameters x the held-out tokens) and reading its N fp32 snapshots."""
+    return {
+        "active_parameters": active,
+        "parameters": total,
+        "anneal_tokens": anneal_tokens,
+        "anneal_flops": 6 * active * anneal_tokens,
+        "merge_eval_tokens": eval_tokens,
+        "merge_flops": 2 * active * eval_tokens,
+        "merge_snapshots_read": n,
+        "merge_bytes_read": n * 4 * total,
     }
 
 

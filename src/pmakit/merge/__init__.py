@@ -145,17 +145,7 @@ def merge(
     )
     out_format = _output_format(plan, out_format)
     narrow = any(is_float(d) and d != torch.float32 for _, d in plan.tensors.values())
-    sums = None
-    if keep_fp32 and narrow:
-        sums = plan_merge(
-            snapshots,
-            weights,
-            dtype="fp32",
-            max_shard_size=max_shard_size,
-            ranks=world.size,
-            cast=True,
-            buffers=buffers,
-        )
+    sums = _fp32_sums(snapshots, weights, max_shard_size, world, buffers) if keep_fp32 and narrow else None
     job = _Job(
         plan, sums, out, partial_dir(out), world, out_format, fsync, progress, Killer(), max_shard_size
     )
@@ -176,6 +166,25 @@ def merge(
     finally:
         torch.set_num_threads(previous_threads)
     return MergeResult(out, plan, time.perf_counter() - start, result or {})
+
+
+def _fp32_sums(
+    snapshots: Sequence[Snapshot],
+    weights: Sequence[float],
+    max_shard_size: int,
+    world: World,
+    buffers: str,
+) -> MergePlan:
+    """The plan of the fp32 sums kept beside a narrower output (``keep_fp32``): the same merge, cast to fp32."""
+    return plan_merge(
+        snapshots,
+        weights,
+        dtype="fp32",
+        max_shard_size=max_shard_size,
+        ranks=world.size,
+        cast=True,
+        buffers=buffers,
+    )
 
 
 def _leave_partial(partial: Path, error: BaseException, world: World) -> None:

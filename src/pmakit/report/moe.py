@@ -71,6 +71,29 @@ def draw(run_dir: Path, data: dict[str, Any]) -> Path | None:
     return _save(fig, run_dir / FIGURE)
 
 
+def _test_rows(data: dict[str, Any]) -> list[list[str]]:
+    """Per model on the test split: loss, its paired difference to the latest snapshot, and routing health over
+    the layers (the worst max/mean load, dead experts summed, mean entropy)."""
+    rows = []
+    for r in data["losses"]:
+        if r["split"] != "test":
+            continue
+        health = [h for h in data["routing"] if h["model"] == r["model"] and h["split"] == "test"]
+        rows.append(
+            [
+                r["model"],
+                f"{fmt.loss(r['val_loss'])} ± {fmt.loss(r['val_loss_se'])}",
+                "–"
+                if r["model"] == "latest"
+                else f"{fmt.signed(r['delta_vs_latest'])} ± {fmt.loss(r['delta_se'])}",
+                f"{max(h['max_over_mean'] for h in health):.2f}" if health else "–",
+                str(sum(h["dead_experts"] for h in health)) if health else "–",
+                f"{sum(h['entropy'] for h in health) / len(health):.3f}" if health else "–",
+            ]
+        )
+    return rows
+
+
 def blocks(run_dir: Path) -> list[Block]:
     """The section: loss and routing health per model, the bias rule, the compute a merge saves."""
     data = read_moe(run_dir)
@@ -92,27 +115,10 @@ def blocks(run_dir: Path) -> list[Block]:
             f"{math.log(data['experts']):.3f})."
         ),
     ]
-    loss_rows = []
-    for r in data["losses"]:
-        if r["split"] != "test":
-            continue
-        health = [h for h in data["routing"] if h["model"] == r["model"] and h["split"] == "test"]
-        loss_rows.append(
-            [
-                r["model"],
-                f"{fmt.loss(r['val_loss'])} ± {fmt.loss(r['val_loss_se'])}",
-                "–"
-                if r["model"] == "latest"
-                else f"{fmt.signed(r['delta_vs_latest'])} ± {fmt.loss(r['delta_se'])}",
-                f"{max(h['max_over_mean'] for h in health):.2f}" if health else "–",
-                str(sum(h["dead_experts"] for h in health)) if health else "–",
-                f"{sum(h['entropy'] for h in health) / len(health):.3f}" if health else "–",
-            ]
-        )
     out.append(
         Table(
             ["model (test split)", "loss ± s.e.", "Δ vs latest ± s.e.", "max/mean load", "dead", "entropy"],
-            loss_rows,
+            _test_rows(data),
         )
     )
     rule = data["bias_rule"]
