@@ -147,30 +147,17 @@ class Averaging:
         """
         if self.saver is None:
             return {}
-        averager = self.averager.state_dict(include_tensors=include_tensors)
-        averager["window"] = [[t, _stored(p, self.save_dir)] for t, p in averager["window"]]
-        saver = self.saver.state_dict()
-        if saver.get("last_saved"):
-            saver["last_saved"] = {
-                **saver["last_saved"],
-                "path": _stored(saver["last_saved"]["path"], self.save_dir),
-            }
-        return {"saver": saver, "averager": averager}
+        return {
+            "saver": self.saver.state_dict(),
+            "averager": self.averager.state_dict(include_tensors=include_tensors),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any], *, window: bool = True) -> None:
         """Continue from ``state`` (after ``start``); ``window=False`` keeps the saver's marks only (a fork starts
         its own online merge)."""
-        saver = dict(state["saver"])
-        if saver.get("last_saved"):
-            saver["last_saved"] = {
-                **saver["last_saved"],
-                "path": _located(saver["last_saved"]["path"], self.save_dir),
-            }
-        self.started_saver.load_state_dict(saver)
+        self.started_saver.load_state_dict(state["saver"])
         if window:
-            averager = dict(state["averager"])
-            averager["window"] = [[t, _located(p, self.save_dir)] for t, p in averager["window"]]
-            self.averager.load_state_dict(averager)
+            self.averager.load_state_dict(state["averager"])
 
     def _on_saved(self, snapshot: Snapshot, state: dict[str, torch.Tensor]) -> None:
         self.averager.update(state, tokens=snapshot.tokens, path=snapshot.path)
@@ -270,28 +257,3 @@ def _config_text(model: nn.Module | None) -> dict[str, str]:
     if hasattr(generation, "to_json_string"):
         text["generation_config.json"] = generation.to_json_string()  # type: ignore[union-attr]
     return text
-
-
-def _stored(path: str | None, save_dir: Path) -> str | None:
-    """A window snapshot's path as the run keeps it: relative to the snapshot folder, so that the run can be moved,
-    copied or named by another path (from another working directory) and still resume."""
-    if path is None:
-        return None
-    try:
-        return str(Path(path).absolute().relative_to(save_dir.absolute()))
-    except ValueError:
-        return path  # a snapshot outside this run's folder (a merge's input, say): kept as given
-
-
-def _located(path: str | None, save_dir: Path) -> str | None:
-    """Where a stored window path is now: relative to the snapshot folder; or, for runs that kept the path they
-    were given (a working-directory-relative or absolute one), the snapshot of that name in the folder when the
-    path itself no longer leads anywhere (the run was moved or is named from elsewhere)."""
-    if path is None:
-        return None
-    stored = Path(path)
-    if not stored.is_absolute() and (save_dir / stored).exists():
-        return str(save_dir / stored)
-    if stored.exists():
-        return path
-    return str(save_dir / stored.name)
