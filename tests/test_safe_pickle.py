@@ -114,20 +114,18 @@ def test_no_opcode_stream_touches_an_allowed_class(reader: str) -> None:
     )
 
 
+def _path_attack(parts: bool) -> bytes:
+    """The audit's pickle: BUILD on the class pathlib.PosixPath itself, setting ``parents = ()``, ``is_file =
+    PosixPath`` and (``parts``) ``parts = ()``."""
+    items = _unicode("parents") + b")" + _unicode("is_file") + _global("pathlib", "PosixPath")
+    if parts:
+        items += _unicode("parts") + b")"
+    return b"\x80\x02" + _global("pathlib", "PosixPath") + b"N}(" + items + b"u\x86b."
+
+
 def test_the_path_attacks_change_nothing(tmp_path: Path) -> None:
     """The audit's pickle: a .metadata naming only pathlib.PosixPath, setting PosixPath.parents and .is_file."""
-    attack = (
-        b"\x80\x02"
-        + _global("pathlib", "PosixPath")
-        + b"N}("
-        + _unicode("parents")
-        + b")"
-        + _unicode("is_file")
-        + _global("pathlib", "PosixPath")
-        + _unicode("parts")
-        + b")"
-        + b"u\x86b."
-    )
+    attack = _path_attack(parts=True)
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / ".metadata").write_bytes(attack)
@@ -149,16 +147,7 @@ def test_the_path_attack_through_the_cli_deletes_nothing(tmp_path: Path) -> None
         (run / f"step-{step}" / "pmakit.json").write_text(f'{{"step": {step}, "tokens": {step * 100}}}')
     user_file = run / "notes.txt"
     user_file.write_text("mine")
-    attack = (
-        b"\x80\x02"
-        + _global("pathlib", "PosixPath")
-        + b"N}("
-        + _unicode("parents")
-        + b")"
-        + _unicode("is_file")
-        + _global("pathlib", "PosixPath")
-        + b"u\x86b."
-    )
+    attack = _path_attack(parts=False)
     (run / "step-3" / ".metadata").write_bytes(attack)
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     result = run_cli("merge", run, "--last", "3", "-o", run, "--force")
