@@ -4,6 +4,7 @@
     python benchmarks/bench_merge.py --full   # the size: 8 x 1.61 GB (15 layers, 0.8B params): ~30 min*
     python benchmarks/bench_merge.py --full --n 16 --skip naive mergekit cold --repeats 1   # memory at N=16
     python benchmarks/bench_merge.py --layers 2 --n 4 --repeats 1   # a quick look
+    python benchmarks/bench_merge.py --full --cuda --skip naive mergekit cold timed   # on a GPU machine
 
 (*) on this project's 2-core machine at load average ~10 (other jobs); naive and mergekit take most of it, and
 `--skip naive mergekit` leaves the floor and pmakit only. The first run also installs mergekit (~1 min).
@@ -206,6 +207,7 @@ def main() -> None:
     )
     ap.add_argument("--skip", nargs="*", default=[], choices=["naive", "mergekit", "cold", "warm", "timed"])
     ap.add_argument("--make-only", action="store_true", help="only generate the snapshots")
+    ap.add_argument("--cuda", action="store_true", help="also `pmakit merge --device cuda` (needs a GPU)")
     args = ap.parse_args()
     if args.full:
         vars(args).update(FULL)
@@ -242,10 +244,14 @@ def main() -> None:
             str(out_dir),
             "--quiet",
         ],
+        "pmakit-cuda": [
+            *[sys.executable, "-m", "pmakit", "merge", *map(str, snaps), "-o", str(out_dir), "--quiet"],
+            *["--device", "cuda"],
+        ],
         "naive": [sys.executable, "-c", NAIVE, str(out_dir), *map(str, snaps)],
         "mergekit": [str(mergekit), str(config), str(out_dir), "--no-lazy-unpickle", "--allow-crimes"],
     }
-    for skipped in args.skip:
+    for skipped in [*args.skip, *([] if args.cuda else ["pmakit-cuda"])]:
         methods.pop(skipped, None)
     modes = [m for m in ("warm", "cold") if m not in args.skip]
     times: dict[tuple[str, str], list[float]] = {}
@@ -268,10 +274,7 @@ def main() -> None:
                     floor_run(in_files, out_dir)
                     seconds, peak = time.perf_counter() - t0, 0
                 else:
-                    if name not in (
-                        "pmakit",
-                        "timed",
-                    ):  # pmakit refuses an existing output; the others want the directory
+                    if name not in ("pmakit", "pmakit-cuda", "timed"):  # pmakit refuses an existing output
                         out_dir.mkdir()
                     seconds, peak = run(cmd, env)
                 if name == "timed":
@@ -284,7 +287,7 @@ def main() -> None:
                 peaks[key] = max(peaks.get(key, 0), peak)
                 loads.append(os.getloadavg()[0])
                 print(
-                    f"  [{rep + 1}/{args.repeats}] {mode:4} {name:8} {seconds:7.2f} s  cpu {cpu[key][-1]:6.1f} s  "
+                    f"  [{rep + 1}/{args.repeats}] {mode:4} {name:11} {seconds:7.2f} s  cpu {cpu[key][-1]:6.1f} s  "
                     f"anon {peak / 2**20:6.0f} MiB  load {loads[-1]:.1f}",
                     flush=True,
                 )
@@ -312,7 +315,7 @@ def report(
         f"{statistics.median(loads):.1f}) during the run"
     )
     head = (
-        f"{'mode':5} {'method':9} {'median s':>9} {'range s':>13} {'x floor':>8} {'cpu s':>7} {'GB/s in':>8}"
+        f"{'mode':5} {'method':11} {'median s':>9} {'range s':>13} {'x floor':>8} {'cpu s':>7} {'GB/s in':>8}"
     )
     print(head + f" {'anon MiB':>9} {'mergekit/this':>14}")
     for mode in modes:
@@ -322,7 +325,7 @@ def report(
             ts = times[(mode, name)]
             t = statistics.median(ts)
             print(
-                f"{mode:5} {name:9} {t:9.2f} {min(ts):6.2f}-{max(ts):6.2f} {t / floor:8.2f} "
+                f"{mode:5} {name:11} {t:9.2f} {min(ts):6.2f}-{max(ts):6.2f} {t / floor:8.2f} "
                 f"{statistics.median(cpu[(mode, name)]):7.1f} {in_bytes / t / 1e9:8.2f} "
                 f"{peaks[(mode, name)] / 2**20:9.0f} {f'{mk / t:.2f}x' if mk == mk else '-':>14}"
             )

@@ -78,7 +78,13 @@ def init_from_env(device: str = "cpu") -> World:
 
     rank = int(os.environ.get("RANK", "0"))
     if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        local, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+        if local >= count:  # NCCL also refuses two ranks on one GPU
+            raise PmakitError(
+                f"--device cuda: local rank {local} needs GPU {local}, but this machine has {count}; start one "
+                f"rank per GPU (torchrun --nproc-per-node {count})"
+            )
+        torch.cuda.set_device(local)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=TIMEOUT)
     return World(rank, size, device)
