@@ -174,8 +174,10 @@ def megatron19_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
 
 @pytest.fixture(scope="session")
 def megatron_moe_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """megatron-core 0.16.1 MoE (4 SequentialMLP experts, ``router.expert_bias``) at expert parallelism EP=2 over
-    2 ranks (``moe-train``/``moe-pma-init`` in ``megatron_run.py``), in 2 framework processes:
+    """megatron-core 0.19.2 MoE (4 SequentialMLP experts, ``router.expert_bias``) at expert parallelism EP=2 over
+    2 ranks (``moe-train``/``moe-pma-init`` in ``megatron_run.py``), in 2 framework processes. 0.19 is the
+    release MoE users run; the dense runs cover 0.16.1's ``common.pt`` (the expert and router names are the same in
+    both). Where 0.19 is not unpacked, 0.16.1 runs it:
 
     - ``ws1``: 3 iterations, a checkpoint every iteration; ``merged``: ``pmakit merge ws1 -o merged`` (no flags);
     - ``loaded-ep2``, ``loaded-ep1``: what ``dist_checkpointing.load`` loaded from ``merged`` at EP=2, then at
@@ -188,8 +190,9 @@ def megatron_moe_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pat
 
     root = tmp_path_factory.mktemp("megatron-moe")
     script = HERE / "megatron_run.py"
+    path = (MCORE19,) if (MCORE19 / "megatron" / "core").is_dir() else ()
     p = {name: root / name for name in ("ws1", "merged", "loaded-ep1", "loaded-ep2")}
-    run_framework(script, "moe-train", p["ws1"], 3, ranks=2)
+    run_framework(script, "moe-train", p["ws1"], 3, ranks=2, path=path)
     merge = run_cli("merge", p["ws1"], "-o", p["merged"], "-q")
     if merge.returncode != 0:
         pytest.fail(f"pmakit merge failed:\n{merge.stderr[-3000:]}")
@@ -204,7 +207,7 @@ def megatron_moe_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pat
         p["loaded-ep1"],
         1,
     )
-    loaded = run_framework(script, *loads, ranks=2)
+    loaded = run_framework(script, *loads, ranks=2, path=path)
     for line in loaded.stdout.splitlines():
         if line.startswith('{"tp"'):
             (root / f"loaded-ep{json.loads(line)['ep']}.json").write_text(line)
