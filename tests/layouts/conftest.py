@@ -321,10 +321,11 @@ def torchtitan_moe_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, P
 
 @pytest.fixture(scope="session")
 def olmo_core_moe_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """OLMo-core MoE checkpoints (``olmo_core_run.py --experts``), in one process: ``e4`` (4 experts, steps 1..3 saved
-    by the Trainer's checkpointer after seeded perturbations: OLMo-core's MoE forward needs triton on CPU),
-    ``merged`` (``pmakit merge e4`` through the CLI, no flags), what OLMo-core's ``Trainer.load_checkpoint`` loaded
-    from it (``loaded.pt``), and ``e2`` (the same model with 2 experts, steps 1..4)."""
+    """OLMo-core MoE checkpoints (``olmo_core_run.py --experts``), in one process: ``e4`` (4 experts, trained 3
+    steps by OLMo-core's Trainer, a checkpoint every step; its MoE forward's two triton kernels replaced by torch ops
+    in the driver), ``merged`` (``pmakit merge e4`` through the CLI, no flags), what OLMo-core's
+    ``Trainer.load_checkpoint`` loaded from it (``loaded.pt``) before training a step from it, and ``e2`` (the same
+    model with 2 experts, 4 steps)."""
     pytest.importorskip("olmo_core")
     root = tmp_path_factory.mktemp("olmo_core_moe")
     p = {"e4": root / "e4" / "save", "e2": root / "e2" / "save", "merged": root / "merged"}
@@ -334,7 +335,7 @@ def olmo_core_moe_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pa
             "experts",
             4,
             "+",
-            "perturb",
+            "train",
             p["e4"],
             3,
             "+",
@@ -347,6 +348,6 @@ def olmo_core_moe_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pa
             "+",
         ),
         *("pma-init", p["merged"], root / "init" / "save", root / "loaded.pt", "+"),
-        *("experts", 2, "+", "perturb", p["e2"], 4),
+        *("experts", 2, "+", "train", p["e2"], 4),
     )
     return {**p, "root": root}

@@ -6,19 +6,18 @@ top-2, a shared expert, the router's ``score_bias`` for auxiliary-loss-free bala
 
 Modes (several, separated by ``+``, run in one process one after the other):
   train SAVE STEPS        a tiny transformer, a checkpoint every step (CheckpointerCallback), ModelMergeCallback on
-  perturb SAVE STEPS      the model's weights and router biases moved by seeded noise, saved by the Trainer at steps 1..
   reshard SRC DST K       the last K SRC/stepN loaded by OLMo-core's Checkpointer into this world size, saved to DST/stepN
   pma-init CKPT SAVE DUMP Trainer.load_checkpoint(CKPT), its loaded weights saved to DUMP, then one training step
-                          (dense only: see perturb)
   experts E               the jobs after this one use the MoE model of E experts (0: dense), as ``--experts``
   cli ARGS...             ``python -m pmakit ARGS`` (rank 0), e.g. the merge the next job loads
   callback SAVE PMA STEPS [CRASH]  pmakit's OLMo-core PMACallback (snapshots into PMA every 2 steps' tokens, online
                           merge of 3 evaluated by an LM evaluator every 2 steps, checkpoints every 2 steps);
                           with CRASH, the process dies (os._exit) right after step CRASH
 
-No CPU patch was needed: OLMo-core 3.0.0 trains, checkpoints and loads on CPU with gloo as it is. Running several
-jobs in one process resets OLMo-core's module-level FSDP world mesh between them (``build_world_mesh`` refuses a
-second one); nothing else is patched.
+OLMo-core 3.0.0 trains, checkpoints and loads on CPU with gloo as it is, with two exceptions patched here: the MoE
+forward's ``binned_gather``/``binned_scatter`` are triton kernels with no CPU driver (replaced by the same operation
+in torch ops, ``binned_gather``/``binned_scatter`` below), and running several jobs in one process resets
+OLMo-core's module-level FSDP world mesh between them (``build_world_mesh`` refuses a second one).
 """
 
 from __future__ import annotations
@@ -75,6 +74,41 @@ def workdir(save: Path) -> Path:
 
 EXPERTS = 0
 """``--experts E`` before the first mode: an MoE transformer of E experts (0: the dense one)."""
+
+
+def _slots(indices: torch.Tensor, bins: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each expert's kept assignments (its first ``capacity`` in ``indices``' sorted order): the flat
+    ``token * top_k + k`` index and the output slot ``expert * capacity + j``, as OLMo-core's ``_binned_copy``."""
+    indices, bins = indices.long(), bins.long()
+    starts = torch.cat([bins.new_zeros(1), bins[:-1]])
+    pos = torch.arange(indices.numel())
+    expert = torch.bucketize(pos, bins, right=True)  # bins are the experts' cumulative (exclusive) ends
+    j = pos - starts[expert]
+    keep = j < capacity
+    return indices[keep], expert[keep] * capacity + j[keep]
+
+
+def binned_gather(
+    x: torch.Tensor, indices: torch.Tensor, bins: torch.Tensor, bin_size: int, top_k: int
+) -> torch.Tensor:
+    """OLMo-core's ``ops.moe.binned_gather`` (a triton kernel, no CPU driver) in torch ops, autograd included."""
+    flat, slot = _slots(indices, bins, bin_size)
+    out = x.new_zeros(bins.numel() * bin_size, x.shape[1]).index_copy(0, slot, x[flat // top_k])
+    return out.view(bins.numel(), bin_size, x.shape[1])
+
+
+def binned_scatter(
+    x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor | None, bins: torch.Tensor, top_k: int
+) -> torch.Tensor:
+    """OLMo-core's ``ops.moe.binned_scatter`` in torch ops: each kept slot back to its token, scaled by its
+    routing weight, summed over the token's top-k."""
+    experts, capacity, hidden = x.shape
+    flat, slot = _slots(indices, bins, capacity)
+    rows = x.reshape(experts * capacity, hidden)[slot]
+    if weights is not None:
+        rows = rows * weights[flat].unsqueeze(1).to(rows.dtype)
+    tokens = indices.numel() // top_k
+    return x.new_zeros(tokens * top_k, hidden).index_copy(0, flat, rows).view(tokens, top_k, hidden).sum(1)
 
 
 def model_config() -> TransformerConfig:
@@ -164,22 +198,6 @@ def train(save: Path, steps: int) -> None:
     trainer(save, steps, callbacks).fit()
 
 
-def perturb(save: Path, steps: int) -> None:
-    """In place of training (OLMo-core's MoE forward needs its triton kernels, which have no CPU driver): each step
-    adds seeded noise to every parameter and router ``score_bias``, sets the step and token count, and saves through
-    the Trainer's own ``save_checkpoint`` (its Checkpointer: model, optimizer, trainer state)."""
-    t = trainer(save, steps, {})
-    model = t.train_module.model
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for step in range(1, steps + 1):
-            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-                if tensor.is_floating_point() and (not name.endswith("_bias") or "score_bias" in name):
-                    tensor.add_(0.01 * torch.randn(tensor.shape, generator=g))
-            t.global_step, t.global_train_tokens_seen = step, step * TOKENS_PER_STEP
-            t.save_checkpoint()
-
-
 def reshard(src: Path, dst: Path, last: int) -> None:
     tm = train_module(workdir(dst))
     checkpointer = CheckpointerConfig(work_dir=str(workdir(dst)), save_overwrite=True).build()
@@ -196,9 +214,8 @@ def pma_init(ckpt: Path, save: Path, dump: Path) -> None:
     model = t.train_module.model
     if get_rank() == 0:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, dump)
-    if not EXPERTS:  # OLMo-core's MoE forward needs triton kernels (see ``perturb``)
-        t.max_duration = Duration.steps(t.global_step + 1)
-        t.fit()
+    t.max_duration = Duration.steps(t.global_step + 1)
+    t.fit()
 
 
 class Crash(Callback):
@@ -258,8 +275,6 @@ def run_job(mode: str, args: list[str]) -> None:
             env = {k: v for k, v in os.environ.items() if k not in torchrun}
             subprocess.run([sys.executable, "-m", "pmakit", *args], check=True, env=env)
         torch.distributed.barrier()
-    elif mode == "perturb":
-        perturb(Path(args[0]), int(args[1]))
     elif mode == "reshard":
         reshard(Path(args[0]), Path(args[1]), int(args[2]))
     elif mode == "pma-init":
@@ -277,6 +292,9 @@ def main() -> None:
     argv = sys.argv[1:]
     if argv[:1] == ["--experts"]:
         EXPERTS, argv = int(argv[1]), argv[2:]
+    from olmo_core.ops import moe as moe_ops
+
+    moe_ops.binned_gather, moe_ops.binned_scatter = binned_gather, binned_scatter  # the MoE forward on CPU
     prepare_training_environment(seed=0, backend="cpu:gloo")
     try:
         while argv:

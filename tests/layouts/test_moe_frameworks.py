@@ -113,7 +113,7 @@ def test_olmo_core_moe_merge_is_the_hand_average_and_olmo_core_loads_it(
     olmo_core_moe_runs: dict[str, Path],
 ) -> None:
     runs = olmo_core_moe_runs
-    states = [olmo_core_weights(runs["e4"] / f"step{i}") for i in (1, 2, 3)]
+    states = [olmo_core_weights(runs["e4"] / f"step{i}") for i in range(4)]  # step0: the init
     got = olmo_core_weights(runs["merged"])
     bias = "blocks.0.feed_forward_moe.router.score_bias"
     assert got["blocks.0.feed_forward_moe.experts.mlp.w1"].shape == (4 * 32, 32)  # experts flattened [E*H, D]
@@ -142,7 +142,7 @@ def test_olmo_core_router_bias_is_listed_and_buffers_latest_takes_the_newest(
     out = tmp_path / "latest"
     proc = run_cli("merge", runs["e4"], "-o", out, "-q", "--buffers", "latest")
     assert proc.returncode == 0, proc.stderr
-    states = [olmo_core_weights(runs["e4"] / f"step{i}") for i in (1, 2, 3)]
+    states = [olmo_core_weights(runs["e4"] / f"step{i}") for i in range(4)]  # step0: the init
     got = olmo_core_weights(out)
     for name in biases:  # the newest snapshot's, as it is
         assert torch.equal(got[name], states[-1][name]), name
