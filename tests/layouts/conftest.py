@@ -172,25 +172,30 @@ def megatron19_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
     return {**p, "root": root}
 
 
-@pytest.fixture(scope="session")
-def megatron_moe_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """megatron-core 0.19.2 MoE (4 SequentialMLP experts, ``router.expert_bias``) at expert parallelism EP=2 over
-    2 ranks (``moe-train``/``moe-pma-init`` in ``megatron_run.py``), in 2 framework processes. 0.19 is the
-    release MoE users run; the dense runs cover 0.16.1's ``common.pt`` (the expert and router names are the same in
-    both). Where 0.19 is not unpacked, 0.16.1 runs it:
+@pytest.fixture(scope="session", params=["0.16", "0.19"])
+def megatron_moe_runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """megatron-core MoE (4 SequentialMLP experts, ``router.expert_bias``), by 0.16.1 (``common.pt``) and by 0.19.2
+    (the common state inside the DCP files), at expert parallelism EP=2 over 2 ranks (``moe-train``/``moe-pma-init``
+    in ``megatron_run.py``), in 2 framework processes each:
 
     - ``ws1``: 3 iterations, a checkpoint every iteration; ``merged``: ``pmakit merge ws1 -o merged`` (no flags);
     - ``loaded-ep2``, ``loaded-ep1``: what ``dist_checkpointing.load`` loaded from ``merged`` at EP=2, then at
       EP=1 (2 data-parallel replicas), saved again; each then trained a step (``root/loaded-epN.json``).
     """
+    path: tuple[Path, ...] = ()
+    if request.param == "0.19":
+        if not (MCORE19 / "megatron" / "core").is_dir():
+            pytest.skip(f"megatron-core 0.19 is not unpacked at {MCORE19} (make test does it)")
+        path = (MCORE19,)
     for module in ("megatron", "psutil"):
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"{module} is not installed")
     from conftest import run_cli
 
-    root = tmp_path_factory.mktemp("megatron-moe")
+    root = tmp_path_factory.mktemp(f"megatron-moe-{request.param}")
     script = HERE / "megatron_run.py"
-    path = (MCORE19,) if (MCORE19 / "megatron" / "core").is_dir() else ()
     p = {name: root / name for name in ("ws1", "merged", "loaded-ep1", "loaded-ep2")}
     run_framework(script, "moe-train", p["ws1"], 3, ranks=2, path=path)
     merge = run_cli("merge", p["ws1"], "-o", p["merged"], "-q")
