@@ -350,16 +350,36 @@ def test_every_readme_block_has_a_recipe() -> None:
     assert not twice, f"blocks that open with the same line (one recipe cannot tell them apart): {twice}"
 
 
-@pytest.fixture(scope="module")
+_SCRATCH: list[Path] = []
+
+
+@pytest.fixture
 def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("readme")
+    """One scratch directory per test process, shared by the blocks it runs (their inputs are built once, when
+    missing). Not a module fixture on purpose: that would tie every block to one xdist worker; the blocks are
+    independent, so they spread over both, and only those that read a study run share its worker."""
+    if not _SCRATCH:
+        _SCRATCH.append(tmp_path_factory.mktemp("readme"))
+    return _SCRATCH[0]
 
 
-def _blocks_to_run() -> list[Block]:
-    return [b for b in readme_blocks() if b.key in RECIPES and RECIPES[b.key].skip is None]
+def _shared_study(block: Block) -> tuple[str, ...]:
+    """The session study runs a block reads (its tests run in their fixtures' worker)."""
+    if block.key.startswith(("pmakit analyze", "pmakit tune")):
+        return ("smoke_experiment",)
+    if block.key.startswith("pmakit experiment --preset scaling"):
+        return ("scaling_smoke",)
+    return ()
 
 
-@pytest.mark.shares("smoke_experiment", "scaling_smoke")
+def _blocks_to_run() -> list[object]:
+    return [
+        pytest.param(b, marks=[pytest.mark.shares(*_shared_study(b))] if _shared_study(b) else [])
+        for b in readme_blocks()
+        if b.key in RECIPES and RECIPES[b.key].skip is None
+    ]
+
+
 @pytest.mark.parametrize("block", _blocks_to_run(), ids=lambda b: f"{Path(b.page).stem}-line{b.line}")
 def test_readme_example_runs_as_written(block: Block, scratch: Path, request: pytest.FixtureRequest) -> None:
     recipe = RECIPES[block.key]
