@@ -8,8 +8,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -187,3 +188,15 @@ class _LoadGroupCheck:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(_LoadGroupCheck(), "pmakit-loadgroup-check")
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[Any]:
+    """A real S3 API server (moto) on a free localhost port for the whole session; ``.env()`` points a client at
+    it with fake credentials (AWS_ENDPOINT_URL, as for MinIO or R2)."""
+    pytest.importorskip("moto.server", reason="the object-storage tests need moto[server] (the test extra)")
+    from s3server import MotoServer
+
+    server = MotoServer()
+    yield server
+    server.stop()

@@ -54,6 +54,20 @@ class _Group(click.Group):
             raise
 
 
+class _Location(click.ParamType):
+    """A local path, or an ``s3://`` / ``gs://`` URL kept as it is (``click.Path`` would fold its ``//``)."""
+
+    name = "path"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path | str:
+        from pmakit.remote import is_remote
+
+        return value if is_remote(str(value)) else Path(value)
+
+
+LOCATION = _Location()
+
+
 class _WarningHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         level = "warning" if record.levelno >= logging.WARNING else "info"
@@ -146,8 +160,17 @@ def selection_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
+def _local(locations: Sequence[Path | str]) -> list[Path]:
+    """Command-line locations as local paths: object storage URLs as local mirrors (``pmakit.remote``)."""
+    if not any(isinstance(x, str) for x in locations):
+        return [Path(x) for x in locations]
+    from pmakit.remote import localize_all
+
+    return localize_all(locations)
+
+
 def _select(
-    inputs: Sequence[Path],
+    inputs: Sequence[Path | str],
     last: int | None,
     every: int | None,
     until: int | None,
@@ -157,7 +180,7 @@ def _select(
     from pmakit.selection import default_last, select_snapshots
     from pmakit.snapshot import gather
 
-    snapshots, from_run = gather(inputs, tokens_per_step, exclude)
+    snapshots, from_run = gather(_local(inputs), tokens_per_step, exclude)
     if last is None and from_run and every is None:
         last = default_last([s for s in snapshots if until is None or s.tokens <= until])
     return select_snapshots(snapshots, last=last, every=every, until=until)
@@ -192,11 +215,13 @@ def _progress(total: int, quiet: bool, label: str) -> Iterator[Callable[[int], N
 
 
 @cli.command()
-@click.argument(
-    "inputs", nargs=-1, required=True, type=click.Path(path_type=Path), metavar="RUN_DIR|SNAPSHOT..."
-)
+@click.argument("inputs", nargs=-1, required=True, type=LOCATION, metavar="RUN_DIR|SNAPSHOT|URL...")
 @click.option(
-    "-o", "--output", required=True, type=click.Path(path_type=Path), help="Output model directory."
+    "-o",
+    "--output",
+    required=True,
+    type=LOCATION,
+    help="Output model directory, or an s3:// / gs:// URL (made locally, then uploaded; manifest last).",
 )
 @click.option(
     "--method",
@@ -299,8 +324,8 @@ def merge(device: str, quiet: bool, **options: Any) -> None:
 
 
 def _merge(
-    inputs: tuple[Path, ...],
-    output: Path,
+    inputs: tuple[Path | str, ...],
+    output: Path | str,
     method: str,
     alpha: float | None,
     custom: list[float] | None,
@@ -329,6 +354,18 @@ def _merge(
             f"--alpha is the EMA factor: it does nothing with --{'weights' if custom else 'method ' + method}"
         )
     alpha = 0.2 if alpha is None else alpha
+    url = output if isinstance(output, str) else None
+    if (
+        url is not None
+    ):  # fail now, not after the merge, on a missing bucket, bad credentials or a finished merge
+        from pmakit.remote import check_output
+        from pmakit.snapshot import MERGE_MANIFEST
+
+        if from_previous is not None or keep_fp32 or world.size > 1:
+            raise PmakitError(
+                f"{url}: --from-previous, --keep-fp32 and torchrun merge into local folders only"
+            )
+        check_output(url, MERGE_MANIFEST, force, resume)
     chosen = _select(inputs, last, every, until, tokens_per_step, exclude)
     weights = get_weights("custom" if custom is not None else method, len(chosen), alpha=alpha, custom=custom)
     terms, term_weights, window = chosen, weights, None
@@ -344,6 +381,12 @@ def _merge(
     if dry_run:
         return
     extra.update(_merge_record(inputs, method, alpha, custom, last, every, until))
+    if url is not None:
+        _merge_to_url(
+            url, plan, terms, term_weights, extra, dtype, max_shard_size, quiet, resume, out_format, buffers
+        )
+        return
+    assert isinstance(output, Path)
     with _progress(_rank_input_bytes(plan, world.rank), quiet, "merging") as progress:
         result = run_merge(
             terms,
@@ -369,6 +412,55 @@ def _merge(
         )
     if not quiet:
         _print_result(plan, result, output)
+
+
+def _merge_to_url(
+    url: str,
+    plan: Any,
+    terms: list[Any],
+    term_weights: list[float],
+    extra: dict[str, Any],
+    dtype: str,
+    max_shard_size: int,
+    quiet: bool,
+    resume: bool,
+    out_format: str,
+    buffers: str,
+) -> None:
+    """A merge into object storage: made in a local staging folder (its resume ledger included), then published
+    (``pmakit.remote.publish``: the manifest last). A rerun with --resume continues whichever step was cut."""
+    import shutil
+
+    from pmakit.merge import merge as run_merge
+    from pmakit.remote import origin, publish, staging_dir
+    from pmakit.snapshot import MERGE_MANIFEST
+
+    key = json.dumps(
+        [[origin(s.path) for s in terms], term_weights, dtype, max_shard_size, out_format, buffers, extra]
+    )
+    staged = staging_dir(url, key)
+    if not (resume and (staged / MERGE_MANIFEST).is_file()):  # else: merged already, the upload was cut
+        staged.parent.mkdir(parents=True, exist_ok=True)
+        with _progress(_rank_input_bytes(plan, 0), quiet, "merging") as progress:
+            result = run_merge(
+                terms,
+                term_weights,
+                staged,
+                dtype=dtype,
+                max_shard_size=max_shard_size,
+                force=True,  # the staging folder is this merge's own
+                progress=progress,
+                manifest_extra={**extra, "output_url": url},
+                resume=resume,
+                out_format=None if out_format == "native" else out_format,
+                buffers=buffers,
+            )
+        if not quiet:
+            _print_result(plan, result, staged)
+    publish(staged, url, MERGE_MANIFEST, resume)
+    shutil.rmtree(staged.parent, ignore_errors=True)
+    if not quiet:
+        click.echo(f"published {url}")
 
 
 def _incremental(
@@ -416,7 +508,7 @@ def _plan(
 
 
 def _merge_record(
-    inputs: tuple[Path, ...],
+    inputs: tuple[Path | str, ...],
     method: str,
     alpha: float,
     custom: list[float] | None,
@@ -446,9 +538,11 @@ def _print_result(plan: Any, result: Any, output: Path) -> None:
 
 
 def _print_plan(plan: Any) -> None:
+    from pmakit.remote import origin
+
     for snap, w in zip(plan.snapshots, plan.weights):
         step = "" if snap.step is None else f"step {snap.step:>8}  "
-        click.echo(f"  {w:8.5f}  {step}{format_tokens(snap.tokens):>8} tokens  {snap.path}")
+        click.echo(f"  {w:8.5f}  {step}{format_tokens(snap.tokens):>8} tokens  {origin(snap.path)}")
     click.echo(
         f"{len(plan.snapshots)} snapshots, {len(plan.tensors)} tensors: reads "
         f"{format_bytes(plan.input_bytes)}, writes {format_bytes(plan.output_bytes)} in "
@@ -464,7 +558,7 @@ def _print_state(state: dict[str, Any]) -> None:
 
 
 @cli.command()
-@click.argument("inputs", nargs=-1, type=click.Path(path_type=Path), metavar="RUN_DIR|SNAPSHOT...")
+@click.argument("inputs", nargs=-1, type=LOCATION, metavar="RUN_DIR|SNAPSHOT|URL...")
 @selection_options
 @click.option(
     "--dtype",
@@ -503,7 +597,7 @@ def _print_state(state: dict[str, Any]) -> None:
     help="With --plan: input bytes per second one rank accumulates [default: measured here].",
 )
 def inspect(
-    inputs: tuple[Path, ...],
+    inputs: tuple[Path | str, ...],
     last: int | None,
     every: int | None,
     until: int | None,
@@ -549,7 +643,7 @@ def inspect(
     if not inputs:
         raise PmakitError("name a run directory or snapshots to inspect")
     report = inspect_inputs(
-        inputs,
+        _local(inputs),
         last=last,
         every=every,
         until=until,

@@ -36,12 +36,13 @@ import mmap
 import os
 import warnings
 from collections.abc import Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from pmakit import limits
+from pmakit import limits, remote
 from pmakit.errors import PmakitError
 from pmakit.formats import FileInfo, Format, Reader, TensorInfo, safe_pickle
 from pmakit.formats.torch_record import record_view
@@ -449,6 +450,7 @@ class DCPReader(Reader):
         self._fds: dict[str, int] = {}
         self._maps: dict[str, mmap.mmap] = {}
         self._hinted: set[tuple[str, int]] = set()
+        self._fetching: dict[tuple[str, int], Future[bytes]] = {}  # (file, offset): a remote record's GET
 
     def _unit_boxes(self, name: str) -> list[tuple[int, int, ChunkStorageMetadata]]:
         """The flat ranges the tensor is loaded in: its saved dim-0 slabs; else dim-0 bands of the saved chunks
@@ -481,6 +483,12 @@ class DCPReader(Reader):
         if info is None or getattr(info, "transform_descriptors", None):
             return None  # torch's newer writers may compress or re-encode a record: DCP knows how to read it
         relative = str(info.relative_path)
+        source = remote.lookup(self.path / relative)
+        if source is not None:  # an object-store mirror's placeholder: the record is one ranged GET
+            offset, length = int(info.offset), int(info.length)
+            pending = self._fetching.pop((relative, offset), None)
+            data = pending.result() if pending is not None else source.read(offset, offset + length)
+            return record_view(data, 0, length, self.tensors[name].dtype, tuple(box.sizes))
         # A mapped page past the end of a file truncated since (or before) it was opened is a SIGBUS: check first.
         if os.stat(self.path / relative).st_size < int(info.offset) + int(info.length):
             raise PmakitError(
@@ -503,6 +511,7 @@ class DCPReader(Reader):
         mapped = self._mapped(name, box)
         if mapped is not None:
             return mapped
+        self._fill_remote(name, box)
         dest = torch.empty(tuple(box.sizes), dtype=self.tensors[name].dtype)
         planner = _dcp().RegionPlanner(self._keys[name], self._md[name], box, dest)
         try:
@@ -515,6 +524,15 @@ class DCPReader(Reader):
                 f"{self._files_of(name, box)}: reading tensor {name!r} failed ({_brief(e)})"
             ) from e
         return dest.reshape(-1)
+
+    def _fill_remote(self, name: str, box: ChunkStorageMetadata) -> None:
+        """Saved records that ``dcp.load`` reads from the files itself, written into an object-store mirror's
+        placeholders first (records it must decode: rare)."""
+        for chunk in self._md[name].chunks:
+            info = self._storage_data.get(_dcp().MetadataIndex(self._keys[name], chunk.offsets))
+            source = remote.lookup(self.path / str(getattr(info, "relative_path", "")))
+            if info is not None and source is not None and _dim0_overlap(chunk, box):
+                source.fill(int(info.offset), int(info.offset) + int(info.length))
 
     def _files_of(self, name: str, box: ChunkStorageMetadata) -> str:
         """The data file(s) holding the saved chunks of ``name`` that ``box`` reads, for an error message."""
@@ -549,8 +567,6 @@ class DCPReader(Reader):
     def prefetch(self, name: str, start: int, stop: int) -> None:
         """Ask the kernel to start reading the saved records that hold this range (page cache only, no memory):
         ``dcp.load`` then finds them there instead of waiting on the disk while the merge waits on it."""
-        if not hasattr(os, "posix_fadvise"):
-            return
         key, md = self._keys[name], self._md[name]
         for lo, hi, box in self._unit_boxes(name):
             if not (lo < stop and hi > start) or (name, lo) in self._hinted:
@@ -562,15 +578,24 @@ class DCPReader(Reader):
                 info = self._storage_data.get(_dcp().MetadataIndex(key, chunk.offsets))
                 if info is None:
                     continue
-                relative = info.relative_path
+                relative = str(info.relative_path)
+                source = remote.lookup(self.path / relative)
+                offset, length = int(info.offset), int(info.length)
+                if source is not None:
+                    if (relative, offset) not in self._fetching and chunk in self._md[name].chunks:
+                        self._fetching[relative, offset] = source.fetch(offset, offset + length)
+                    continue
+                if not hasattr(os, "posix_fadvise"):
+                    continue
                 if relative not in self._fds:
                     self._fds[relative] = os.open(self.path / relative, os.O_RDONLY)
-                os.posix_fadvise(
-                    self._fds[relative], int(info.offset), int(info.length), os.POSIX_FADV_WILLNEED
-                )
+                os.posix_fadvise(self._fds[relative], offset, length, os.POSIX_FADV_WILLNEED)
 
     def close(self) -> None:
         self._units, self._current = [], ""
+        for pending in self._fetching.values():
+            pending.cancel()
+        self._fetching = {}
         for m in self._maps.values():
             with contextlib.suppress(BufferError):  # a caller may still hold a view; the map goes with it
                 m.close()
@@ -625,7 +650,13 @@ def read_bytes(path: Path, keys: list[str]) -> dict[str, bytes]:
     if not keys:
         return {}
     planner = _dcp().RawBytesLoadPlanner()
-    reader = _dcp().CachedMetadataReader(path, read_metadata(path))
+    metadata = read_metadata(path)
+    storage = metadata.storage_data if isinstance(metadata.storage_data, Mapping) else {}
+    for index, info in storage.items():  # an object-store mirror: dcp.load reads these records from the files
+        source = remote.lookup(path / str(getattr(info, "relative_path", "")))
+        if source is not None and getattr(index, "fqn", None) in keys:
+            source.fill(int(info.offset), int(info.offset) + int(info.length))
+    reader = _dcp().CachedMetadataReader(path, metadata)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)

@@ -19,13 +19,14 @@ import struct
 import time
 import warnings
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pmakit import limits
+from pmakit import limits, remote
 from pmakit.errors import PmakitError
 from pmakit.formats import FileInfo, Format, Reader, TensorInfo
 
@@ -190,6 +191,9 @@ class SafetensorsReader(Reader):
                     )
                     self._where[name] = (i, data_start + begin)
             self.watch(self._files)
+            # Files of an object-store mirror: their placeholders hold only the header; chunks are ranged GETs.
+            self._remote = [remote.lookup(f) for f in self._files]
+            self._fetching: dict[tuple[int, int, int], Future[bytes]] = {}
         except BaseException:
             self.close()
             raise
@@ -225,6 +229,13 @@ class SafetensorsReader(Reader):
         index, offset, nbytes = self._range(name, start, stop)
         if nbytes == 0:
             return torch.empty(0, dtype=self.tensors[name].dtype)
+        source = self._remote[index]
+        if source is not None:
+            pending = self._fetching.pop((index, offset, nbytes), None)
+            data = pending.result() if pending is not None else source.read(offset, offset + nbytes)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # read-only bytes: read-only by the contract
+                return torch.frombuffer(data, dtype=self.tensors[name].dtype)
         # Touching a mapped page past the end of a file truncated since it was opened kills the process with
         # SIGBUS (no Python handler can catch it): check the file still holds the range before handing out a view.
         if os.fstat(self._fds[index]).st_size < offset + nbytes:
@@ -240,11 +251,18 @@ class SafetensorsReader(Reader):
             )
 
     def prefetch(self, name: str, start: int, stop: int) -> None:
-        if hasattr(os, "posix_fadvise"):
-            index, offset, nbytes = self._range(name, start, stop)
+        index, offset, nbytes = self._range(name, start, stop)
+        source = self._remote[index]
+        if source is not None:
+            if nbytes and (index, offset, nbytes) not in self._fetching:
+                self._fetching[index, offset, nbytes] = source.fetch(offset, offset + nbytes)
+        elif hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fds[index], offset, nbytes, os.POSIX_FADV_WILLNEED)
 
     def close(self) -> None:
+        for pending in getattr(self, "_fetching", {}).values():
+            pending.cancel()
+        self._fetching = {}
         for m in self._maps:
             # A caller may still hold a view; the map then goes with the last one.
             with contextlib.suppress(BufferError):

@@ -28,6 +28,7 @@ from pmakit.layouts import layout_of, open_weights, writer
 from pmakit.layouts.kinds import listing
 from pmakit.merge.plan import MergePlan
 from pmakit.merge.stream import stream_average
+from pmakit.remote import origin
 from pmakit.runs import atomic_write_text, fsync_dir, replace_dir, resolves_inside
 from pmakit.snapshot import MERGE_MANIFEST, METADATA_FILE, Snapshot
 from pmakit.units import format_bytes
@@ -102,7 +103,7 @@ def manifest_record(
         "tokens": plan.snapshots[-1].tokens,
         "inputs": [
             {
-                "path": str(s.path.resolve()),
+                "path": origin(s.path),
                 "step": s.step,
                 "tokens": s.tokens,
                 "weight": w,
@@ -236,7 +237,7 @@ def write_pass(
 def merge_fingerprint(plan: MergePlan, readers: Sequence[Reader], **options: Any) -> str:
     """Identifies a merge: its inputs (paths and header checksums), weights, output layout and options."""
     record = {
-        "inputs": [str(s.path.resolve()) for s in plan.snapshots],
+        "inputs": [origin(s.path) for s in plan.snapshots],
         "files": [[vars(f) for f in r.files] for r in readers],
         "weights": plan.weights,
         "shards": [[s.file, [(t.name, str(t.dtype), list(t.shape)) for t in s.tensors]] for s in plan.shards],
@@ -363,7 +364,7 @@ def window_inputs(snapshots: Sequence[Snapshot], weights: Sequence[float]) -> li
         readers = [stack.enter_context(open_weights(s.path)) for s in snapshots]
         return [
             {
-                "path": str(s.path.resolve()),
+                "path": origin(s.path),
                 "step": s.step,
                 "tokens": s.tokens,
                 "weight": w,

@@ -1,0 +1,565 @@
+"""Object storage (``s3://``, ``gs://``) for merge inputs and outputs: where big runs keep their checkpoints.
+
+Inputs. A remote run or snapshot is presented to the layouts as a local *mirror* (``localize``): its folder tree,
+its small files (JSON metadata, DCP ``.metadata``, indexes, configs, tokenizers, Megatron's ``common.pt``)
+downloaded whole, and each large weight or state file (``.safetensors``, ``.distcp``, ``.pt``/``.bin``) a sparse
+placeholder of its real size that costs no disk and holds only its head (a safetensors header). Discovery, the
+layouts' metadata and the readers' header parsing then run unchanged on the mirror. The readers ask ``lookup``
+whether a file is remote and read its bytes from the store instead of the placeholder: ranged GETs
+(``RemoteFile.fetch``, one per merge chunk of a safetensors file, one per saved record of a DCP file), started by
+the merge's read-ahead hints on a shared pool of ``IN_FLIGHT`` threads, each GET retried. Memory: the chunks in
+flight and in the merge's hands (up to 5 chunks of 16 MiB per bf16 input) and, for DCP, the saved records of the
+tensor being merged: the bound of the local merge, whatever N and model size, but in process memory instead of the
+page cache. Records DCP itself must decode (compressed ones) and whole ``torch.save`` files are written into their
+placeholder first (``RemoteFile.fill``) and read from there.
+
+Outputs. A merge into a URL is made in a local staging folder (the local merge, with its resume ledger) and then
+published (``publish``): every file uploaded in parts (multipart, several parts in flight), the merge manifest
+last. A reader of the bucket sees a finished merge only once its manifest is there; publishing first deletes an
+older manifest at that URL, so an interrupted publish leaves nothing that looks complete, and a rerun with
+``--resume`` uploads only what is not there yet (each object carries its sha256).
+
+Clients. boto3 for S3 and S3-compatible stores (MinIO, R2, moto), as OLMo-core does; not s3fs, which needs
+aiobotocore, and aiobotocore pins botocore to a narrow range (1.43.x for s3fs 2026.9) that would downgrade the
+boto3 OLMo-core uses. boto3 reads the standard configuration itself: the credentials chain (environment,
+``~/.aws``, SSO, instance roles), ``AWS_PROFILE``, ``AWS_ENDPOINT_URL`` / ``AWS_ENDPOINT_URL_S3`` for an
+S3-compatible endpoint, ``AWS_MAX_ATTEMPTS`` and ``AWS_RETRY_MODE``. gs:// goes through google-cloud-storage
+(application default credentials, ``STORAGE_EMULATOR_HOST``), OLMo-core's client for GCS. Both are imported on
+first use: a merge of local files never loads them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import hashlib
+import os
+import shutil
+import tempfile
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pmakit.errors import PmakitError
+
+SCHEMES = ("s3", "gs")
+IN_FLIGHT = 32
+"""Ranged GETs in flight at most (the pool's threads; also the S3 client's connection pool)."""
+RANGED_SUFFIXES = (".safetensors", ".distcp")
+"""Files read by ranged GETs whatever their size: always placeholders in a mirror."""
+LARGE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+"""``torch.save`` files: placeholders when larger than ``SMALL_FILE`` (filled whole when read as weights); any
+other file is downloaded."""
+SMALL_FILE = 4 * 2**20
+HEAD_BYTES = 64 * 2**10
+"""What a placeholder holds of its file up front: enough for a typical safetensors header (read whole if longer)."""
+PART_BYTES = 64 * 2**20
+"""Multipart upload part size."""
+SHA256_KEY = "pmakit-sha256"
+"""Object metadata: the uploaded file's sha256 (a resumed publish skips objects that already carry the right one)."""
+
+T = TypeVar("T")
+
+
+def is_remote(location: str | os.PathLike[str]) -> bool:
+    """True for an ``s3://`` or ``gs://`` URL."""
+    return isinstance(location, str) and location.split("://", 1)[0] in SCHEMES and "://" in location
+
+
+@dataclass(frozen=True)
+class Location:
+    scheme: str
+    bucket: str
+    key: str
+    """The object key or prefix, without a trailing slash ('' for the whole bucket)."""
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://{self.bucket}/{self.key}".rstrip("/")
+
+    def child(self, name: str) -> Location:
+        return Location(self.scheme, self.bucket, f"{self.key}/{name}" if self.key else name)
+
+
+def parse(url: str) -> Location:
+    scheme, _, rest = url.partition("://")
+    bucket, _, key = rest.partition("/")
+    if scheme not in SCHEMES or not bucket:
+        raise PmakitError(f"{url}: not an object storage URL (s3://BUCKET/PREFIX or gs://BUCKET/PREFIX)")
+    return Location(scheme, bucket, key.strip("/"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stores
+
+
+class Store(ABC):
+    """One object store's client: list, ranged read, download, upload, delete; every failure a ``PmakitError``
+    naming the URL. Thread safe (the readers call ``read`` from the fetch pool)."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        """Requests sent (for benchmarks)."""
+        self._lock = threading.Lock()
+
+    def count(self, n: int = 1) -> None:
+        with self._lock:
+            self.requests += n
+
+    @abstractmethod
+    def list(self, where: Location) -> list[tuple[str, int]]:
+        """(key, size) of every object under the prefix ``where`` (recursively)."""
+
+    @abstractmethod
+    def read(self, where: Location, start: int, stop: int) -> bytes:
+        """Bytes ``[start, stop)`` of an object (one ranged GET, retried)."""
+
+    @abstractmethod
+    def download(self, where: Location, path: Path) -> None: ...
+
+    @abstractmethod
+    def upload(self, path: Path, where: Location, sha256: str) -> None: ...
+
+    @abstractmethod
+    def sha256(self, where: Location) -> str | None:
+        """The sha256 an object was uploaded with, '' for an object without one, None when there is none."""
+
+    @abstractmethod
+    def delete(self, where: Location) -> None: ...
+
+    @abstractmethod
+    def check_bucket(self, where: Location) -> None:
+        """Fail with one line unless the bucket exists and the credentials may use it."""
+
+
+def _attempts() -> int:
+    try:
+        return max(1, int(os.environ.get("AWS_MAX_ATTEMPTS", "5")))
+    except ValueError:
+        return 5
+
+
+def retried(fn: Callable[[], T], what: str, transient: tuple[type[BaseException], ...]) -> T:
+    """``fn()``, tried ``AWS_MAX_ATTEMPTS`` times (default 5) with exponential backoff on ``transient`` errors:
+    the clients retry a request that fails, but not a response body that breaks off halfway."""
+    attempts = _attempts()
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn()
+        except transient as e:
+            if attempt == attempts:
+                raise PmakitError(f"{what}: failed {attempts} times ({type(e).__name__}: {e})") from None
+            time.sleep(min(8.0, 0.2 * 2**attempt))
+    raise AssertionError("unreachable")
+
+
+class S3Store(Store):
+    """S3 and S3-compatible stores through boto3 (see the module docstring for the configuration it reads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import boto3
+        from botocore.config import Config
+
+        config = Config(
+            max_pool_connections=IN_FLIGHT,
+            retries={"mode": os.environ.get("AWS_RETRY_MODE", "standard")},  # max_attempts: AWS_MAX_ATTEMPTS
+        )
+        try:
+            self._client = boto3.session.Session().client("s3", config=config)
+        except Exception as e:  # a bad profile or region in the configuration
+            raise PmakitError(f"s3: cannot create a client ({type(e).__name__}: {e})") from None
+        from boto3.s3.transfer import TransferConfig
+
+        self._transfer = TransferConfig(
+            multipart_threshold=PART_BYTES, multipart_chunksize=PART_BYTES, max_concurrency=8
+        )
+
+    @functools.cached_property
+    def _transient(self) -> tuple[type[BaseException], ...]:
+        from botocore.exceptions import ConnectionError, HTTPClientError, ResponseStreamingError
+        from urllib3.exceptions import HTTPError
+
+        return (ConnectionError, HTTPClientError, ResponseStreamingError, HTTPError, OSError)
+
+    def _call(self, fn: Callable[[], T], where: Location, what: str) -> T:
+        from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+        try:
+            return retried(fn, f"{where.url}: {what}", self._transient)
+        except NoCredentialsError:
+            raise PmakitError(
+                f"{where.url}: no AWS credentials found (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or "
+                "~/.aws/credentials)"
+            ) from None
+        except ClientError as e:
+            raise PmakitError(f"{where.url}: {what} failed ({_client_error(e)})") from None
+        except BotoCoreError as e:
+            raise PmakitError(f"{where.url}: {what} failed ({e})") from None
+
+    def list(self, where: Location) -> list[tuple[str, int]]:
+        prefix = f"{where.key}/" if where.key else ""
+
+        def pages() -> list[tuple[str, int]]:
+            out = []
+            for page in self._client.get_paginator("list_objects_v2").paginate(
+                Bucket=where.bucket, Prefix=prefix
+            ):
+                self.count()
+                out += [(o["Key"], int(o["Size"])) for o in page.get("Contents", [])]
+            return out
+
+        return self._call(pages, where, "listing")
+
+    def read(self, where: Location, start: int, stop: int) -> bytes:
+        def get() -> bytes:
+            self.count()
+            response = self._client.get_object(
+                Bucket=where.bucket, Key=where.key, Range=f"bytes={start}-{stop - 1}"
+            )
+            data: bytes = response["Body"].read()
+            if len(data) != stop - start:
+                raise ConnectionError(f"got {len(data)} of {stop - start} bytes")
+            return data
+
+        return self._call(get, where, f"reading bytes {start}-{stop}")
+
+    def download(self, where: Location, path: Path) -> None:
+        def get() -> None:
+            self.count()
+            self._client.download_file(where.bucket, where.key, str(path))
+
+        self._call(get, where, "download")
+
+    def upload(self, path: Path, where: Location, sha256: str) -> None:
+        def put() -> None:
+            self.count(max(1, -(-path.stat().st_size // PART_BYTES)))
+            self._client.upload_file(
+                str(path),
+                where.bucket,
+                where.key,
+                ExtraArgs={"Metadata": {SHA256_KEY: sha256}},
+                Config=self._transfer,
+            )
+
+        self._call(put, where, "upload")
+
+    def sha256(self, where: Location) -> str | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.count()
+            head = self._client.head_object(Bucket=where.bucket, Key=where.key)
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise PmakitError(f"{where.url}: {_client_error(e)}") from None
+        return str(head.get("Metadata", {}).get(SHA256_KEY, ""))
+
+    def delete(self, where: Location) -> None:
+        self._call(lambda: self._client.delete_object(Bucket=where.bucket, Key=where.key), where, "delete")
+
+    def check_bucket(self, where: Location) -> None:
+        def head() -> None:
+            self.count()
+            self._client.head_bucket(Bucket=where.bucket)
+
+        self._call(head, Location(where.scheme, where.bucket, ""), "checking the bucket")
+
+
+def _client_error(e: Any) -> str:
+    """One line for a botocore ``ClientError``: what the code means for the user."""
+    error = e.response.get("Error", {})
+    code = str(error.get("Code", ""))
+    status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    if code in ("NoSuchBucket",) or (code == "404" and e.operation_name == "HeadBucket"):
+        return "no such bucket"
+    if code in ("NoSuchKey", "404"):
+        return "no such object"
+    if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403", "ExpiredToken"):
+        return f"access denied: {code} (check the credentials and the bucket's policy)"
+    return f"{code or status}: {error.get('Message', '')}".strip()
+
+
+class GCSStore(Store):
+    """Google Cloud Storage through google-cloud-storage (application default credentials;
+    ``STORAGE_EMULATOR_HOST`` for an emulator)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        try:
+            from google.cloud import storage
+        except ImportError:
+            raise PmakitError("gs:// needs google-cloud-storage (pip install 'pmakit[s3]')") from None
+        try:
+            self._client = storage.Client()
+        except Exception as e:  # no default credentials or project
+            raise PmakitError(f"gs: cannot create a client ({type(e).__name__}: {e})") from None
+
+    def _call(self, fn: Callable[[], T], where: Location, what: str) -> T:
+        from google.api_core import exceptions as gexc
+
+        transient = (
+            gexc.ServiceUnavailable,
+            gexc.InternalServerError,
+            gexc.TooManyRequests,
+            ConnectionError,
+            OSError,
+        )
+        try:
+            return retried(fn, f"{where.url}: {what}", transient)
+        except gexc.NotFound:
+            raise PmakitError(f"{where.url}: {what} failed (no such bucket or object)") from None
+        except (gexc.Forbidden, gexc.Unauthorized) as e:
+            raise PmakitError(f"{where.url}: {what} failed (access denied: {e.message})") from None
+        except gexc.GoogleAPIError as e:
+            raise PmakitError(f"{where.url}: {what} failed ({e})") from None
+
+    def _blob(self, where: Location) -> Any:
+        return self._client.bucket(where.bucket).blob(where.key)
+
+    def list(self, where: Location) -> list[tuple[str, int]]:
+        prefix = f"{where.key}/" if where.key else ""
+
+        def blobs() -> list[tuple[str, int]]:
+            self.count()
+            return [(b.name, int(b.size)) for b in self._client.list_blobs(where.bucket, prefix=prefix)]
+
+        return self._call(blobs, where, "listing")
+
+    def read(self, where: Location, start: int, stop: int) -> bytes:
+        def get() -> bytes:
+            self.count()
+            data: bytes = self._blob(where).download_as_bytes(start=start, end=stop - 1, checksum=None)
+            if len(data) != stop - start:
+                raise ConnectionError(f"got {len(data)} of {stop - start} bytes")
+            return data
+
+        return self._call(get, where, f"reading bytes {start}-{stop}")
+
+    def download(self, where: Location, path: Path) -> None:
+        self.count()
+        self._call(lambda: self._blob(where).download_to_filename(str(path)), where, "download")
+
+    def upload(self, path: Path, where: Location, sha256: str) -> None:
+        def put() -> None:
+            self.count(max(1, -(-path.stat().st_size // PART_BYTES)))
+            blob = self._blob(where)
+            blob.chunk_size = PART_BYTES  # a resumable upload in parts
+            blob.metadata = {SHA256_KEY: sha256}
+            blob.upload_from_filename(str(path))
+
+        self._call(put, where, "upload")
+
+    def sha256(self, where: Location) -> str | None:
+        self.count()
+        blob = self._call(lambda: self._client.bucket(where.bucket).get_blob(where.key), where, "stat")
+        return None if blob is None else str((blob.metadata or {}).get(SHA256_KEY, ""))
+
+    def delete(self, where: Location) -> None:
+        from google.api_core.exceptions import NotFound
+
+        try:
+            self._call(lambda: self._blob(where).delete(), where, "delete")
+        except PmakitError:
+            if self.sha256(where) is not None:
+                raise
+        except NotFound:
+            pass
+
+    def check_bucket(self, where: Location) -> None:
+        self.count()
+        self._call(
+            lambda: self._client.get_bucket(where.bucket), Location(where.scheme, where.bucket, ""), "bucket"
+        )
+
+
+_STORES: dict[str, Store] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def store(scheme: str) -> Store:
+    """The process's client for ``scheme`` (made on first use)."""
+    with _STORES_LOCK:
+        if scheme not in _STORES:
+            _STORES[scheme] = S3Store() if scheme == "s3" else GCSStore()
+        return _STORES[scheme]
+
+
+def request_count() -> int:
+    """Requests sent to every store so far (benchmarks)."""
+    return sum(s.requests for s in _STORES.values())
+
+
+@functools.cache
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="pmakit-get")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Inputs: the mirror
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """A large file of a mirror: its object, size and placeholder."""
+
+    where: Location
+    size: int
+    placeholder: Path
+
+    def read(self, start: int, stop: int) -> bytes:
+        return store(self.where.scheme).read(self.where, start, stop)
+
+    def fetch(self, start: int, stop: int) -> Future[bytes]:
+        """``read`` on the fetch pool: the GET starts now."""
+        return _pool().submit(self.read, start, stop)
+
+    def fill(self, start: int = 0, stop: int | None = None) -> None:
+        """Write bytes ``[start, stop)`` into the placeholder (for code that reads the file itself), in parts
+        fetched in parallel."""
+        stop = self.size if stop is None else stop
+        key = (start, stop)
+        with _FILLED_LOCK:
+            if key in _FILLED.setdefault(self.placeholder, set()):
+                return
+        parts = [(a, min(stop, a + PART_BYTES)) for a in range(start, stop, PART_BYTES)]
+        futures = [(a, self.fetch(a, b)) for a, b in parts]
+        fd = os.open(self.placeholder, os.O_WRONLY)
+        try:
+            for a, future in futures:
+                os.pwrite(fd, future.result(), a)
+        finally:
+            os.close(fd)
+        with _FILLED_LOCK:
+            _FILLED[self.placeholder].add(key)
+
+
+_FILES: dict[Path, RemoteFile] = {}
+_ROOTS: dict[Path, str] = {}
+_FILLED: dict[Path, set[tuple[int, int]]] = {}
+_FILLED_LOCK = threading.Lock()
+
+
+def lookup(path: Path) -> RemoteFile | None:
+    """The remote file a mirror's placeholder stands for; None for any other file (a local file, or a small file
+    of a mirror, downloaded whole). A dictionary lookup: free on the local path."""
+    if not _FILES:
+        return None
+    return _FILES.get(Path(os.path.abspath(path)))
+
+
+def origin(path: Path) -> str:
+    """Where ``path`` really is: the URL of a mirrored file or folder, else its resolved local path."""
+    absolute = Path(os.path.abspath(path))
+    for root, url in _ROOTS.items():
+        if absolute == root or root in absolute.parents:
+            rel = absolute.relative_to(root).as_posix()
+            return url if rel == "." else f"{url}/{rel}"
+    return str(path.resolve())
+
+
+def localize(url: str) -> Path:
+    """A local mirror of the run or snapshot at ``url`` (see the module docstring); removed at exit."""
+    where = parse(url)
+    s = store(where.scheme)
+    s.check_bucket(where)
+    objects = s.list(where)
+    if not objects:
+        raise PmakitError(f"{where.url}: nothing stored under this prefix")
+    base = Path(tempfile.mkdtemp(prefix="pmakit-remote-"))
+    atexit.register(shutil.rmtree, base, True)
+    root = base / (where.key.rsplit("/", 1)[-1] or where.bucket)
+    root.mkdir()
+    _ROOTS[root] = where.url
+    prefix = f"{where.key}/" if where.key else ""
+    downloads = []
+    for key, size in objects:
+        rel = key[len(prefix) :]
+        parts = rel.split("/")
+        if not rel or rel.endswith("/") or any(p in ("", ".", "..") for p in parts):
+            continue  # folder markers; names that would leave the mirror
+        target = root.joinpath(*parts)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        obj = Location(where.scheme, where.bucket, key)
+        if target.suffix in RANGED_SUFFIXES or (size > SMALL_FILE and target.suffix in LARGE_SUFFIXES):
+            with open(target, "wb") as f:
+                f.truncate(size)
+            _FILES[target] = remote = RemoteFile(obj, size, target)
+            if target.suffix == ".safetensors":
+                downloads.append(_pool().submit(_fill_head, remote))
+        else:
+            downloads.append(_pool().submit(s.download, obj, target))
+    for future in downloads:
+        future.result()
+    return root
+
+
+def _fill_head(remote: RemoteFile) -> None:
+    """A safetensors placeholder's header (8-byte length + JSON), so that the reader parses it as it is."""
+    head = remote.read(0, min(remote.size, HEAD_BYTES))
+    n = int.from_bytes(head[:8], "little") + 8 if len(head) >= 8 else 0
+    if n > len(head) and n <= remote.size:
+        head += remote.read(len(head), n)
+    with open(remote.placeholder, "r+b") as f:
+        f.write(head)
+
+
+def localize_all(locations: Iterable[str | os.PathLike[str]]) -> list[Path]:
+    """Command-line locations as local paths: URLs mirrored (``localize``), local paths as they are."""
+    return [localize(x) if isinstance(x, str) and is_remote(x) else Path(x) for x in locations]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Outputs
+
+
+def staging_dir(url: str, key: str) -> Path:
+    """The local folder a merge into ``url`` is made in before it is published: the same for a rerun of the same
+    merge (``key``: its inputs and options), so that ``--resume`` continues it."""
+    digest = hashlib.sha256(f"{url}\0{key}".encode()).hexdigest()[:16]
+    base = Path(os.environ.get("PMAKIT_STAGING", tempfile.gettempdir())) / "pmakit-staging"
+    return base / digest / (parse(url).key.rsplit("/", 1)[-1] or "merged")
+
+
+def check_output(url: str, manifest: str, force: bool, resume: bool) -> None:
+    """Before merging hours into ``url``: the bucket is there and usable, and a finished merge there (its
+    ``manifest``) is replaced only with ``force`` (or continued with ``resume``)."""
+    where = parse(url)
+    s = store(where.scheme)
+    s.check_bucket(where)
+    if s.sha256(where.child(manifest)) is not None and not (force or resume):
+        raise PmakitError(f"{where.url}: holds a finished merge already; pass --force to replace it")
+
+
+def publish(local: Path, url: str, manifest: str, resume: bool) -> list[str]:
+    """Upload the finished merge in ``local`` to ``url``, its ``manifest`` last; returns the keys written.
+
+    An older manifest at ``url`` is deleted first: until the new one is written, the URL holds no finished merge.
+    With ``resume``, objects that already carry the sha256 of their file are not uploaded again.
+    """
+    from pmakit.merge.output import sha256_file
+
+    where = parse(url)
+    s = store(where.scheme)
+    s.delete(where.child(manifest))
+    files = sorted(p for p in local.rglob("*") if p.is_file() and p.name != manifest)
+    written = []
+
+    def put(path: Path) -> str:
+        rel = path.relative_to(local).as_posix()
+        digest = sha256_file(path)
+        target = where.child(rel)
+        if not (resume and s.sha256(target) == digest):
+            s.upload(path, target, digest)
+        return rel
+
+    with ThreadPoolExecutor(4, thread_name_prefix="pmakit-put") as pool:
+        written = list(pool.map(put, files))
+    s.upload(local / manifest, where.child(manifest), sha256_file(local / manifest))
+    return [*written, manifest]

@@ -1,0 +1,225 @@
+"""Merging where big runs keep their checkpoints: s3:// in and out, against a real S3 API server (moto) on
+localhost, through the real CLI. Faults come from a proxy in front of the server: GETs broken off mid-body and
+SlowDown answers (retried), the endpoint gone mid-merge (one line; a rerun with --resume completes)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import run_cli, state, write_snapshot
+from pmakit.formats import dcp_io, read_state
+from pmakit.snapshot import MERGE_MANIFEST, write_metadata
+from s3server import FaultProxy, MotoServer, download_tree, upload_tree
+
+
+def _bucket(s3_server: Any) -> str:
+    name = f"b-{uuid.uuid4().hex[:12]}"
+    s3_server.client().create_bucket(Bucket=name)
+    return name
+
+
+def _dcp_run(root: Path, n: int = 3) -> Path:
+    """Snapshots saved through torch's DCP writer (names at the top level, as torchtitan saves them)."""
+    for k in range(1, n + 1):
+        snap = root / f"step-{k * 100}"
+        dcp_io.save({"model": state(k)}, snap, fsync=False)
+        write_metadata(snap, step=k * 100, tokens=k * 1000)
+    return root
+
+
+def _one_line_error(proc: Any) -> str:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("Error:")]
+    assert len(lines) == 1, proc.stderr[-2000:]
+    return lines[0]
+
+
+def test_inspect_and_merge_a_safetensors_run_from_s3(
+    s3_server: Any, make_run: Callable[..., Path], tmp_path: Path
+) -> None:
+    run = make_run(n=3)
+    bucket = _bucket(s3_server)
+    upload_tree(s3_server.client(), run, bucket, "runs/r1")
+    url = f"s3://{bucket}/runs/r1"
+    env = s3_server.env()
+
+    shown = run_cli("inspect", url, env=env)
+    assert shown.returncode == 0, shown.stderr
+    assert "3 complete snapshots (pmakit, safetensors)" in shown.stdout
+
+    remote_out, local_out = tmp_path / "from-s3", tmp_path / "from-disk"
+    proc = run_cli("merge", url, "-o", remote_out, "--quiet", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert run_cli("merge", run, "-o", local_out, "--quiet").returncode == 0
+    # Same bytes as the merge of the same files on disk
+    assert (remote_out / "model.safetensors").read_bytes() == (local_out / "model.safetensors").read_bytes()
+    manifest = json.loads((remote_out / MERGE_MANIFEST).read_text())
+    assert [i["path"] for i in manifest["inputs"]] == [f"{url}/step-{k:06d}" for k in (100, 200, 300)]
+    assert (remote_out / "config.json").is_file()  # small files come along
+
+
+def test_merge_dcp_from_s3_into_s3(s3_server: Any, tmp_path: Path) -> None:
+    run = _dcp_run(tmp_path / "run")
+    bucket = _bucket(s3_server)
+    client = s3_server.client()
+    upload_tree(client, run, bucket, "titan")
+    out_url = f"s3://{bucket}/merged/m1"
+    env = {**s3_server.env(), "PMAKIT_STAGING": str(tmp_path / "staging")}
+
+    proc = run_cli("merge", f"s3://{bucket}/titan", "-o", out_url, "--format", "dcp", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert f"published {out_url}" in proc.stdout
+    got = download_tree(client, bucket, "merged/m1", tmp_path / "down")
+    assert MERGE_MANIFEST in got and ".metadata" in got
+    assert not any((tmp_path / "staging").rglob("*.distcp"))  # the staging folder is gone once published
+    merged = read_state(tmp_path / "down")
+    expected = {k: torch.stack([state(s)[k].float() for s in (1, 2, 3)]).mean(0) for k in state(1)}
+    for name, value in merged.items():
+        if value.is_floating_point():
+            torch.testing.assert_close(value.float(), expected[name], atol=1e-2, rtol=1e-2)
+    assert merged["step_counter"].item() == 3  # an int buffer is the newest's
+
+    # A finished merge there is replaced only with --force
+    again = run_cli("merge", f"s3://{bucket}/titan", "-o", out_url, "--quiet", env=env)
+    assert "holds a finished merge already" in _one_line_error(again)
+
+
+def test_a_get_broken_off_or_refused_is_retried(
+    s3_server: Any, make_run: Callable[..., Path], tmp_path: Path
+) -> None:
+    run = make_run(n=3)
+    bucket = _bucket(s3_server)
+    upload_tree(s3_server.client(), run, bucket, "r")
+    proxy = FaultProxy(s3_server.port)
+    seen = {"ranged": 0}
+
+    def fault(method: str, path: str, headers: dict[str, str]) -> str | None:
+        if method == "GET" and "Range" in headers:
+            seen["ranged"] += 1
+            return {2: "truncate", 4: "503", 5: "truncate"}.get(seen["ranged"])
+        return None
+
+    proxy.fault = fault
+    try:
+        proc = run_cli(
+            "merge", f"s3://{bucket}/r", "-o", tmp_path / "out", "--quiet", env=s3_server.env(proxy.url)
+        )
+    finally:
+        proxy.stop()
+    assert proc.returncode == 0, proc.stderr
+    assert seen["ranged"] >= 6  # the faults happened, and were retried
+    assert run_cli("merge", run, "-o", tmp_path / "local", "--quiet").returncode == 0
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (
+        tmp_path / "local" / "model.safetensors"
+    ).read_bytes()
+
+
+def test_endpoint_gone_mid_publish_leaves_no_manifest_and_resume_completes(
+    s3_server: Any, make_run: Callable[..., Path], tmp_path: Path
+) -> None:
+    run = make_run(n=2)
+    bucket = _bucket(s3_server)
+    client = s3_server.client()
+    upload_tree(client, run, bucket, "r")
+    out_url = f"s3://{bucket}/merged"
+    proxy = FaultProxy(s3_server.port)
+    puts = {"n": 0}
+
+    def fault(method: str, path: str, headers: dict[str, str]) -> str | None:
+        if method == "PUT":
+            puts["n"] += 1
+            return "down" if puts["n"] > 1 else None  # the first file goes up, then the server is gone
+        return None
+
+    proxy.fault = fault
+    env = {**s3_server.env(proxy.url), "AWS_MAX_ATTEMPTS": "2", "PMAKIT_STAGING": str(tmp_path / "staging")}
+    try:
+        cut = run_cli("merge", f"s3://{bucket}/r", "-o", out_url, "--quiet", env=env)
+        line = _one_line_error(cut)
+        assert out_url in line
+        keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="merged/").get("Contents", [])]
+        assert keys and f"merged/{MERGE_MANIFEST}" not in keys  # something went up, nothing looks finished
+
+        proxy.fault = lambda *a: None  # the server is back
+        done = run_cli("merge", f"s3://{bucket}/r", "-o", out_url, "--quiet", "--resume", env=env)
+    finally:
+        proxy.stop()
+    assert done.returncode == 0, done.stderr
+    got = download_tree(client, bucket, "merged", tmp_path / "down")
+    assert MERGE_MANIFEST in got and "model.safetensors" in got
+    assert run_cli("merge", run, "-o", tmp_path / "local", "--quiet").returncode == 0
+    assert (tmp_path / "down" / "model.safetensors").read_bytes() == (
+        tmp_path / "local" / "model.safetensors"
+    ).read_bytes()
+
+
+def test_endpoint_gone_mid_merge_is_one_line_and_resume_completes(s3_server: Any, tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    for k in (1, 2):  # two output shards, so that the rerun has a finished one to keep
+        write_snapshot(root / f"step-{k}", state(k), step=k, tokens=k * 10)
+    bucket = _bucket(s3_server)
+    upload_tree(s3_server.client(), root, bucket, "r")
+    proxy = FaultProxy(s3_server.port)
+    gets = {"n": 0, "down": True}
+
+    def fault(method: str, path: str, headers: dict[str, str]) -> str | None:
+        if method == "GET" and "Range" in headers:
+            gets["n"] += 1
+            return "down" if gets["down"] and gets["n"] > 8 else None
+        return None
+
+    proxy.fault = fault
+    env = {**s3_server.env(proxy.url), "AWS_MAX_ATTEMPTS": "2"}
+    out = tmp_path / "out"
+    args = ("merge", f"s3://{bucket}/r", "-o", out, "--quiet", "--max-shard-size", "3KB")
+    try:
+        cut = run_cli(*args, env=env)
+        assert "reading bytes" in _one_line_error(cut)
+        assert not (out / MERGE_MANIFEST).exists()
+        gets["down"] = False
+        done = run_cli(*args, "--resume", env=env)
+    finally:
+        proxy.stop()
+    assert done.returncode == 0, done.stderr
+    assert (out / MERGE_MANIFEST).is_file()
+    assert (
+        run_cli("merge", root, "-o", tmp_path / "local", "--quiet", "--max-shard-size", "3KB").returncode == 0
+    )
+    for f in sorted((tmp_path / "local").glob("*.safetensors")):
+        assert (out / f.name).read_bytes() == f.read_bytes()
+
+
+def test_missing_bucket_is_one_line(s3_server: Any, tmp_path: Path) -> None:
+    proc = run_cli("merge", "s3://no-such-bucket/run", "-o", tmp_path / "out", env=s3_server.env())
+    assert "s3://no-such-bucket" in (line := _one_line_error(proc)) and "no such bucket" in line
+    proc = run_cli("inspect", "s3://no-such-bucket/run", env=s3_server.env())
+    assert "no such bucket" in _one_line_error(proc)
+
+
+def test_an_empty_prefix_is_one_line(s3_server: Any) -> None:
+    bucket = _bucket(s3_server)
+    proc = run_cli("inspect", f"s3://{bucket}/nothing-here", env=s3_server.env())
+    assert "nothing stored under this prefix" in _one_line_error(proc)
+
+
+@pytest.fixture(scope="module")
+def authenticating_server() -> Any:
+    """A second moto server that checks credentials (IAM auth on from the first request)."""
+    pytest.importorskip("moto.server")
+    server = MotoServer({"INITIAL_NO_AUTH_ACTION_COUNT": "0"})
+    yield server
+    server.stop()
+
+
+def test_wrong_credentials_are_one_line(authenticating_server: Any, tmp_path: Path) -> None:
+    proc = run_cli("merge", "s3://some-bucket/run", "-o", tmp_path / "out", env=authenticating_server.env())
+    line = _one_line_error(proc)
+    assert "s3://some-bucket" in line and "access denied" in line
