@@ -548,7 +548,13 @@ def publish(local: Path, url: str, manifest: str, resume: bool) -> list[str]:
     where = parse(url)
     s = store(where.scheme)
     s.delete(where.child(manifest))
-    files = sorted(p for p in local.rglob("*") if p.is_file() and p.name != manifest)
+    files = sorted(
+        p
+        for p in local.rglob("*")
+        if p.is_file()
+        and p.name != manifest
+        and not any(x.startswith(".pmakit") for x in p.relative_to(local).parts)
+    )
     written = []
 
     def put(path: Path) -> str:

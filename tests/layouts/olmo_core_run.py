@@ -5,6 +5,8 @@
 top-2, a shared expert, the router's ``score_bias`` for auxiliary-loss-free balancing) instead of the dense one.
 
 Modes (several, separated by ``+``, run in one process one after the other):
+  train-to WORK URL STEPS train's run saved to URL (s3://: OLMo-core's own remote writer; AWS_ENDPOINT_URL), WORK
+                          local
   train SAVE STEPS        a tiny transformer, a checkpoint every step (CheckpointerCallback), ModelMergeCallback on
   reshard SRC DST K       the last K SRC/stepN loaded by OLMo-core's Checkpointer into this world size, saved to DST/stepN
   pma-init CKPT SAVE DUMP Trainer.load_checkpoint(CKPT), its loaded weights saved to DUMP, then one training step
@@ -172,8 +174,8 @@ def data_loader(work: Path) -> Any:
     return NumpyDataLoaderConfig(global_batch_size=TOKENS_PER_STEP, seed=0, num_workers=0).build(dataset)
 
 
-def trainer(save: Path, steps: int, callbacks: dict[str, Any]) -> Any:
-    work = workdir(save)
+def trainer(save: Path | str, steps: int, callbacks: dict[str, Any], work: Path | None = None) -> Any:
+    work = work or workdir(Path(save))
     config = TrainerConfig(
         save_folder=str(save),
         work_dir=str(work),
@@ -187,7 +189,7 @@ def trainer(save: Path, steps: int, callbacks: dict[str, Any]) -> Any:
     return config.build(train_module(work), data_loader(work))
 
 
-def train(save: Path, steps: int) -> None:
+def train(save: Path | str, steps: int, work: Path | None = None) -> None:
     callbacks = {
         "checkpointer": CheckpointerCallback(
             save_interval=1, ephemeral_save_interval=None, save_async=False, max_checkpoints=None
@@ -195,7 +197,7 @@ def train(save: Path, steps: int) -> None:
         # OLMo-core's own online merge: writes stepN-merged/, which pmakit must ignore.
         "model_merger": ModelMergeCallback(enabled=True, merge_step=[3], merge_last_n_steps=2),
     }
-    trainer(save, steps, callbacks).fit()
+    trainer(save, steps, callbacks, work).fit()
 
 
 def reshard(src: Path, dst: Path, last: int) -> None:
@@ -208,9 +210,9 @@ def reshard(src: Path, dst: Path, last: int) -> None:
         checkpointer.save(str(dst / f"step{step}"), tm, state)
 
 
-def pma_init(ckpt: Path, save: Path, dump: Path) -> None:
+def pma_init(ckpt: str, save: Path, dump: Path) -> None:
     t = trainer(save, 10**6, {})
-    t.load_checkpoint(str(ckpt))
+    t.load_checkpoint(ckpt)
     model = t.train_module.model
     if get_rank() == 0:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, dump)
@@ -277,8 +279,10 @@ def run_job(mode: str, args: list[str]) -> None:
         torch.distributed.barrier()
     elif mode == "reshard":
         reshard(Path(args[0]), Path(args[1]), int(args[2]))
-    elif mode == "pma-init":
-        pma_init(Path(args[0]), Path(args[1]), Path(args[2]))
+    elif mode == "pma-init":  # the checkpoint may be a URL: kept a string (a Path folds s3:// into s3:/)
+        pma_init(args[0], Path(args[1]), Path(args[2]))
+    elif mode == "train-to":
+        train(args[1], int(args[2]), Path(args[0]))
     elif mode == "callback":
         crash = int(args[3]) if len(args) > 3 else None
         callback(Path(args[0]), Path(args[1]), int(args[2]), crash)
