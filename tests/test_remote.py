@@ -223,3 +223,30 @@ def test_wrong_credentials_are_one_line(authenticating_server: Any, tmp_path: Pa
     proc = run_cli("merge", "s3://some-bucket/run", "-o", tmp_path / "out", env=authenticating_server.env())
     line = _one_line_error(proc)
     assert "s3://some-bucket" in line and "access denied" in line
+
+
+def test_snapshot_saver_uploads_off_the_training_thread(
+    s3_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pmakit import remote
+    from pmakit.saver import SnapshotSaver
+
+    bucket = _bucket(s3_server)
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(remote, "_STORES", {})  # a client made under this test's endpoint
+    url = f"s3://{bucket}/run/snapshots"
+    with SnapshotSaver(tmp_path / "snaps", every_tokens=10, keep_last=1, upload_to=url) as saver:
+        for step in (1, 2, 3):
+            saver.maybe_save(state(step), tokens=step * 10, step=step)
+    client = s3_server.client()
+    keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="run/").get("Contents", []))
+    assert [k for k in keys if k.endswith("pmakit.json")] == [
+        f"run/snapshots/step-{s:08d}/pmakit.json" for s in (1, 2, 3)
+    ]
+    assert len(list((tmp_path / "snaps").iterdir())) == 1  # retention is local: the bucket keeps all three
+    proc = run_cli("merge", url, "-o", tmp_path / "merged", "--quiet", env=s3_server.env())
+    assert proc.returncode == 0, proc.stderr
+    merged = read_state(tmp_path / "merged")
+    want = torch.stack([state(s)["embed.weight"].float() for s in (1, 2, 3)]).mean(0)
+    torch.testing.assert_close(merged["embed.weight"].float(), want, atol=1e-2, rtol=1e-2)

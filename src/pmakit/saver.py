@@ -4,7 +4,10 @@ At the call the weights are copied to CPU (so training can go on and change them
 into a hidden sibling ``.step-XXXXXXXX.pmakit-partial``: the safetensors file(s), the extra files (config,
 tokenizer), then ``pmakit.json`` last, and renames the directory into place. A crash mid-write therefore leaves
 only a hidden directory that ``pmakit merge`` never looks at; a visible ``step-XXXXXXXX`` is always complete.
-Then the ``on_save`` callbacks run (e.g. ``OnlineAverager.update``), then retention deletes the oldest snapshots.
+With ``upload_to`` (an ``s3://`` or ``gs://`` URL), the same thread then uploads the complete snapshot there,
+``pmakit.json`` last (``pmakit.remote.publish``), so that ``pmakit merge URL`` finds only complete snapshots.
+Then the ``on_save`` callbacks run (e.g. ``OnlineAverager.update``), then retention deletes the oldest snapshots
+(local copies only: the bucket keeps every snapshot).
 
 At most one snapshot is in flight: a save waits for the previous write to finish before copying (the CPU copy is
 the memory a save costs). An error of the background thread is raised by the next ``maybe_save``/``save``/
@@ -205,6 +208,9 @@ class SnapshotSaver:
         tidy: remove the hidden leftovers of an interrupted save at start. False in a process that shares the
             directory with the one that writes (a model copy that is not the writer): a leftover there may be the
             writer's save in flight.
+        upload_to: an ``s3://`` / ``gs://`` URL that every complete snapshot is also uploaded to (on the writer
+            thread, ``pmakit.json`` last), as ``URL/step-XXXXXXXX``. Credentials and endpoint as for
+            ``pmakit merge`` (see ``pmakit.remote``); an upload failure is raised like a write failure.
     """
 
     def __init__(
@@ -222,6 +228,7 @@ class SnapshotSaver:
         max_shard_size: int = 5 * 10**9,
         fsync: bool = True,
         tidy: bool = True,
+        upload_to: str | None = None,
     ) -> None:
         if every_tokens < 1:
             raise PmakitError(f"every_tokens must be a positive number of tokens, got {every_tokens}")
@@ -244,6 +251,11 @@ class SnapshotSaver:
         self.dtype = dtype
         self.max_shard_size = max_shard_size
         self.fsync = fsync
+        self.upload_to = upload_to.rstrip("/") if upload_to else None
+        if self.upload_to is not None:
+            from pmakit.remote import parse
+
+            parse(self.upload_to)  # a malformed URL fails now, not in the first save
         self.last_mark = start_tokens // every_tokens
         """How many multiples of V had been crossed at the last save (or at the start)."""
         self.last_saved: Snapshot | None = None
@@ -357,6 +369,10 @@ class SnapshotSaver:
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
             raise
+        if self.upload_to is not None:
+            from pmakit.remote import publish
+
+            publish(path, f"{self.upload_to}/{path.name}", METADATA_FILE, resume=False)
         start = time.thread_time()
         for callback in self.on_save:
             callback(snapshot, state)
