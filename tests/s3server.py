@@ -153,3 +153,49 @@ class FaultProxy:
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+class GCSEmulator:
+    """``gcp-storage-emulator`` (in memory) in a subprocess on a free port; ``env`` points google-cloud-storage at
+    it (STORAGE_EMULATOR_HOST, as its own tests do)."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gcp_storage_emulator",
+                "start",
+                *("--host", "127.0.0.1"),
+                *("--port", str(self.port)),
+                "--in-memory",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 120  # a hang guard
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("GCS emulator did not start") from None
+                time.sleep(0.2)
+
+    def env(self) -> dict[str, str]:
+        return {"STORAGE_EMULATOR_HOST": self.url, "GOOGLE_CLOUD_PROJECT": "test"}
+
+    def client(self) -> Any:
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage
+
+        return storage.Client(
+            project="test", credentials=AnonymousCredentials(), client_options={"api_endpoint": self.url}
+        )
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)

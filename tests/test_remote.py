@@ -250,3 +250,37 @@ def test_snapshot_saver_uploads_off_the_training_thread(
     merged = read_state(tmp_path / "merged")
     want = torch.stack([state(s)["embed.weight"].float() for s in (1, 2, 3)]).mean(0)
     torch.testing.assert_close(merged["embed.weight"].float(), want, atol=1e-2, rtol=1e-2)
+
+
+@pytest.fixture(scope="module")
+def gcs_server() -> Any:
+    pytest.importorskip(
+        "gcp_storage_emulator", reason="the gs:// tests need gcp-storage-emulator (the test extra)"
+    )
+    from s3server import GCSEmulator
+
+    server = GCSEmulator()
+    yield server
+    server.stop()
+
+
+def test_gs_run_merged_into_gs(gcs_server: Any, make_run: Callable[..., Path], tmp_path: Path) -> None:
+    run = make_run(n=3)
+    client = gcs_server.client()
+    bucket = client.create_bucket(f"g-{uuid.uuid4().hex[:10]}")
+    for path in sorted(run.rglob("*")):
+        if path.is_file():
+            bucket.blob(f"runs/r/{path.relative_to(run).as_posix()}").upload_from_filename(str(path))
+    env = {**gcs_server.env(), "PMAKIT_STAGING": str(tmp_path / "staging")}
+    out_url = f"gs://{bucket.name}/merged/m"
+
+    proc = run_cli("merge", f"gs://{bucket.name}/runs/r", "-o", out_url, "--quiet", env=env)
+    assert proc.returncode == 0, proc.stderr
+    names = sorted(b.name for b in client.list_blobs(bucket.name, prefix="merged/m/"))
+    assert names == [f"merged/m/{n}" for n in ("config.json", "model.safetensors", MERGE_MANIFEST)]
+    assert run_cli("merge", run, "-o", tmp_path / "local", "--quiet").returncode == 0
+    data = bucket.blob("merged/m/model.safetensors").download_as_bytes()
+    assert data == (tmp_path / "local" / "model.safetensors").read_bytes()
+
+    missing = run_cli("inspect", "gs://no-such-bucket-here/run", env=env)
+    assert "gs://no-such-bucket-here" in (line := _one_line_error(missing)) and "no such bucket" in line
