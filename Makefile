@@ -6,7 +6,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 TORCH := torch==2.13.0
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: demo test check bench bench-olmo bench-scale bench-train bench-flops install clean
+.PHONY: demo test check bench bench-olmo bench-scale bench-train bench-flops bench-s3 install clean
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -71,6 +71,10 @@ bench: install bench-olmo
 # pmakit vs OLMo-core's offline merge (whole fp32 state in memory) on checkpoints OLMo-core itself writes
 bench-olmo: $(VENV)/.installed-test
 	$(PY) benchmarks/bench_olmo_merge.py
+
+# Merge from a local S3 server (moto) vs the same files on disk: the ratio, peak memory and the requests
+bench-s3: $(VENV)/.installed-test
+	$(PY) benchmarks/bench_s3.py
 
 bench-scale: install
 	$(PY) benchmarks/bench_scale.py

@@ -331,6 +331,14 @@ RECIPES: dict[str, Recipe] = {
     "pmakit tune runs/demo -o tuned/ --budget-evals 12                      # the run's own held-out split (corpus cache)": (
         Recipe()
     ),
+    "pmakit inspect s3://bucket/runs/olmo-7b                        # layout, step, tokens of every checkpoint there": (
+        Recipe(
+            skip="needs an S3 endpoint: tests/test_remote.py runs these commands against a local S3 server"
+        )
+    ),
+    "Error: s3://no-such-bucket/run: checking the bucket failed (no such bucket)": Recipe(
+        skip="error messages, not commands: tests/test_remote.py checks each"
+    ),
     "make bench          # merge: pmakit vs the I/O floor (cat), a naive load-all average and mergekit 0.1.5, warm and cold": (
         Recipe(skip="benchmarks: `make bench` is its own target, with ratios measured in the same run")
     ),

@@ -163,8 +163,11 @@ class S3Store(Store):
 
     def __init__(self) -> None:
         super().__init__()
-        import boto3
-        from botocore.config import Config
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError:
+            raise PmakitError("s3:// needs boto3: pip install -e '.[s3]' in pmakit's checkout") from None
 
         config = Config(
             max_pool_connections=IN_FLIGHT,
@@ -295,7 +298,9 @@ class GCSStore(Store):
         try:
             from google.cloud import storage
         except ImportError:
-            raise PmakitError("gs:// needs google-cloud-storage (pip install 'pmakit[s3]')") from None
+            raise PmakitError(
+                "gs:// needs google-cloud-storage: pip install -e '.[s3]' in pmakit's checkout"
+            ) from None
         try:
             self._client = storage.Client()
         except Exception as e:  # no default credentials or project
