@@ -7,10 +7,10 @@ placeholder of its real size that costs no disk and holds only its head (a safet
 layouts' metadata and the readers' header parsing then run unchanged on the mirror. The readers ask ``lookup``
 whether a file is remote and read its bytes from the store instead of the placeholder: ranged GETs
 (``RemoteFile.fetch``, one per merge chunk of a safetensors file, one per saved record of a DCP file), started by
-the merge's read-ahead hints on a shared pool of ``IN_FLIGHT`` threads, each GET retried. Memory: the chunks in
-flight and in the merge's hands (up to 5 chunks of 16 MiB per bf16 input) and, for DCP, the saved records of the
-tensor being merged: the bound of the local merge, whatever N and model size, but in process memory instead of the
-page cache. Records DCP itself must decode (compressed ones) and whole ``torch.save`` files are written into their
+the merge's read-ahead hints on a shared pool of ``IN_FLIGHT`` threads, each GET retried. Memory: per input, the
+chunks in flight and in the merge's hands (about 7 chunks of 16 MiB per bf16 input) and, for DCP, the saved records
+of the tensor being merged: independent of the model's size like the local merge, but process memory where the
+local merge has page cache, so it grows with N. Records DCP itself must decode (compressed ones) and whole ``torch.save`` files are written into their
 placeholder first (``RemoteFile.fill``) and read from there.
 
 Outputs. A merge into a URL is made in a local staging folder (the local merge, with its resume ledger) and then
