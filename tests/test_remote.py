@@ -284,3 +284,26 @@ def test_gs_run_merged_into_gs(gcs_server: Any, make_run: Callable[..., Path], t
 
     missing = run_cli("inspect", "gs://no-such-bucket-here/run", env=env)
     assert "gs://no-such-bucket-here" in (line := _one_line_error(missing)) and "no such bucket" in line
+
+
+def test_a_dcp_record_is_one_ranged_get_and_no_file_is_fetched(
+    s3_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pmakit import remote
+    from pmakit.layouts import open_weights
+
+    run = _dcp_run(tmp_path / "run", n=1)
+    bucket = _bucket(s3_server)
+    upload_tree(s3_server.client(), run, bucket, "titan")
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(remote, "_STORES", {})
+    mirror = remote.localize(f"s3://{bucket}/titan")
+    data = next((mirror / "step-100").glob("*.distcp"))
+    assert remote.lookup(data) is not None and data.stat().st_blocks == 0  # a placeholder: no disk
+    before = remote.request_count()
+    with open_weights(mirror / "step-100") as reader:
+        for name, info in reader.tensors.items():
+            assert torch.equal(reader.read(name, 0, info.numel).reshape(info.shape), state(1)[name]), name
+    assert remote.request_count() - before == len(reader.tensors)  # one GET per saved record
+    assert data.stat().st_blocks == 0 and not remote._FILLED  # nothing was written into the placeholder
