@@ -69,8 +69,11 @@ class Reader(ABC):
         """
 
     def watch(self, files: list[Path]) -> None:
-        """Remember ``files``' identity (inode, size, mtime) as opened, for ``verify``."""
-        self._watched = [(f, _identity(os.stat(f))) for f in files]
+        """Remember ``files``' identity (inode, size, mtime) as opened, for ``verify``. An object-store mirror's
+        placeholders are left out: pmakit itself writes the records it fetches into them."""
+        from pmakit.remote import lookup
+
+        self._watched = [(f, _identity(os.stat(f))) for f in files if lookup(f) is None]
 
     def verify(self) -> None:
         """Fail with one line if a watched file was truncated, replaced or rewritten since it was opened: the bytes
