@@ -8,8 +8,20 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from conftest import run_cli
-from s3server import upload_tree
+from s3server import MotoServer, upload_tree
+
+
+@pytest.fixture
+def s3(request: pytest.FixtureRequest) -> Any:
+    """A moto server of the test's own: the session's would tie the torchtitan and Megatron fixtures' xdist groups
+    (and every object-storage test) into one worker."""
+    pytest.importorskip("moto.server")
+    server = MotoServer()
+    request.addfinalizer(server.stop)
+    return server
 
 
 def assert_same_merge_from_s3(s3_server: Any, folder: Path, tmp_path: Path) -> None:
@@ -31,12 +43,10 @@ def assert_same_merge_from_s3(s3_server: Any, folder: Path, tmp_path: Path) -> N
 
 
 def test_torchtitan_fsdp_save_folder_from_s3(
-    s3_server: Any, torchtitan_runs: dict[str, Path], tmp_path: Path
+    s3: Any, torchtitan_runs: dict[str, Path], tmp_path: Path
 ) -> None:
-    assert_same_merge_from_s3(s3_server, torchtitan_runs["ws2"], tmp_path)
+    assert_same_merge_from_s3(s3, torchtitan_runs["ws2"], tmp_path)
 
 
-def test_megatron_tp2_save_folder_from_s3(
-    s3_server: Any, megatron_runs: dict[str, Path], tmp_path: Path
-) -> None:
-    assert_same_merge_from_s3(s3_server, megatron_runs["tp2"], tmp_path)
+def test_megatron_tp2_save_folder_from_s3(s3: Any, megatron_runs: dict[str, Path], tmp_path: Path) -> None:
+    assert_same_merge_from_s3(s3, megatron_runs["tp2"], tmp_path)
