@@ -366,3 +366,79 @@ def test_source_config_falls_back_to_the_weights_config_json(tmp_path: Path) -> 
     assert (model.seq_len, model.tie_embeddings, section["vocab_size"]) == (32, False, 300)
     assert "config.json" in where and "demo preset" in where
     assert source_config(tmp_path / "nothing") is None
+
+
+def test_a_run_resumes_after_it_is_moved_and_named_from_elsewhere(
+    corpus_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Trained as ``-o work/tiny`` (relative), stopped at step 13, moved, and resumed by its new path from another
+    working directory: the uninterrupted run's weights and merges (the run had kept the paths it was given, and
+    the resume was a FileNotFoundError: 'work/tiny/snapshots/step-...'); a relative corpus is recorded absolute.
+    An older run's state, which kept the paths as given, still resumes after a move."""
+    import dataclasses
+    import os
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from pmakit.train.averaging import Averaging
+
+    cfg = tiny(corpus_dir)
+    straight = Trainer(cfg, tmp_path / "straight").fit()
+    straight.close()
+
+    class Stop(Callback):
+        def on_step_end(self, trainer: Trainer, record: dict[str, object]) -> None:
+            if trainer.step == 13:
+                raise KeyboardInterrupt
+
+    first, elsewhere = tmp_path / "a", tmp_path / "b"
+    first.mkdir(), elsewhere.mkdir()
+    monkeypatch.chdir(first)
+    here = dataclasses.replace(cfg, corpus=os.path.relpath(corpus_dir))  # relative too, outside the run
+    stopped = Trainer(here, "work/tiny", callbacks=[Stop()])
+    with pytest.raises(KeyboardInterrupt):
+        stopped.fit()
+    stopped.close()
+    monkeypatch.chdir(tmp_path)
+    saved = torch.load(first / "work/tiny/checkpoint/trainer.pt", weights_only=True)
+    assert saved["config"]["corpus"] == str(corpus_dir)
+    assert saved["averager"]["window"] == [[384 * k, f"step-{3 * k:08d}"] for k in (2, 3, 4)]
+    assert saved["saver"]["last_saved"]["path"] == "step-00000012"
+    snapshot_records = [r for r in read_metrics(first / "work/tiny") if r["kind"] == "snapshot"]
+    assert snapshot_records[0]["path"] == "snapshots/step-00000003"  # relative to the run, as the window
+    shutil.move(first / "work" / "tiny", elsewhere / "moved")
+
+    # An older run kept the paths as given (relative to its working directory): found in the moved run by name.
+    older = Averaging(elsewhere / "moved" / "snapshots", cfg.every_tokens, last=cfg.average_last)
+    older.start(None, 13 * 128, rebuild=False, writer=False)
+    legacy = {k: v for k, v in saved.items() if k != "paths"}
+    legacy["averager"] = {
+        **saved["averager"],
+        "window": [[t, f"work/tiny/{p}"] for t, p in legacy["averager"]["window"]],
+    }
+    older.load_state_dict(legacy)
+    assert [p for _, p in older.averager.window] == [
+        elsewhere / "moved" / "snapshots" / f"step-{3 * k:08d}" for k in (2, 3, 4)
+    ]
+
+    resumed = run_cli("train", "-o", "moved", cwd=elsewhere)  # the config saved in the run
+    assert resumed.returncode == 0 and "Traceback" not in resumed.stderr, resumed.stderr[-3000:]
+    assert "trained 3,072 tokens" in resumed.stdout
+    moved = elsewhere / "moved"
+    assert [s.tokens for s in discover(moved)] == [s.tokens for s in discover(tmp_path / "straight")]
+    final = f"snapshots/step-{24:08d}/model.safetensors"
+    a, b = load_file(tmp_path / "straight" / final), load_file(moved / final)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    want = {
+        r["step"]: r["val_loss"]
+        for r in read_metrics(tmp_path / "straight")
+        if r["kind"] == "eval" and r["model"].startswith("merged")
+    }
+    got = {
+        r["step"]: r["val_loss"]
+        for r in read_metrics(moved)
+        if r["kind"] == "eval" and r["model"].startswith("merged")
+    }
+    assert got.keys() == want.keys() and max(want) == 24
+    assert got == pytest.approx(want, rel=1e-5)  # the resumed window's sums are rebuilt from the moved files

@@ -33,7 +33,14 @@ from typing import Any
 import pmakit
 from pmakit.config import Tokens
 from pmakit.errors import PmakitError
-from pmakit.runs import KEPT_CHECKPOINTS, METRICS, checkpoint_dir, replace_dir, snapshots_dir
+from pmakit.runs import (
+    KEPT_CHECKPOINTS,
+    METRICS,
+    checkpoint_dir,
+    replace_dir,
+    run_relative,
+    snapshots_dir,
+)
 from pmakit.snapshot import METADATA_FILE, IncompleteSnapshot, Snapshot, read_snapshot, sort_snapshots
 from pmakit.train.callbacks import Callback, StopTraining
 from pmakit.units import format_tokens
@@ -804,18 +811,21 @@ class SpikeRecovery(Callback):
         optimizer, opt_tokens = self._optimizer_for(trainer, before, snapshots)
         state, weights = merged_state(chosen, cfg.method, cfg.alpha)
         discarded = self._discard(trainer, snapshots, before, spike) if cfg.discard_spiked else []
+        run = (
+            trainer.run_dir
+        )  # the event goes to its metrics.jsonl: paths relative to the run, as it may move
         reason = {
             "recovery": done + 1,
             "spike": spike.to_dict(),
             "before_tokens": before,
             "method": cfg.method,
             "merged": [
-                {"path": str(s.path), "step": s.step, "tokens": s.tokens, "weight": w}
+                {"path": run_relative(s.path, run), "step": s.step, "tokens": s.tokens, "weight": w}
                 for s, w in zip(chosen, weights)
             ],
             "optimizer_policy": cfg.optimizer,
             "optimizer_from_tokens": opt_tokens,
-            "discarded": [str(p) for p in discarded],
+            "discarded": [run_relative(p, run) for p in discarded],
         }
         if cfg.lr_factor != 1.0 and cfg.lr_factor_tokens > 0:
             until = trainer.tokens + cfg.lr_factor_tokens

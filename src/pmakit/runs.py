@@ -85,6 +85,37 @@ def trainer_state(checkpoint: Path) -> Path:
     return Path(checkpoint) / TRAINER_STATE
 
 
+# ---------------------------------------------------------------------------------------------- recorded paths
+
+
+def run_relative(path: str | os.PathLike[str], base: str | os.PathLike[str]) -> str:
+    """How a run records ``path``: relative to ``base`` (a folder of the run) when it lies inside, so that the run
+    still finds it after being moved, copied or named by another path from another working directory; otherwise
+    absolute (a path relative to the working directory of the moment would mean nothing later).
+
+    Lexical, not ``resolve()``: a snapshot that is a symlink inside the run is recorded by its name in the run.
+    """
+    absolute = Path(os.path.abspath(path))
+    try:
+        return absolute.relative_to(os.path.abspath(base)).as_posix()
+    except ValueError:
+        return str(absolute)
+
+
+def in_run(recorded: str | os.PathLike[str], base: str | os.PathLike[str], *, as_given: bool = False) -> Path:
+    """Where a path a run recorded with ``run_relative`` is now: under ``base`` (an absolute one as it is).
+
+    ``as_given``: the run recorded the path as it was given (runs written before paths were run-relative:
+    absolute, or relative to the working directory of that time). The entry of that name in ``base`` is taken
+    when there is one, as the run may have moved since; else the path as recorded.
+    """
+    path = Path(recorded)
+    if not as_given:
+        return Path(base) / path
+    here = Path(base) / path.name
+    return here if here.exists() else path
+
+
 # ---------------------------------------------------------------------------------------------- atomic writes
 
 

@@ -44,7 +44,14 @@ import numpy as np
 import torch
 
 from pmakit.errors import PmakitError
-from pmakit.runs import MAIN_RUN, atomic_write_json, checkpoint_dir, snapshots_dir, trainer_state
+from pmakit.runs import (
+    MAIN_RUN,
+    atomic_write_json,
+    checkpoint_dir,
+    run_relative,
+    snapshots_dir,
+    trainer_state,
+)
 
 log = logging.getLogger(__name__)
 
@@ -704,7 +711,7 @@ def experiment_plane(grid: Any, run_dir: Path, *, size: int, batches: int) -> di
         return None
     # spread over the held-out split like the experiment's own batches, not its first few windows
     held_out = list(grid.batches[:: max(1, len(grid.batches) // batches)][:batches])
-    paths = [str(s.path) for s in chosen]
+    paths = [run_relative(s.path, run_dir) for s in chosen]  # the study may be moved or named another way
     previous = _read_json(run_dir / "plane.json")
     if (
         previous is not None

@@ -50,6 +50,7 @@ from pmakit.runs import (
     checkpoint_dir,
     kept_checkpoint_dir,
     read_jsonl,
+    run_relative,
     snapshots_dir,
 )
 from pmakit.schedule import WSD
@@ -653,7 +654,8 @@ class _Grid:
                 "experiment_row": best["label"],
             },
         )
-        return {"path": str(out), "label": best["label"], "val_loss": best["val_loss"]}
+        # relative to the study, which may be moved or named by another path before its report is built
+        return {"path": run_relative(out, self.run_dir), "label": best["label"], "val_loss": best["val_loss"]}
 
 
 _CELL = ("method", "n", "v_tokens", "alpha")

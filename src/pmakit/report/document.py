@@ -581,7 +581,10 @@ def _headline_merge(info: Any, run_dir: Path) -> list[Block]:
     """The merged model the experiment wrote to disk, if it says so."""
     if not isinstance(info, dict) or not isinstance(info.get("path"), str):
         return []
-    path = Path(info["path"])
+    # Relative to the study; older studies recorded it as they were named (absolute or cwd-relative).
+    recorded = Path(info["path"])
+    inside = run_dir / recorded
+    path = inside if not recorded.is_absolute() and inside.exists() else recorded
     shown = path.relative_to(run_dir) if path.is_relative_to(run_dir) else path
     label = f" ({info['label']})" if isinstance(info.get("label"), str) else ""
     return [Paragraph(f"Merged model written by the experiment{label}: `{shown.as_posix()}`.")]

@@ -29,10 +29,14 @@ from torch import nn
 from pmakit.errors import PmakitError
 from pmakit.metrics import MetricsLog
 from pmakit.online import OnlineAverager
+from pmakit.runs import in_run, run_relative
 from pmakit.saver import SnapshotSaver
 from pmakit.snapshot import Snapshot, discover
 
 log = logging.getLogger(__name__)
+
+PATHS = "relative to the snapshot folder"
+"""How ``Averaging.state_dict`` records snapshot paths; a state without this mark kept them as they were given."""
 
 
 class Averaging:
@@ -147,17 +151,38 @@ class Averaging:
         """
         if self.saver is None:
             return {}
-        return {
-            "saver": self.saver.state_dict(),
-            "averager": self.averager.state_dict(include_tensors=include_tensors),
-        }
+        # The saver's first: it waits for the write in flight, whose completion adds that snapshot to the window
+        # (a checkpoint taken right after a save must hold it, or the resumed window lacks it).
+        saver = self.saver.state_dict()
+        averager = self.averager.state_dict(include_tensors=include_tensors)
+        # Paths relative to the snapshot folder: the run resumes after it is moved or named by another path.
+        if saver["last_saved"] is not None:
+            saver["last_saved"]["path"] = run_relative(saver["last_saved"]["path"], self.save_dir)
+        averager["window"] = [[t, self._recorded(p)] for t, p in averager["window"]]
+        return {"saver": saver, "averager": averager, "paths": PATHS}
 
     def load_state_dict(self, state: Mapping[str, Any], *, window: bool = True) -> None:
         """Continue from ``state`` (after ``start``); ``window=False`` keeps the saver's marks only (a fork starts
-        its own online merge)."""
-        self.started_saver.load_state_dict(state["saver"])
+        its own online merge). States of older runs, which kept their paths as given, are accepted."""
+        as_given = state.get("paths") != PATHS
+        saver = dict(state["saver"])
+        if saver.get("last_saved"):
+            last = saver["last_saved"]
+            saver["last_saved"] = {
+                **last,
+                "path": str(in_run(last["path"], self.save_dir, as_given=as_given)),
+            }
+        self.started_saver.load_state_dict(saver)
         if window:
-            self.averager.load_state_dict(state["averager"])
+            averager = dict(state["averager"])
+            averager["window"] = [
+                [t, None if p is None else str(in_run(p, self.save_dir, as_given=as_given))]
+                for t, p in averager["window"]
+            ]
+            self.averager.load_state_dict(averager)
+
+    def _recorded(self, path: str | None) -> str | None:
+        return None if path is None else run_relative(path, self.save_dir)
 
     def _on_saved(self, snapshot: Snapshot, state: dict[str, torch.Tensor]) -> None:
         self.averager.update(state, tokens=snapshot.tokens, path=snapshot.path)
@@ -181,7 +206,8 @@ class Averaging:
             model, tokens=tokens, step=step, lr=lr, loss=loss, window=self.averager.n
         )
         if snapshot is not None:
-            self.write({"kind": "snapshot", "tokens": tokens, "step": step, "path": str(snapshot.path)})
+            path = run_relative(snapshot.path, self._metrics_log().path.parent)  # the log's run, moved or not
+            self.write({"kind": "snapshot", "tokens": tokens, "step": step, "path": path})
         self.step_seconds += time.perf_counter() - start
         return snapshot
 
@@ -232,9 +258,12 @@ class Averaging:
         """Append a record to the metrics log (nothing before ``start``)."""
         if self.saver is None:
             return
+        self._metrics_log().write(record)
+
+    def _metrics_log(self) -> MetricsLog:
         if self.metrics is None:
             self.metrics = MetricsLog(self.save_dir, tensorboard=False)
-        self.metrics.write(record)
+        return self.metrics
 
     def close(self) -> None:
         """Flush the snapshot in flight and the metrics file (at the end of training)."""

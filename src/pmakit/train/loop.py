@@ -621,11 +621,14 @@ class Trainer:
 
         save_file({k: v.detach() for k, v in self.model.state_dict().items()}, tmp / "model.safetensors")
         torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+        config = self.config.to_dict()
+        if config.get("corpus"):  # outside the run: absolute, so that the run resumes from any directory
+            config["corpus"] = os.path.abspath(os.path.expanduser(config["corpus"]))
         # Plain values and tensors only, so that it loads with weights_only=True.
         state = {
             "trainer": asdict(self.state),
-            **self.averaging.state_dict(),  # "saver" and "averager"
-            "config": self.config.to_dict(),
+            **self.averaging.state_dict(),  # "saver", "averager" and how they record paths
+            "config": config,
         }
         if copies is not None:
             state["copies"] = {**self.copies.state_dict(), "copies": copies}
