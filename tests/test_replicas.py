@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import SRC
 from pmakit.formats import read_state
 
 CONFIG = """
@@ -33,6 +34,9 @@ train:
   seed: 0
 """
 
+ENV = {**os.environ, "PYTHONPATH": str(SRC), "OMP_WAIT_POLICY": "PASSIVE"}
+"""The copies run this checkout's sources, not an installed pmakit."""
+
 
 def _config(tmp: Path, name: str, total: int = 2560, optimizer: str = "sgd") -> Path:
     path = tmp / f"{name}.yaml"
@@ -41,7 +45,7 @@ def _config(tmp: Path, name: str, total: int = 2560, optimizer: str = "sgd") -> 
 
 
 def _torchrun(config: Path, out: Path, *args: str) -> None:
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PMAKIT_CACHE": os.environ.get("PMAKIT_CACHE", "")}
+    env = {**ENV, "PMAKIT_CACHE": os.environ.get("PMAKIT_CACHE", "")}
     env = {k: v for k, v in env.items() if v}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += ["-m", "pmakit", "train", str(config), "-o", str(out), "--replicas", "2", *args]
@@ -119,9 +123,8 @@ def test_diloco_with_unit_outer_sgd_is_local_sgd_and_resumes_exactly(tmp_path: P
 
 
 def _pmakit(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     return subprocess.run(
-        [sys.executable, "-m", "pmakit", *args], capture_output=True, text=True, timeout=1800, env=env
+        [sys.executable, "-m", "pmakit", *args], capture_output=True, text=True, timeout=1800, env=ENV
     )
 
 
@@ -243,19 +246,33 @@ def test_the_failure_line_names_the_copy_that_failed_first() -> None:
     assert failure_line(erred, 2) == "model copy 1 of 2 failed (exit 1); its error is printed above"
     both_stopped = {0: failed(0, -15), 1: failed(1, -15)}
     assert failure_line(both_stopped, 2) == "model copy 0 of 2 was killed by SIGTERM"
+    # A copy that lost the others (exit 3) is never the one named while another ended otherwise.
+    lost = {0: failed(0, 3), 1: failed(1, -9)}
+    assert failure_line(lost, 2) == "model copy 1 of 2 was killed by SIGKILL"
+    termed = {0: failed(0, 3), 1: failed(1, 143)}
+    assert failure_line(termed, 2) == "model copy 1 of 2 was stopped by SIGTERM"
+    everyone_lost = {0: failed(0, 3), 1: failed(1, 3)}
+    assert (
+        failure_line(everyone_lost, 2)
+        == "model copy 0 of 2 stopped: a collective with the other copies failed"
+    )
 
 
-def test_a_signal_to_the_launcher_ends_without_a_traceback(tmp_path: Path) -> None:
-    """SIGTERM to the `pmakit train --replicas 2` launcher while its copies train (torch's agent raises
-    SignalException: a traceback): one line, exit 143, no traceback."""
+@pytest.mark.parametrize("stop", ["launcher", "copy"])
+def test_a_run_stopped_by_a_signal_ends_with_one_line(tmp_path: Path, stop: str) -> None:
+    """SIGTERM to the `pmakit train --replicas 2` launcher while its copies train (torch's agent raised
+    SignalException: a traceback), or SIGKILL to copy 1 (copy 0's failed all-reduce printed its "[rank0]:"
+    traceback whenever it noticed before the launcher stopped it): one line, a non-zero exit, no traceback of any
+    process, whichever process sees the failure first."""
     import signal
     import time
+
+    import psutil
 
     config = _config(tmp_path, "long", total=2560 * 400)
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "pmakit", "train", str(config), "-o", str(out), "--replicas", "2"]
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 1800  # a hang guard only
     while proc.poll() is None and time.monotonic() < deadline:
@@ -263,10 +280,17 @@ def test_a_signal_to_the_launcher_ends_without_a_traceback(tmp_path: Path) -> No
             break  # the copies are training
         time.sleep(0.2)
     assert proc.poll() is None, proc.communicate()[1][-3000:]
-    proc.send_signal(signal.SIGTERM)
+    if stop == "launcher":
+        proc.send_signal(signal.SIGTERM)
+    else:
+        copies = {c.environ().get("RANK"): c for c in psutil.Process(proc.pid).children()}
+        copies["1"].send_signal(signal.SIGKILL)
     _, stderr = proc.communicate(timeout=1800)
-    # The launcher's own traceback (the copies' lines carry a "[rankN]:" prefix: a copy stopped in some phases of
-    # its start still prints one, a known gap)
-    assert not any(line.startswith("Traceback") for line in stderr.splitlines()), stderr[-3000:]
-    assert proc.returncode == 143, (proc.returncode, stderr[-2000:])
-    assert "stopped by SIGTERM" in stderr
+    assert "Traceback" not in stderr and "[rank" not in stderr, stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if line.startswith(("Error", "stopped"))]
+    if stop == "launcher":
+        assert proc.returncode == 143 and errors == ["stopped by SIGTERM: the model copies were stopped"], (
+            stderr
+        )
+    else:
+        assert proc.returncode == 1 and errors == ["Error: model copy 1 of 2 was killed by SIGKILL"], stderr

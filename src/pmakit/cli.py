@@ -45,13 +45,28 @@ class _Group(click.Group):
             name = str(e.filename or "")
             short = name if len(name) <= 160 else f"{name[:80]}...{name[-60:]} ({len(name):,} characters)"
             raise click.ClickException(f"{short}: {e.strerror}") from None
-        except Exception:
-            # A model copy of `pmakit train --replicas` whose peer failed: one line, the peer said why.
-            if os.environ.get("PMAKIT_COPIES") and os.environ.get("RANK", "0") != "0":
-                raise click.ClickException(
-                    f"model copy {os.environ['RANK']} stopped: another copy failed"
-                ) from None
+        except Exception as e:
+            _peer_failed(e)
             raise
+
+
+def _peer_failed(error: Exception) -> None:
+    """A process of a distributed job (a model copy of `pmakit train --replicas`, a rank of a merge) whose
+    collective failed: another process failed or is gone, and says why itself. Under pmakit's own launcher the
+    copy ends quietly (the launcher's line names the copy that failed first); under torchrun, one line. A
+    failure of the process's own is left as it is."""
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), os.environ.get("RANK")
+    if world < 2 or rank is None:
+        return
+    from pmakit.train.launch import PEER_FAILED_EXIT, collective_failed
+
+    if not collective_failed(error):
+        return
+    if os.environ.get("PMAKIT_COPIES"):
+        raise SystemExit(PEER_FAILED_EXIT) from None
+    raise click.ClickException(
+        f"process {rank} of {world} stopped: a collective with the others failed (another one failed or is gone)"
+    ) from None
 
 
 class _Location(click.ParamType):

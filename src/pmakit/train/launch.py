@@ -116,15 +116,43 @@ def _launch(replicas: int) -> None:
         raise SystemExit(128 + int(e.sigval)) from None
 
 
-_STOPPED = (-int(signal.SIGTERM), 128 + int(signal.SIGTERM))
-"""How a copy ends that the launcher stopped because another one failed: SIGTERM, or our handler's exit 143."""
+PEER_FAILED_EXIT = 3
+"""How a copy under pmakit's own launcher ends when a collective with the other copies failed (another copy failed
+or is gone): quietly, leaving the one line to the launcher, which knows which copy failed first. Without it each
+surviving copy's traceback reached the console whenever it noticed the loss before the launcher stopped it."""
+
+_STOPPED = (-int(signal.SIGTERM), 128 + int(signal.SIGTERM), PEER_FAILED_EXIT)
+"""How a copy ends that another one's failure stopped: the launcher's SIGTERM, our handler's exit 143, or a failed
+collective."""
+
+
+def collective_failed(error: BaseException) -> bool:
+    """Whether ``error`` came out of a ``torch.distributed`` call (its innermost frame is there, or it is one of
+    torch's distributed errors): in a process of a distributed job, a peer failed or is gone."""
+    import torch.distributed as dist
+
+    if isinstance(error, dist.DistError):
+        return True
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and str(tb.tb_frame.f_globals.get("__name__", "")).startswith("torch.distributed")
 
 
 def failure_line(failures: Mapping[int, Any], replicas: int) -> str:
     """The one line for copies that failed: the copy that failed first, not one the launcher stopped after it
     (every other copy then ends with SIGTERM); a copy killed by a signal has no error of its own to point to."""
-    rank = next((r for r in sorted(failures) if failures[r].exitcode not in _STOPPED), min(failures))
+
+    def first(rank: int) -> int:  # a copy's own failure, then a stop by a signal, then the loss of the others
+        code = failures[rank].exitcode
+        return 0 if code not in _STOPPED else 2 if code == PEER_FAILED_EXIT else 1
+
+    rank = min(sorted(failures), key=first)
     code = failures[rank].exitcode
+    if code == PEER_FAILED_EXIT:  # every copy lost the others (the network, or a failure the launcher missed)
+        return f"model copy {rank} of {replicas} stopped: a collective with the other copies failed"
+    if code == 128 + int(signal.SIGTERM):  # pmakit's handler: SIGTERM unwinds like Ctrl-C
+        return f"model copy {rank} of {replicas} was stopped by SIGTERM"
     if code < 0:
         return f"model copy {rank} of {replicas} was killed by {signal.Signals(-code).name}"
     return f"model copy {rank} of {replicas} failed (exit {code}); its error is printed above"
