@@ -8,12 +8,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from pmakit.formats.safetensors_io import save_file
 from pmakit.snapshot import write_metadata
@@ -68,6 +69,34 @@ def write_snapshot(
     return path
 
 
+def write_states(
+    run: Path,
+    states: Sequence[dict[str, torch.Tensor]],
+    *,
+    every: int = 10,
+    tokens_per_step: int = 100,
+    digits: int = 0,
+    fmt: str = "safetensors",
+) -> Path:
+    """A run of one snapshot per state, oldest first: ``run/step-<k * every>`` (zero-padded to ``digits``) at
+    ``tokens_per_step`` tokens a step."""
+    for k, tensors in enumerate(states, start=1):
+        step = k * every
+        path = run / f"step-{step:0{digits}d}"
+        write_snapshot(path, tensors, step=step, tokens=step * tokens_per_step, fmt=fmt)
+    return run
+
+
+def load_dir(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an output directory, read back through the reference safetensors reader."""
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(f, framework="pt") as h:
+            for k in h.keys():  # noqa: SIM118 - safe_open has no __iter__
+                out[k] = h.get_tensor(k)
+    return out
+
+
 @pytest.fixture
 def make_run(tmp_path: Path) -> Callable[..., Path]:
     """make_run(n=5, every=100, dtype=bf16, fmt="safetensors") -> run dir with snapshots step-<k*every>."""
@@ -81,13 +110,10 @@ def make_run(tmp_path: Path) -> Callable[..., Path]:
         fmt: str = "safetensors",
         name: str = "run",
     ) -> Path:
-        run = tmp_path / name
-        for i in range(1, n + 1):
-            step = i * every
-            write_snapshot(
-                run / f"step-{step:06d}", state(i, dtype), step=step, tokens=step * tokens_per_step, fmt=fmt
-            )
-        return run
+        states = [state(i, dtype) for i in range(1, n + 1)]
+        return write_states(
+            tmp_path / name, states, every=every, tokens_per_step=tokens_per_step, digits=6, fmt=fmt
+        )
 
     return build
 

@@ -10,21 +10,11 @@ import torch
 from safetensors import safe_open
 
 import pmakit.merge as merge_mod
-from conftest import state, write_snapshot
+from conftest import load_dir, state, write_snapshot
 from pmakit.errors import PmakitError
 from pmakit.merge import merge, partial_dir, plan_merge
 from pmakit.snapshot import discover
 from pmakit.weights import get_weights
-
-
-def load_dir(path: Path) -> dict[str, torch.Tensor]:
-    """Read every tensor of an output directory back through the reference safetensors reader."""
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(f, framework="pt") as h:
-            for k in h.keys():  # noqa: SIM118 - safe_open has no __iter__
-                out[k] = h.get_tensor(k)
-    return out
 
 
 def ordered_bits(t: torch.Tensor) -> torch.Tensor:

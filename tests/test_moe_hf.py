@@ -8,23 +8,13 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors import safe_open
 
-from conftest import run_cli
+from conftest import load_dir, run_cli
 from pmakit.snapshot import discover
 
 transformers = pytest.importorskip("transformers")
 
 STEPS, BATCH, SEQ = 4, 2, 8
-
-
-def load(path: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(f, framework="pt") as h:
-            for k in h.keys():  # noqa: SIM118 - safe_open has no __iter__
-                out[k] = h.get_tensor(k)
-    return out
 
 
 def tiny(kind: str) -> Any:
@@ -77,7 +67,7 @@ def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 
 
 def hand_average(paths: list[Path]) -> dict[str, torch.Tensor]:
-    states = [load(p) for p in paths]
+    states = [load_dir(p) for p in paths]
     return {k: sum(s[k].double() for s in states) / len(states) for k in states[-1]}  # type: ignore[misc]
 
 
@@ -93,13 +83,13 @@ def check_loads_and_runs(out: Path) -> None:
 def test_hf_moe_merge_equals_hand_average(trained: tuple[Path, Path], source: str, tmp_path: Path) -> None:
     snaps = discover(trained[0] if source == "callback" else trained[1])
     assert len(snaps) == STEPS
-    names = load(snaps[-1].path).keys()
+    names = load_dir(snaps[-1].path).keys()
     fused = any(k.endswith("mlp.experts.gate_up_proj") for k in names)
     per_expert = any(".mlp.experts.0.gate_proj.weight" in k for k in names)
     assert (fused, per_expert) == ((True, False) if source == "callback" else (False, True))
     proc = run_cli("merge", *[s.path for s in snaps], "-o", tmp_path / "out")
     assert proc.returncode == 0, proc.stderr
-    got, want = load(tmp_path / "out"), hand_average([s.path for s in snaps])
+    got, want = load_dir(tmp_path / "out"), hand_average([s.path for s in snaps])
     assert got.keys() == want.keys()
     for k, v in got.items():
         assert v.dtype == torch.float32
@@ -141,7 +131,7 @@ def test_deepseek_v3_router_bias_rule(tmp_path: Path, buffers: str) -> None:
             model.get_buffer(bias).copy_(torch.linspace(-1, 1, 4) * (i + 1) / 7)
         model.to(torch.bfloat16).save_pretrained(tmp_path / "run" / f"step-{i + 1}")
         model.float()
-        biases.append(load(tmp_path / "run" / f"step-{i + 1}")[bias])
+        biases.append(load_dir(tmp_path / "run" / f"step-{i + 1}")[bias])
         paths.append(tmp_path / "run" / f"step-{i + 1}")
     assert biases[0].dtype == torch.bfloat16  # the model cast whole, bias too: what a bf16 run saves
     proc = run_cli(
@@ -157,7 +147,7 @@ def test_deepseek_v3_router_bias_rule(tmp_path: Path, buffers: str) -> None:
         buffers,
     )
     assert proc.returncode == 0, proc.stderr
-    got = load(tmp_path / "out")
+    got = load_dir(tmp_path / "out")
     assert got[bias].dtype == torch.float32 and got["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
     want = biases[-1].double() if buffers == "latest" else sum(b.double() for b in biases) / 3
     torch.testing.assert_close(got[bias].double(), want, rtol=1e-6, atol=1e-8)

@@ -6,9 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
-from conftest import run_cli, write_snapshot
+from conftest import load_dir, run_cli, write_states
 from pmakit.errors import PmakitError
 from pmakit.layouts.kinds import DEFAULT_BUFFERS, Kind, classify
 from pmakit.merge import merge, plan_merge
@@ -35,21 +34,6 @@ def moe_state(seed: int, experts: int = E, bias: bool = True) -> dict[str, torch
     return t
 
 
-def make_run(root: Path, states: list[dict[str, torch.Tensor]]) -> Path:
-    for i, s in enumerate(states):
-        write_snapshot(root / f"step-{(i + 1) * 10}", s, step=(i + 1) * 10, tokens=(i + 1) * 1000)
-    return root
-
-
-def load(path: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(f, framework="pt") as h:
-            for k in h.keys():  # noqa: SIM118 - safe_open has no __iter__
-                out[k] = h.get_tensor(k)
-    return out
-
-
 @pytest.mark.parametrize(
     ("name", "dtype", "kind"),
     [
@@ -73,10 +57,10 @@ def test_classify_names_of_each_framework(name: str, dtype: torch.dtype, kind: K
 
 def test_default_averages_biases_in_fp32_and_takes_counters_from_the_newest(tmp_path: Path) -> None:
     states = [moe_state(s) for s in (1, 2, 3)]
-    run = make_run(tmp_path / "run", states)
+    run = write_states(tmp_path / "run", states)
     snaps = discover(run)
     result = merge(snaps, [0.2, 0.3, 0.5], tmp_path / "out", dtype="bf16")
-    got = load(tmp_path / "out")
+    got = load_dir(tmp_path / "out")
     assert DEFAULT_BUFFERS == "average"
     want = sum(w * s[BIAS].double() for w, s in zip([0.2, 0.3, 0.5], states))
     assert got[BIAS].dtype == torch.float32  # not bf16, although --dtype bf16
@@ -100,9 +84,9 @@ def test_buffers_latest_takes_the_newest_bias_in_fp32(tmp_path: Path) -> None:
     states[-1][BIAS] = states[-1][BIAS].to(torch.bfloat16)  # a trainer that downcast it: written back as fp32
     for s in states[:-1]:
         s[BIAS] = s[BIAS].to(torch.bfloat16)
-    snaps = discover(make_run(tmp_path / "run", states))
+    snaps = discover(write_states(tmp_path / "run", states))
     result = merge(snaps, [1 / 3] * 3, tmp_path / "out", buffers="latest", keep_fp32=True, dtype="bf16")
-    got = load(tmp_path / "out")
+    got = load_dir(tmp_path / "out")
     assert got[BIAS].dtype == torch.float32 and torch.equal(got[BIAS], states[-1][BIAS].float())
     assert torch.equal(got[COUNT], states[-1][COUNT])
     assert result.manifest["tensor_kinds"]["router_bias"]["rule"] == "latest"
@@ -112,7 +96,7 @@ def test_buffers_latest_takes_the_newest_bias_in_fp32(tmp_path: Path) -> None:
 
 
 def test_plan_reads_a_latest_tensor_once(tmp_path: Path) -> None:
-    snaps = discover(make_run(tmp_path / "run", [moe_state(s) for s in (1, 2)]))
+    snaps = discover(write_states(tmp_path / "run", [moe_state(s) for s in (1, 2)]))
     average = plan_merge(snaps, [0.5, 0.5])
     latest = plan_merge(snaps, [0.5, 0.5], buffers="latest")
     assert average.input_bytes - latest.input_bytes == E * 4  # one fp32 bias read once instead of twice
@@ -122,11 +106,11 @@ def test_plan_reads_a_latest_tensor_once(tmp_path: Path) -> None:
 
 def test_cli_merge_buffers_latest_and_inspect_list_the_state(tmp_path: Path) -> None:
     states = [moe_state(s) for s in (1, 2)]
-    run = make_run(tmp_path / "run", states)
+    run = write_states(tmp_path / "run", states)
     proc = run_cli("merge", run, "-o", tmp_path / "out", "--buffers", "latest")
     assert proc.returncode == 0, proc.stderr
     assert f"router_bias: 1 tensor(s), from the newest snapshot in float32: {BIAS}" in proc.stdout
-    assert torch.equal(load(tmp_path / "out")[BIAS], states[-1][BIAS])
+    assert torch.equal(load_dir(tmp_path / "out")[BIAS], states[-1][BIAS])
     proc = run_cli("inspect", run)
     assert proc.returncode == 0, proc.stderr
     assert "router_bias: 1 tensor(s), averaged in float32" in proc.stdout
@@ -149,7 +133,7 @@ def test_cli_merge_buffers_latest_and_inspect_list_the_state(tmp_path: Path) -> 
 def test_bad_moe_inputs_fail_in_one_line(
     tmp_path: Path, older: dict[str, torch.Tensor], message: str
 ) -> None:
-    run = make_run(tmp_path / "run", [older, moe_state(2)])
+    run = write_states(tmp_path / "run", [older, moe_state(2)])
     proc = run_cli("merge", run, "--last", "2", "-o", tmp_path / "out")
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
@@ -165,10 +149,10 @@ def test_average_states_applies_the_same_rules_as_merge(tmp_path: Path, buffers:
     from pmakit.merge import average_states
 
     states = [moe_state(s) for s in (1, 2, 3)]
-    snaps = discover(make_run(tmp_path / "run", states))
+    snaps = discover(write_states(tmp_path / "run", states))
     merge(snaps, [0.2, 0.3, 0.5], tmp_path / "out", buffers=buffers)
     got = average_states(states, [0.2, 0.3, 0.5], dtype="same", buffers=buffers)
-    on_disk = load(tmp_path / "out")
+    on_disk = load_dir(tmp_path / "out")
     assert got.keys() == on_disk.keys()
     for name, t in on_disk.items():
         assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
@@ -191,19 +175,19 @@ def test_online_averager_takes_counters_from_the_newest_and_matches_merge(tmp_pa
     avg = averager.average()
     assert torch.equal(avg[COUNT], states[-1][COUNT]) and torch.equal(avg[STEPS], states[-1][STEPS])
     merge(discover(tmp_path / "run"), [1 / 3] * 3, tmp_path / "out", dtype="fp32")
-    on_disk = load(tmp_path / "out")
+    on_disk = load_dir(tmp_path / "out")
     for name in (BIAS, COUNT, "layers.0.moe.experts.w1"):
         torch.testing.assert_close(avg[name].float(), on_disk[name], rtol=0, atol=1e-6)
 
 
 def test_incremental_update_averages_biases_and_refuses_latest(tmp_path: Path) -> None:
     states = [moe_state(s) for s in (1, 2, 3)]
-    run = make_run(tmp_path / "run", states[:2])
+    run = write_states(tmp_path / "run", states[:2])
     assert run_cli("merge", run, "--last", "2", "-o", tmp_path / "m0", "--dtype", "fp32").returncode == 0
-    make_run(tmp_path / "run", states)  # a third snapshot: the window moves
+    write_states(tmp_path / "run", states)  # a third snapshot: the window moves
     proc = run_cli("merge", run, "--last", "2", "--from-previous", tmp_path / "m0", "-o", tmp_path / "m1")
     assert proc.returncode == 0, proc.stderr
-    got = load(tmp_path / "m1")
+    got = load_dir(tmp_path / "m1")
     want = (states[1][BIAS].double() + states[2][BIAS].double()) / 2
     torch.testing.assert_close(got[BIAS].double(), want, rtol=1e-6, atol=1e-9)
     assert torch.equal(got[COUNT], states[-1][COUNT])

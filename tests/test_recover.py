@@ -13,9 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from safetensors import safe_open
 
-from conftest import SHAPES, run_cli, state, write_snapshot
+from conftest import SHAPES, load_dir, run_cli, state, write_snapshot, write_states
 from pmakit.errors import PmakitError
 from pmakit.merge import merge
 from pmakit.recover import (
@@ -249,15 +248,6 @@ def build_run(root: Path, n: int = 8, every: int = 1000, spike_at: int | None = 
     return run
 
 
-def load_dir(path: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(f, framework="pt") as h:
-            for k in h.keys():  # noqa: SIM118 - safe_open has no __iter__
-                out[k] = h.get_tensor(k)
-    return out
-
-
 def assert_one_line_error(proc: object, *fragments: str) -> None:
     assert proc.returncode == 1  # type: ignore[attr-defined]
     err = proc.stderr.strip()  # type: ignore[attr-defined]
@@ -304,9 +294,8 @@ def test_merged_state_in_memory_is_the_written_merge_bit_for_bit(
 ) -> None:
     """What the rollback loads (averaged in memory) is byte for byte what `pmakit merge` writes, dtypes included."""
     shapes = {**SHAPES, "big.weight": (300_007,)}  # several of the engine's blocks, and an odd tail
-    for i in range(1, 5):
-        write_snapshot(tmp_path / "run" / f"step-{i:08d}", state(i, dtype, shapes), step=i, tokens=i * 1000)
-    snaps = discover(tmp_path / "run")
+    states = [state(i, dtype, shapes) for i in range(1, 5)]
+    snaps = discover(write_states(tmp_path / "run", states, every=1, tokens_per_step=1000, digits=8))
     got, weights = merged_state(snaps, method, 0.3)
     merge(snaps, weights, tmp_path / "ref", fsync=False)
     want = load_dir(tmp_path / "ref")
@@ -320,8 +309,7 @@ def test_merged_state_in_memory_is_the_written_merge_bit_for_bit(
 def test_merged_state_refuses_a_snapshot_with_nan(tmp_path: Path) -> None:
     bad = state(2)
     bad["layers.0.attn.weight"][0, 0] = float("nan")
-    for i, tensors in enumerate([state(1), bad, state(3)], start=1):
-        write_snapshot(tmp_path / f"step-{i:08d}", tensors, step=i, tokens=i * 1000)
+    write_states(tmp_path, [state(1), bad, state(3)], every=1, tokens_per_step=1000, digits=8)
     with pytest.raises(PmakitError, match=r"'layers.0.attn.weight' of .*step-00000002"):
         merged_state(discover(tmp_path), "sma", 0.2)
 
