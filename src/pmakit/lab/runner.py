@@ -2,7 +2,7 @@
 
 A config's ``study`` key picks the study: none is the paper's PMA study (``pma``), ``spike`` and ``init`` the
 recovery studies (``recovery``), ``replicas`` model copies (``replicas``), ``scaling`` scaling laws from merges
-(``scaling``), ``moe`` the PMA study on a mixture of experts plus its routing health (``moe``). ``--seeds K`` repeats the PMA study over K training seeds (``seeds``).
+(``scaling``), ``moe`` the PMA study on a mixture of experts plus its routing health (``moe``), ``sweep`` a hyper-parameter sweep ranked early by merges (``sweep``). ``--seeds K`` repeats the PMA study over K training seeds (``seeds``).
 """
 
 from __future__ import annotations
@@ -43,6 +43,10 @@ def run_experiment(
         from pmakit.lab.scaling import run_scaling_study
 
         return run_scaling_study(data, run_dir, fresh=fresh, progress=progress)
+    if study == "sweep":
+        from pmakit.lab.sweep import run_sweep_study
+
+        return run_sweep_study(data, run_dir, fresh=fresh, progress=progress)
     if study == "moe":
         from pmakit.lab.moe import run_moe_study
 
@@ -64,7 +68,7 @@ def _run_seeds(data: Mapping[str, Any], run_dir: Path, seeds: int, *, fresh: boo
 
     if data.get("study") not in (None, "moe"):
         raise PmakitError(
-            "--seeds repeats the PMA study; the spike, init, replicas and scaling studies have their own"
+            "--seeds repeats the PMA study; the spike, init, replicas, scaling and sweep studies have their own"
         )
     run_experiment(data, run_dir, fresh=fresh, progress=progress)
     base = int((data.get("train") or {}).get("seed", 0) or 0)

@@ -42,7 +42,7 @@ import pmakit
 from pmakit.config import Tokens, from_mapping
 from pmakit.errors import PmakitError
 from pmakit.evaluate import EvalResult, evaluate
-from pmakit.lab.results import remove_run
+from pmakit.lab.results import Clock, check_same_config, jsonable, remove_run, trained_tokens
 from pmakit.runs import (
     RESULTS,
     RESULTS_CSV,
@@ -213,29 +213,9 @@ def plans(base: TrainConfig, study: ScalingConfig, vocab: int) -> list[Plan]:
 # --------------------------------------------------------------------------------------------------- training
 
 
-def _trained(run: Path) -> int:
-    """Tokens of a run's final checkpoint (0 when it has none yet)."""
-    try:
-        return int(json.loads((checkpoint_dir(run) / "pmakit.json").read_text())["tokens"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return 0
-
-
-class _Clock:
-    """Wall seconds of each piece of work, summed over invocations (RUN/timings.json)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.seconds: dict[str, float] = json.loads(path.read_text()) if path.exists() else {}
-
-    def add(self, key: str, seconds: float) -> None:
-        self.seconds[key] = self.seconds.get(key, 0.0) + seconds
-        atomic_write_json(self.path, self.seconds)
-
-
-def _train_trunk(plan: Plan, run_dir: Path, corpus: Any, clock: _Clock, progress: bool) -> None:
+def _train_trunk(plan: Plan, run_dir: Path, corpus: Any, clock: Clock, progress: bool) -> None:
     trunk = run_dir / plan.size.name / "trunk"
-    if _trained(trunk) >= plan.train.total_tokens:
+    if trained_tokens(trunk) >= plan.train.total_tokens:
         return
     log.info("%s: constant-LR trunk to %s tokens", plan.size.name, format_tokens(plan.train.total_tokens))
     t = time.perf_counter()
@@ -248,10 +228,10 @@ def _train_trunk(plan: Plan, run_dir: Path, corpus: Any, clock: _Clock, progress
 
 
 def _anneal(plan: Plan, study: ScalingConfig, budget: int, fork: int, run_dir: Path, corpus: Any,
-            clock: _Clock, progress: bool) -> None:  # fmt: skip
+            clock: Clock, progress: bool) -> None:  # fmt: skip
     """The budget's ground truth: the trunk's state at the fork, LR decayed to 0 by the budget."""
     branch = anneal_run(run_dir / plan.size.name, budget)
-    if _trained(branch) >= budget:
+    if trained_tokens(branch) >= budget:
         return
     cfg = plan.train
     schedule = WSD(
@@ -414,7 +394,7 @@ def choose_recipe(
 
 
 def _score_merges(plan: Plan, study: ScalingConfig, recipe: Recipe, run_dir: Path, score: _Scorer, test: _Rows,
-                  clock: _Clock) -> None:  # fmt: skip
+                  clock: Clock) -> None:  # fmt: skip
     """The chosen recipe's merge at every budget, on the test split; the merge (reads + average) is timed."""
     for budget in plan.budgets:
         if (plan.size.name, budget, "merge", recipe.label) in test.done:
@@ -430,28 +410,7 @@ def _score_merges(plan: Plan, study: ScalingConfig, recipe: Recipe, run_dir: Pat
 # --------------------------------------------------------------------------------------------------- the run
 
 
-def _check_same_config(run_dir: Path, config: dict[str, Any]) -> None:
-    """Resuming with another config would mix two studies in one results file: refuse it."""
-    stamp = run_dir / "config.json"
-    if not stamp.exists():
-        stamp.write_text(json.dumps(config, indent=1) + "\n")
-        return
-    saved = json.loads(stamp.read_text())
-    if saved != config:
-        changed = sorted(
-            f"{s}.{k}" for s in config for k in config[s] if saved.get(s, {}).get(k) != config[s][k]
-        )
-        raise PmakitError(
-            f"{run_dir} holds a study with another config (changed: {', '.join(changed) or 'sections'}); "
-            "pass --fresh to start over or use another -o"
-        )
-
-
-def _jsonable(x: Any) -> Any:
-    return json.loads(json.dumps(x, default=str))
-
-
-def _size_record(plan: Plan, clock: _Clock) -> dict[str, Any]:
+def _size_record(plan: Plan, clock: Clock) -> dict[str, Any]:
     s = clock.seconds
     name = plan.size.name
     trunk = s.get(f"{name}/trunk", 0.0)
@@ -486,11 +445,11 @@ def run_scaling_study(
     if fresh and run_dir.exists():
         remove_run(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    _check_same_config(run_dir, _jsonable({"train": base.to_dict(), STUDY: asdict(study)}))
+    check_same_config(run_dir, jsonable({"train": base.to_dict(), STUDY: asdict(study)}))
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     corpus = load_corpus(base)
     all_plans = plans(base, study, corpus.vocab_size)
-    clock = _Clock(run_dir / "timings.json")
+    clock = Clock(run_dir / "timings.json")
     batches = val_batches(corpus.val, batch_size=base.batch_size, seq_len=base.model.seq_len,
                           max_batches=study.selection_batches + study.test_batches)  # fmt: skip
     selection_batches, test_batches = split_batches(batches, study.selection_batches, study.test_batches)
@@ -514,14 +473,14 @@ def run_scaling_study(
 
 
 def _write_record(run_dir: Path, data: Mapping[str, Any], base: TrainConfig, study: ScalingConfig,
-                  all_plans: Sequence[Plan], clock: _Clock, recipe: Recipe, table: list[dict[str, Any]],
+                  all_plans: Sequence[Plan], clock: Clock, recipe: Recipe, table: list[dict[str, Any]],
                   started: str) -> None:  # fmt: skip
     path = run_dir / "experiment.json"
     previous = json.loads(path.read_text()) if path.exists() else {}
     record = {
         "study": STUDY,
         "preset": data.get("preset"),
-        "config": _jsonable({"train": base.to_dict(), STUDY: asdict(study)}),
+        "config": jsonable({"train": base.to_dict(), STUDY: asdict(study)}),
         "sizes": [_size_record(p, clock) for p in all_plans],
         "recipe": {**asdict(recipe), "label": recipe.label},
         "selection": table,

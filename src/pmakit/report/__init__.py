@@ -114,8 +114,10 @@ def write_report(run_dir: str | Path) -> ReportPaths:
     """
     run_dir = Path(run_dir)
     _check_dir(run_dir)
-    from pmakit.report import recovery, replicas, scaling, train_run
+    from pmakit.report import recovery, replicas, scaling, sweep, train_run
 
+    if sweep.is_sweep(run_dir):
+        return _render(run_dir, *sweep.build(run_dir))
     if recovery.study_of(run_dir):  # the spike / init studies have their own sections
         blocks, drawn = recovery.build(run_dir)
         return _render(run_dir, blocks, drawn)
@@ -229,8 +231,10 @@ def summary_text(run_dir: str | Path) -> str:
     """The headline numbers and the report's paths, in one terminal screen (about 25 lines at most)."""
     run_dir = Path(run_dir)
     _check_dir(run_dir)
-    from pmakit.report import recovery, replicas, scaling, train_run
+    from pmakit.report import recovery, replicas, scaling, sweep, train_run
 
+    if sweep.is_sweep(run_dir):
+        return sweep.summary(run_dir)
     if recovery.study_of(run_dir):
         return recovery.summary(run_dir)
     if replicas.is_replicas(run_dir):

@@ -1,0 +1,447 @@
+"""The ``sweep`` study (``pmakit experiment --preset sweep``): can merges decide a hyper-parameter sweep early?
+
+K candidates (the product of ``lrs`` x ``weight_decays`` x ``batch_sizes``), each ONE constant-LR trunk with a
+snapshot every V, all on the same data order (``train.seed``). At each early point b (a fraction of the budget D)
+and at D itself, every candidate is scored four ways:
+- ``latest``: the newest snapshot at b;
+- ``fixed``: the fixed recipe, SMA of the last ``fixed_n`` snapshots ending at b (the paper's default);
+- ``tuned``: the merge recipe (weighting, window as a fraction of b) with the least loss on the selection split,
+  chosen per candidate and point among ``recipes`` and the fixed recipe;
+- ``anneal``: a short anneal branched off the trunk at (1 - f) b, LR to 0 by b (the cooldown of Hägele et al.).
+The truth is each candidate's anneal at the full budget D; the anneals at the early points are the cheaper truths.
+Every reported loss is on the test split (held-out batches disjoint from the selection batches) with its per-batch
+losses, so the report (``pmakit.report.sweep``) can bootstrap the rank agreement over test batches.
+
+Run directory:
+    RUN/CANDIDATE/trunk/          the candidate's constant-LR run (``pmakit train`` layout)
+    RUN/CANDIDATE/anneal-B/       its anneal ending at B tokens
+    RUN/selection.jsonl           every recipe at every (candidate, point), on the selection split
+    RUN/results.jsonl|.csv        test rows: candidate, lr, weight_decay, batch_size, tokens, kind, recipe, loss
+    RUN/timings.json              wall seconds of each trunk, anneal, and read + merge (summed over invocations)
+    RUN/experiment.json           ``"study": "sweep"``, the config, the candidates, the budgets and the seconds
+Re-running resumes: finished trunks, anneals and evaluations are not redone.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import itertools
+import logging
+import math
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import pmakit
+from pmakit.config import Tokens, from_mapping
+from pmakit.errors import PmakitError
+from pmakit.evaluate import EvalResult, evaluate
+from pmakit.lab.results import Clock, check_same_config, jsonable, remove_run, trained_tokens
+from pmakit.lab.scaling import Recipe, split_batches
+from pmakit.runs import (
+    RESULTS,
+    RESULTS_CSV,
+    anneal_run,
+    append_jsonl,
+    atomic_open,
+    atomic_write_json,
+    checkpoint_dir,
+    kept_checkpoint_dir,
+    read_jsonl,
+    snapshots_dir,
+)
+from pmakit.schedule import WSD
+from pmakit.train.loop import TrainConfig, Trainer
+from pmakit.units import format_tokens
+from pmakit.weights import get_weights
+
+log = logging.getLogger(__name__)
+STUDY = "sweep"
+KINDS = ("latest", "fixed", "tuned", "anneal")
+"""The estimates scored at every point (the anneal at the full budget is the truth)."""
+RESULT_COLUMNS = ("candidate", "lr", "weight_decay", "batch_size", "tokens", "kind", "recipe", "val_loss",
+                  "val_loss_se", "bpb", "window_start_tokens", "merged")  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """The ``sweep:`` section."""
+
+    lrs: tuple[float, ...] = ()
+    """Peak (stable-phase) LRs swept (about a decade is what a user sweeps)."""
+    weight_decays: tuple[float, ...] = ()
+    """AdamW weight decays swept (default: ``train.weight_decay`` only)."""
+    batch_sizes: tuple[int, ...] = ()
+    """Sequences per step swept (default: ``train.batch_size`` only); V must be a multiple of each one's step."""
+    budget: Tokens = 2_000_000
+    """The full budget D: the truth is every candidate annealed to D."""
+    points: tuple[float, ...] = (0.1, 0.25, 0.5)
+    """The early points, as fractions of D, where the candidates are ranked by each estimate."""
+    every_tokens: Tokens = 16_384
+    """Snapshot interval V (the same for every candidate)."""
+    anneal_fraction: float = 0.2
+    """Every anneal (the truth and the short ones) branches off at (1 - f) b and decays the LR to 0 by b."""
+    anneal_shape: str = "1sqrt"
+    """Decay shape of the anneals: 1sqrt, linear or cosine."""
+    fixed_n: int = 10
+    """N of the fixed recipe: SMA of the last N snapshots (the paper's default)."""
+    recipes: tuple[Recipe, ...] = (Recipe("sma", 0.1), Recipe("sma", 0.2), Recipe("sma", 0.4),
+                                   Recipe("wsm-1sqrt", 0.4))  # fmt: skip
+    """Merge candidates of the tuned merge (window as a fraction of the point b), chosen on the selection split."""
+    max_merged: int = 16
+    """At most this many snapshots in a merge (a long window takes every k-th snapshot)."""
+    selection_batches: int = 8
+    """Held-out batches the tuned recipe is chosen on."""
+    test_batches: int = 24
+    """Held-out batches every reported loss is measured on (disjoint from the selection batches)."""
+    bootstrap: int = 1000
+    """Bootstrap resamples of the test batches behind the report's 95% intervals."""
+
+    def __post_init__(self) -> None:
+        if (
+            not self.lrs
+            or len(self.lrs) * max(1, len(self.weight_decays)) * max(1, len(self.batch_sizes)) < 2
+        ):
+            raise PmakitError("sweep needs lrs and at least 2 candidates (lrs x weight_decays x batch_sizes)")
+        if any(not 0 < p < 1 for p in self.points) or not self.points:
+            raise PmakitError(f"sweep.points are fractions of the budget in (0, 1), got {list(self.points)}")
+        if not 0 < self.anneal_fraction < 1 or self.fixed_n < 2 or self.max_merged < 2:
+            raise PmakitError("sweep.anneal_fraction must be in (0, 1); fixed_n and max_merged at least 2")
+        for r in self.recipes:
+            get_weights(r.method, 2)  # an unknown weighting fails here, naming the known ones
+            if not 0 < r.fraction < 1:
+                raise PmakitError(f"sweep recipe fraction must be in (0, 1), got {r.fraction}")
+        if min(self.selection_batches, self.test_batches) < 2 or self.bootstrap < 0:
+            raise PmakitError("sweep.selection_batches and test_batches at least 2; bootstrap 0 or more")
+        WSD(1.0, decay_start=0, decay_end=1, shape=self.anneal_shape)  # a bad shape fails here
+
+
+def _section(data: Mapping[str, Any]) -> SweepConfig:
+    raw = dict(data.get(STUDY) or {})
+    if not raw.get("recipes", True):
+        del raw["recipes"]  # null or []: the default candidates
+    return from_mapping(SweepConfig, raw, STUDY)
+
+
+# --------------------------------------------------------------------------------------------------- plan
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One candidate, resolved: its train config and the budgets it is scored at."""
+
+    name: str
+    """Directory name and label (the axes that vary, e.g. ``lr3e-3-wd0.1``)."""
+    train: TrainConfig
+    """The trunk's config (constant LR to D, full states kept at the forks)."""
+    budgets: tuple[int, ...]
+    """The early points and D, in tokens (multiples of V)."""
+    forks: tuple[int, ...]
+    """Where each budget's anneal branches off the trunk."""
+
+    def record(self) -> dict[str, Any]:
+        t = self.train
+        return {"name": self.name, "lr": t.lr, "weight_decay": t.weight_decay, "batch_size": t.batch_size,
+                "tokens_per_step": t.tokens_per_step, "budgets": list(self.budgets), "forks": list(self.forks)}  # fmt: skip
+
+
+def _name(lr: float, wd: float, bs: int, study: SweepConfig) -> str:
+    parts = [f"lr{lr:g}"]
+    if len(study.weight_decays) > 1:
+        parts.append(f"wd{wd:g}")
+    if len(study.batch_sizes) > 1:
+        parts.append(f"bs{bs}")
+    return "-".join(parts)
+
+
+def budgets_of(study: SweepConfig) -> tuple[int, ...]:
+    """The points and D in tokens, each a multiple of V with at least two snapshots before it."""
+    v = study.every_tokens
+    out = {max(2, round(p * study.budget / v)) * v for p in study.points}
+    return tuple(sorted(out | {max(2, round(study.budget / v)) * v}))
+
+
+def plans(base: TrainConfig, study: SweepConfig) -> list[Plan]:
+    """Every candidate's trunk config."""
+    budgets = budgets_of(study)
+    grid = itertools.product(study.lrs, study.weight_decays or (base.weight_decay,),
+                             study.batch_sizes or (base.batch_size,))  # fmt: skip
+    out = []
+    for lr, wd, bs in grid:
+        step = bs * base.model.seq_len
+        if study.every_tokens % step:
+            raise PmakitError(
+                f"sweep.every_tokens must be a multiple of the tokens per step ({step}, batch {bs})"
+            )
+        forks = tuple(b - max(1, round(study.anneal_fraction * b / step)) * step for b in budgets)
+        if min(forks) <= base.warmup_tokens:
+            raise PmakitError(f"the first anneal starts at {format_tokens(min(forks))}, inside the warmup")
+        cfg = replace(
+            base, lr=lr, weight_decay=wd, batch_size=bs, every_tokens=study.every_tokens, total_tokens=max(budgets),
+            decay_tokens=0, keep_checkpoints_at=forks, eval_every=0, average_last=1,
+            checkpoint_every_tokens=max(step, max(budgets) // 10 // step * step),
+        )  # fmt: skip
+        out.append(Plan(_name(lr, wd, bs, study), cfg, budgets, forks))
+    if len({p.name for p in out}) != len(out):
+        raise PmakitError(
+            "sweep candidates must differ: lrs, weight_decays and batch_sizes need distinct values"
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- training
+
+
+def _train_trunk(plan: Plan, run_dir: Path, corpus: Any, clock: Clock, progress: bool) -> None:
+    trunk = run_dir / plan.name / "trunk"
+    if trained_tokens(trunk) >= plan.train.total_tokens:
+        return
+    log.info("%s: constant-LR trunk to %s tokens", plan.name, format_tokens(plan.train.total_tokens))
+    t = time.perf_counter()
+    trainer = Trainer(plan.train, trunk, corpus=corpus, progress=progress)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+        clock.add(f"{plan.name}/trunk", time.perf_counter() - t)
+
+
+def _anneal(plan: Plan, study: SweepConfig, budget: int, fork: int, run_dir: Path, corpus: Any, clock: Clock,
+            progress: bool) -> None:  # fmt: skip
+    """The trunk's state at the fork, LR decayed to 0 by the budget."""
+    branch = anneal_run(run_dir / plan.name, budget)
+    if trained_tokens(branch) >= budget:
+        return
+    cfg = plan.train
+    schedule = WSD(
+        cfg.lr, warmup=cfg.warmup_tokens, decay_start=fork, decay_end=budget, shape=study.anneal_shape
+    )
+    start = (
+        None if checkpoint_dir(branch).exists() else kept_checkpoint_dir(run_dir / plan.name / "trunk", fork)
+    )
+    log.info("%s: anneal from %s to %s", plan.name, format_tokens(fork), format_tokens(budget))
+    t = time.perf_counter()
+    trainer = Trainer(replace(cfg, keep_checkpoints_at=(), total_tokens=budget), branch, corpus=corpus,
+                      schedule=schedule, resume_from=start, progress=progress)  # fmt: skip
+    try:
+        trainer.fit(until_tokens=budget)
+    finally:
+        trainer.close()
+        clock.add(f"{plan.name}/anneal-{budget}", time.perf_counter() - t)
+
+
+# --------------------------------------------------------------------------------------------------- scoring
+
+
+def fixed_window(v: int, budget: int, n: int) -> list[int]:
+    """The fixed recipe's snapshots at ``budget``, oldest first: the last ``n`` at V, fewer when the run is younger
+    (V = 16K, budget 64K, n = 10: [16K, 32K, 48K, 64K])."""
+    return [t for t in range(budget - (n - 1) * v, budget + 1, v) if t > 0]
+
+
+def recipe_window(v: int, recipe: Recipe, budget: int, max_merged: int) -> list[int]:
+    """About ``fraction`` x b of training ending at b in at most ``max_merged`` snapshots, every k-th one
+    (V = 16K, b = 400K, fraction 0.4, max 16: 160K / 16K = 10 snapshots, [256K, 400K])."""
+    span = recipe.fraction * budget
+    spacing = v * max(1, math.ceil(span / (max_merged * v)))
+    count = max(2, min(round(span / spacing), budget // spacing))
+    return [budget - k * spacing for k in range(count)][::-1]
+
+
+@dataclass
+class _Scorer:
+    """Scores one candidate's states on the fixed selection and test batches; reads its snapshots once each."""
+
+    plan: Plan
+    run_dir: Path
+    corpus: Any
+    batches: Mapping[str, list[Any]]
+    model: Any = field(init=False)
+    cache: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from pmakit.train.model import build_model
+
+        self.model = build_model(self.plan.train.model, self.corpus.vocab_size, seed=self.plan.train.seed)
+
+    def state(self, tokens: Sequence[int], method: str = "sma") -> dict[str, torch.Tensor]:
+        from pmakit.formats import read_state
+        from pmakit.merge import average_states
+        from pmakit.snapshot import discover
+
+        missing = [t for t in tokens if t not in self.cache]
+        if missing:
+            found = {
+                s.tokens: s.path for s in discover(snapshots_dir(self.run_dir / self.plan.name / "trunk"))
+            }
+            for t in missing:
+                if t not in found:
+                    raise PmakitError(f"{self.plan.name}: no snapshot at {format_tokens(t)} tokens")
+                self.cache[t] = read_state(found[t])
+        states = [self.cache[t] for t in tokens]
+        return states[0] if len(states) == 1 else average_states(states, get_weights(method, len(states)))
+
+    def __call__(self, state: Mapping[str, torch.Tensor], split: str) -> EvalResult:
+        from pmakit.train.loop import swapped
+
+        with swapped(self.model, state):
+            return evaluate(self.model, self.batches[split], bytes_per_token=self.corpus.bytes_per_token)
+
+
+class _Rows:
+    """Result rows of one split (a JSONL file), appended as they are measured; a resumed study skips done ones."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.rows = read_jsonl(path)
+        self.done = {self.key(r) for r in self.rows}
+
+    @staticmethod
+    def key(row: Mapping[str, Any]) -> tuple[Any, ...]:
+        return row["candidate"], row["tokens"], row["kind"], row.get("recipe") or ""
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        self.done.add(self.key(row))
+        append_jsonl(self.path, row)
+
+
+def _row(plan: Plan, budget: int, kind: str, result: EvalResult, recipe: str = "", window: Sequence[int] = ()
+         ) -> dict[str, Any]:  # fmt: skip
+    t = plan.train
+    return {
+        "candidate": plan.name, "lr": t.lr, "weight_decay": t.weight_decay, "batch_size": t.batch_size,
+        "tokens": budget, "kind": kind, "recipe": recipe, "window_start_tokens": window[0] if window else None,
+        "merged": len(window) or None, "val_loss": result.loss, "val_loss_se": result.loss_se, "bpb": result.bpb,
+        "batch_losses": result.batch_losses,
+    }  # fmt: skip
+
+
+FIXED = "fixed"
+
+
+def _windows(plan: Plan, study: SweepConfig, budget: int) -> dict[str, tuple[str, list[int]]]:
+    """Every merge the tuned recipe chooses among at ``budget``: label -> (weighting, snapshot tokens)."""
+    v = study.every_tokens
+    out = {FIXED: ("sma", fixed_window(v, budget, study.fixed_n))}
+    for r in study.recipes:
+        out[r.label] = (r.method, recipe_window(v, r, budget, study.max_merged))
+    return out
+
+
+def score_candidate(plan: Plan, study: SweepConfig, score: _Scorer, test: _Rows, selection: _Rows,
+                    clock: Clock) -> None:  # fmt: skip
+    """Every estimate of one candidate at every budget: test rows, and the tuned recipe's selection rows."""
+    from pmakit.formats import read_state
+
+    for budget in plan.budgets:
+        merges = _windows(plan, study, budget)
+        for label, (method, tokens) in merges.items():
+            if (plan.name, budget, "candidate", label) not in selection.done:
+                selection.add(_row(plan, budget, "candidate", score(score.state(tokens, method), "selection"),
+                                   label, tokens))  # fmt: skip
+        rows = [r for r in selection.rows if r["candidate"] == plan.name and r["tokens"] == budget]
+        best = min(rows, key=lambda r: r["val_loss"])["recipe"]
+        todo = {
+            "latest": ("", "sma", [budget]),
+            "fixed": (FIXED, *merges[FIXED]),
+            "tuned": (best, *merges[best]),
+        }
+        for kind, (label, method, tokens) in todo.items():
+            if (plan.name, budget, kind, label) in test.done:
+                continue
+            t = time.perf_counter()
+            state = score.state(tokens, method)
+            clock.add(f"{plan.name}/{kind}-{budget}", time.perf_counter() - t)  # reading (+ averaging)
+            test.add(
+                _row(plan, budget, kind, score(state, "test"), label, tokens if kind != "latest" else ())
+            )
+        if (plan.name, budget, "anneal", "") not in test.done:
+            branch = checkpoint_dir(anneal_run(score.run_dir / plan.name, budget))
+            test.add(_row(plan, budget, "anneal", score(read_state(branch), "test")))
+        score.cache.clear()  # the next budget's windows are mostly other snapshots
+
+
+# --------------------------------------------------------------------------------------------------- the run
+
+
+def _write_csv(run_dir: Path, rows: Sequence[Mapping[str, Any]]) -> None:
+    with atomic_open(run_dir / RESULTS_CSV, fsync=False) as f:  # the table of results.jsonl
+        writer = csv.DictWriter(f, fieldnames=list(RESULT_COLUMNS), extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def run_sweep_study(
+    data: Mapping[str, Any], run_dir: str | Path, *, fresh: bool = False, progress: bool = True
+) -> Path:
+    """Run (or resume) the study into ``run_dir``; returns the report's path."""
+    from pmakit.train.data import val_batches
+    from pmakit.train.loop import load_corpus
+
+    study = _section(data)
+    base = TrainConfig.from_dict({"every_tokens": study.every_tokens, **(data.get("train") or {})})
+    run_dir = Path(run_dir)
+    if fresh and run_dir.exists():
+        remove_run(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    check_same_config(run_dir, jsonable({"train": base.to_dict(), STUDY: asdict(study)}))
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    all_plans = plans(base, study)
+    corpus = load_corpus(base)
+    clock = Clock(run_dir / "timings.json")
+    batches = val_batches(corpus.val, batch_size=base.batch_size, seq_len=base.model.seq_len,
+                          max_batches=study.selection_batches + study.test_batches)  # fmt: skip
+    sel, tst = split_batches(batches, study.selection_batches, study.test_batches)
+    test, selection = _Rows(run_dir / RESULTS), _Rows(run_dir / "selection.jsonl")
+    for plan in all_plans:
+        _train_trunk(plan, run_dir, corpus, clock, progress)
+        for budget, fork in zip(plan.budgets, plan.forks):
+            _anneal(plan, study, budget, fork, run_dir, corpus, clock, progress)
+        scorer = _Scorer(plan, run_dir, corpus, {"selection": sel, "test": tst})
+        score_candidate(plan, study, scorer, test, selection, clock)
+    _write_csv(run_dir, test.rows)
+    _write_record(run_dir, data, base, study, all_plans, clock, started)
+    from pmakit.report import write_report
+
+    return Path(write_report(run_dir).html)
+
+
+def _write_record(run_dir: Path, data: Mapping[str, Any], base: TrainConfig, study: SweepConfig,
+                  all_plans: Sequence[Plan], clock: Clock, started: str) -> None:  # fmt: skip
+    path = run_dir / "experiment.json"
+    previous = read_json(path)
+    record = {
+        "study": STUDY,
+        "preset": data.get("preset"),
+        "config": jsonable({"train": base.to_dict(), STUDY: asdict(study)}),
+        "candidates": [p.record() for p in all_plans],
+        "budgets": list(budgets_of(study)),
+        "seconds": dict(clock.seconds),
+        "started": previous.get("started", started),
+        "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "load_average": os.getloadavg(),
+        "threads": torch.get_num_threads(),
+        "pmakit": pmakit.__version__,
+        "torch": torch.__version__,
+    }
+    atomic_write_json(path, record)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    import json
+
+    try:
+        out = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return out if isinstance(out, dict) else {}
