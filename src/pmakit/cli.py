@@ -1010,6 +1010,53 @@ def scaling_fit(
     click.echo(f"wrote {out.json_path}" + (f", {out.plot_path}" if out.plot_path else ""))
 
 
+@cli.command("sweep-rank")
+@click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path), metavar="RUN...")
+@click.option(
+    "--at",
+    callback=_tokens,
+    default=None,
+    help="Rank at this token count (e.g. 500K): each run's snapshots at or before it [default: the newest count "
+    "every run has reached].",
+)
+@click.option(
+    "--n",
+    "n",
+    type=int,
+    default=10,
+    show_default=True,
+    help="Snapshots in each run's merge (SMA of the last N).",
+)
+@click.option(
+    "--eval",
+    "data",
+    type=str,
+    default=None,
+    help="Held-out data, as for `pmakit tune`: 'corpus' (the first run's own held-out split) [default], a token "
+    "file or text; every run is scored on the same test batches.",
+)
+@click.option("--batches", type=int, default=16, show_default=True, help="Held-out test batches.")
+@click.option(
+    "--bootstrap",
+    type=int,
+    default=1000,
+    show_default=True,
+    help="Resamples of the batches for P(best), ranks.",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the resampling and file order.")
+def sweep_rank(runs: tuple[Path, ...], **options: Any) -> None:
+    """Rank the runs of a hyper-parameter sweep early, by merges instead of anneals.
+
+    Each RUN (a `pmakit train` run directory, an experiment, or a directory of snapshots) is merged with the fixed
+    recipe (SMA of its last N snapshots at or before --at) and scored on the same held-out batches. Prints each
+    run's loss, its paired difference to the best, the share of batch resamples in which it is the best and its
+    rank's 95% range. docs/sweeps.md says how far an early ranking can be trusted.
+    """
+    from pmakit.lab.sweep import rank_runs, render_ranking
+
+    click.echo(render_ranking(rank_runs(list(runs), **options)))
+
+
 @cli.command()
 @click.argument(
     "inputs", nargs=-1, required=True, type=click.Path(path_type=Path), metavar="RUN_DIR|SNAPSHOT..."

@@ -445,3 +445,99 @@ def read_json(path: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return out if isinstance(out, dict) else {}
+
+
+# --------------------------------------------------------------------------------------------------- sweep-rank
+
+
+def _window_at(run: Path, at: int | None, n: int) -> list[Any]:
+    """The last ``n`` snapshots of ``run`` at or before ``at`` tokens (all of its snapshots when ``at`` is None)."""
+    from pmakit.snapshot import gather
+
+    if not run.is_dir():
+        raise PmakitError(f"{run}: no such run directory")
+    snapshots, _ = gather([run])
+    before = [s for s in snapshots if at is None or s.tokens <= at]
+    if not before:
+        raise PmakitError(f"{run}: no snapshot at or before {format_tokens(at or 0)} tokens (its first is at "
+                          f"{format_tokens(snapshots[0].tokens)})")  # fmt: skip
+    return before[-n:]
+
+
+def _vocabulary(snapshot: Path) -> Any:
+    import json
+
+    try:
+        return json.loads((snapshot / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError) as e:
+        raise PmakitError(f"{snapshot}: no readable config.json to build the model from ({e})") from e
+
+
+def _merge_losses(window: Sequence[Any], batches: Sequence[Any]) -> list[float]:
+    """Per-batch test losses of the SMA of ``window``, in a model built from its newest snapshot's config.json."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pmakit.evaluate import batch_losses
+    from pmakit.formats import read_state
+    from pmakit.merge import average_states
+    from pmakit.train.loop import swapped
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(window[-1].path))
+    states = [read_state(s.path) for s in window]
+    with swapped(model, average_states(states, get_weights("sma", len(states)))):
+        return list(batch_losses(model, batches))
+
+
+def rank_runs(runs: Sequence[Path], *, at: int | None = None, n: int = 10, data: str | None = None,
+              batches: int = 16, bootstrap: int = 1000, seed: int = 0) -> dict[str, Any]:  # fmt: skip
+    """``pmakit sweep-rank``: each run's fixed-recipe merge (SMA of its last ``n`` snapshots at or before ``at``;
+    default: the newest token count every run has reached) scored on the same held-out test batches, ranked with
+    bootstrap uncertainty over the batches (``pmakit.report.sweep.rank_table``)."""
+    from pmakit.lab.tune import TuneConfig, load_eval_data
+    from pmakit.report.sweep import rank_table
+    from pmakit.train.data import split_batches as heldout_batches
+
+    if len(runs) < 2 or len({r.resolve() for r in runs}) < len(runs):
+        raise PmakitError("sweep-rank needs at least 2 different run directories")
+    if n < 1 or batches < 2 or bootstrap < 0:
+        raise PmakitError("--n at least 1, --batches at least 2, --bootstrap 0 or more")
+    if at is None:
+        at = min(_window_at(r, None, 1)[-1].tokens for r in runs)
+    windows = {str(r): _window_at(r, at, n) for r in runs}
+    vocab = {k: _vocabulary(w[-1].path) for k, w in windows.items()}
+    if len(set(vocab.values())) > 1:
+        raise PmakitError(
+            f"the runs have different vocabularies ({vocab}): a sweep ranks runs of one tokenizer"
+        )
+    first = windows[str(runs[0])][-1]
+    found = load_eval_data(data, runs[0], first, TuneConfig(batches=batches, seed=seed))
+    test = heldout_batches(
+        found.held, batch_size=found.batch_size, seq_len=found.seq_len, max_batches=batches
+    )["test"]
+    losses = {name: _merge_losses(w, test) for name, w in windows.items()}
+    return {
+        "at": at, "n": n, "data": found.source, "batches": len(test), "batch_size": found.batch_size,
+        "seq_len": found.seq_len, "bootstrap": bootstrap,
+        "windows": {k: [s.tokens for s in w] for k, w in windows.items()},
+        "ranking": rank_table(losses, bootstrap=bootstrap, seed=seed),
+    }  # fmt: skip
+
+
+def render_ranking(record: Mapping[str, Any]) -> str:
+    """The ranking as a terminal table."""
+    width = max(3, *(len(r["name"]) for r in record["ranking"]))
+    lines = [
+        f"Runs ranked at {format_tokens(record['at'])} tokens by the SMA of each run's last {record['n']} snapshots "
+        f"at or before it; {record['data']}, test split: {record['batches']} batches of {record['batch_size']} x "
+        f"{record['seq_len']} tokens; uncertainty from {record['bootstrap']} resamples of those batches.",
+        f"{'rank':>4}  {'run':<{width}}  {'merged':>18}  {'loss ± s.e.':>17}  {'− best ± paired s.e.':>20}  {'P(best)':>7}"
+        f"  {'rank 95%':>8}",
+    ]
+    for i, r in enumerate(record["ranking"], start=1):
+        w = record["windows"][r["name"]]
+        merged = f"{len(w)}: {format_tokens(w[0])}..{format_tokens(w[-1])}"
+        p_best = "–" if r["p_best"] is None else f"{r['p_best']:.0%}"
+        ranks = "–" if r["rank_range"] is None else f"{r['rank_range'][0]}-{r['rank_range'][1]}"
+        lines.append(f"{i:>4}  {r['name']:<{width}}  {merged:>18}  {r['loss']:.4f} ± {r['loss_se']:.4f}  "
+                     f"{r['minus_best']:+.4f} ± {r['minus_best_se']:.4f}  {p_best:>7}  {ranks:>8}")  # fmt: skip
+    return "\n".join(lines)

@@ -150,9 +150,9 @@ def analyse(exp: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> dict[s
         for kind in ESTIMATES:
             if b == budget and kind == "anneal":
                 continue  # the truth itself
-            est = {n: by.get((n, b, kind)) for n in names}
-            if any(v is None for v in est.values()):
+            if any((n, b, kind) not in by for n in names):
                 continue
+            est = {n: by[(n, b, kind)] for n in names}
             tokens, wall = _costs(exp, b, kind)
             found = agreement(est, truth, bootstrap=int(cfg.get("bootstrap", 1000)))
             out.append({"tokens": b, "point": b / budget, "kind": kind, "compute": tokens / full_tokens,
