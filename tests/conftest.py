@@ -151,6 +151,16 @@ def scaling_smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     return run, proc.stdout
 
 
+@pytest.fixture(scope="session")
+def sweep_smoke(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`pmakit experiment --preset sweep-smoke` run once per session through the real CLI: the run directory."""
+    run = tmp_path_factory.mktemp("sweep") / "run"
+    proc = run_cli("experiment", "--preset", "sweep-smoke", "-o", run, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Sweep study" in proc.stdout and "truth (annealed at D" in proc.stdout
+    return run
+
+
 # --- Running the suite on both cores (pytest-xdist, `make test` passes -n 2 --dist loadgroup) -------------------
 # A session- or module-scoped fixture here builds something slow once (a study run, a framework's checkpoints). Tests
 # that share one must run in the same worker, or each worker builds it again. Every test gets the xdist_group of the

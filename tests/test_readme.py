@@ -288,7 +288,10 @@ def _tune(root: Path, smoke_run: Path) -> dict[str, str]:
     return {}
 
 
-LONG = "a study of several minutes; its smoke preset runs in tests/test_studies.py / test_scaling.py"
+LONG = "a study of several minutes; its smoke preset runs in tests/test_studies.py / test_scaling.py / test_sweep.py"
+SWEEP_BLOCK = (
+    "pmakit experiment --preset sweep-smoke -o runs/sweep-smoke    # 4 toy candidates, under a minute"
+)
 RECIPES: dict[str, Recipe] = {
     "make demo    # the main job: train a small model on real text, merge its snapshots, write a report": Recipe(
         skip="set-up commands: `make test` is this suite, `make demo` the main job (its own target)"
@@ -325,6 +328,7 @@ RECIPES: dict[str, Recipe] = {
     "pmakit experiment --preset scaling -o runs/scaling        # 5 sizes x 4 budgets: trunks, merges, anneals, fits, report": (
         Recipe(_scaling_fit, skip=None)
     ),
+    SWEEP_BLOCK: Recipe(skip=None),
     "pmakit analyze runs/demo -o analysis/                  # the experiment's best SMA window at its last fork": (
         Recipe()
     ),
@@ -345,6 +349,7 @@ RECIPES: dict[str, Recipe] = {
 }
 SKIPPED_LINES = {
     "pmakit experiment --preset scaling -o runs/scaling": LONG,
+    "pmakit experiment --preset sweep -o runs/sweep": LONG,
 }
 
 
@@ -377,6 +382,8 @@ def _shared_study(block: Block) -> tuple[str, ...]:
         return ("smoke_experiment",)
     if block.key.startswith("pmakit experiment --preset scaling"):
         return ("scaling_smoke",)
+    if block.key == SWEEP_BLOCK:
+        return ("sweep_smoke",)
     return ()
 
 
@@ -395,6 +402,15 @@ def test_readme_example_runs_as_written(block: Block, scratch: Path, request: py
         subs = _analyze(scratch, request.getfixturevalue("smoke_experiment")[0])
     elif block.key.startswith("pmakit tune"):
         subs = _tune(scratch, request.getfixturevalue("smoke_experiment")[0])
+    elif block.key == SWEEP_BLOCK:
+        # the suite's own sweep-smoke study (tests/test_sweep.py) copied in: the line resumes it, as written
+        if not (scratch / "runs" / "sweep-smoke").exists():
+            shutil.copytree(request.getfixturevalue("sweep_smoke"), scratch / "runs" / "sweep-smoke")
+        text = "\n".join(
+            x for x in block.text.splitlines() if not any(x.startswith(s) for s in SKIPPED_LINES)
+        )
+        run_shell_block(text, scratch, {}, resume=frozenset({"runs/sweep-smoke"}))
+        return
     elif not block.key.startswith("pmakit experiment --preset scaling"):
         subs = recipe.setup(scratch)
     if block.lang == "python":

@@ -898,7 +898,7 @@ def train(
     default=None,
     help="A shipped study: demo (default), smoke (about a minute), spike (loss-spike recovery, paper E10), "
     "init (continued training from a merge, E9), scaling (scaling laws from merges; scaling-smoke: toy sizes), "
-    "replicas.",
+    "sweep (a hyper-parameter sweep ranked early by merges; sweep-smoke: toy size), replicas.",
 )
 @click.option(
     "--corpus",
