@@ -20,7 +20,7 @@ from conftest import SRC, run_cli
 from pmakit.config import load
 from pmakit.lab.scaling import Recipe, split_batches
 from pmakit.lab.sweep import KINDS, _section, fixed_window, plans, recipe_window
-from pmakit.report.sweep import agreement, rank_table
+from pmakit.report.sweep import PAIRS, agreement, rank_table
 from pmakit.train.loop import TrainConfig
 
 
@@ -104,6 +104,10 @@ def test_report_states_the_agreement_of_every_estimate(smoke: Path) -> None:
     for r in ranking["rows"]:
         assert -1 <= r["tau_ci"][0] <= r["tau_ci"][1] <= 1 and r["regret"] >= 0
         assert r["top1"] == (r["pick"] == r["best"]) and (r["regret"] == 0) == r["top1"]
+    pairs = {(d["tokens"], d["a"], d["b"]) for d in ranking["differences"]}
+    assert pairs == {(b, *pair) for b in (8192, 16384) for pair in PAIRS}  # the early points only
+    for d in ranking["differences"]:
+        assert d["ci"][0] <= d["ci"][1] and d["diff"] == pytest.approx(d["tau_a"] - d["tau_b"])
     by = {r["tokens"]: r["compute"] for r in ranking["rows"] if r["kind"] == "fixed"}
     assert by == {
         8192: 0.25,
