@@ -149,6 +149,7 @@ def test_sweep_rank_ranks_the_smoke_runs(smoke: Path) -> None:
         (("{run}/nope",), "no such run directory"),
         (("{run}/lr0.01-wd0/trunk", "--at", "100"), "no snapshot at or before 100 tokens"),
         (("{run}/lr0.01-wd0/trunk", "--batches", "1"), "--batches at least 2"),
+        (("{run}/lr0.01-wd0/trunk", "--at", "1M"), "before --at 1M; rank at a point every run has reached"),
         (("{run}/lr0.001-wd0/trunk",), "at least 2 different run directories"),
     ],
 )

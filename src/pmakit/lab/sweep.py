@@ -457,6 +457,11 @@ def _window_at(run: Path, at: int | None, n: int) -> list[Any]:
     if not run.is_dir():
         raise PmakitError(f"{run}: no such run directory")
     snapshots, _ = gather([run])
+    if (
+        at is not None and snapshots[-1].tokens < at
+    ):  # its merge would stand for an earlier point than the others'
+        raise PmakitError(f"{run}: its newest snapshot is at {format_tokens(snapshots[-1].tokens)} tokens, before "
+                          f"--at {format_tokens(at)}; rank at a point every run has reached")  # fmt: skip
     before = [s for s in snapshots if at is None or s.tokens <= at]
     if not before:
         raise PmakitError(f"{run}: no snapshot at or before {format_tokens(at or 0)} tokens (its first is at "
