@@ -132,7 +132,9 @@ def test_rerun_resumes_without_redoing_and_a_changed_config_is_refused(smoke: Pa
 
 def test_sweep_rank_ranks_the_smoke_runs(smoke: Path) -> None:
     runs = [smoke / c / "trunk" for c in ("lr0.001-wd0", "lr0.01-wd0", "lr0.01-wd0.1")]
-    proc = run_cli("sweep-rank", *runs, "--at", "16384", "--n", "4", "--batches", "6", "--bootstrap", "200")
+    proc = run_cli(
+        "sweep-rank", *runs, "--at", "16384", "--last", "4", "--batches", "6", "--bootstrap", "200"
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [x for x in proc.stdout.splitlines() if x.strip()[:1].isdigit()]
     assert len(lines) == 3 and "+0.0000 ± 0.0000" in lines[0] and "at 16.38K tokens" in proc.stdout

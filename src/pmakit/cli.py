@@ -1020,7 +1020,7 @@ def scaling_fit(
     "every run has reached].",
 )
 @click.option(
-    "--n",
+    "--last",
     "n",
     type=int,
     default=10,
@@ -1048,7 +1048,7 @@ def sweep_rank(runs: tuple[Path, ...], **options: Any) -> None:
     """Rank the runs of a hyper-parameter sweep early, by merges instead of anneals.
 
     Each RUN (a `pmakit train` run directory, an experiment, or a directory of snapshots) is merged with the fixed
-    recipe (SMA of its last N snapshots at or before --at) and scored on the same held-out batches. Prints each
+    recipe (SMA of its last N snapshots at or before --at, N = --last) and scored on the same held-out batches. Prints each
     run's loss, its paired difference to the best, the share of batch resamples in which it is the best and its
     rank's 95% range. docs/sweeps.md says how far an early ranking can be trusted.
     """

@@ -27,6 +27,7 @@ from __future__ import annotations
 import csv
 import datetime
 import itertools
+import json
 import logging
 import math
 import os
@@ -438,8 +439,7 @@ def _write_record(run_dir: Path, data: Mapping[str, Any], base: TrainConfig, stu
 
 
 def read_json(path: Path) -> dict[str, Any]:
-    import json
-
+    """A JSON object file, or {} when it is missing or not one."""
     try:
         out = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -470,8 +470,6 @@ def _window_at(run: Path, at: int | None, n: int) -> list[Any]:
 
 
 def _vocabulary(snapshot: Path) -> Any:
-    import json
-
     try:
         return json.loads((snapshot / "config.json").read_text()).get("vocab_size")
     except (OSError, ValueError, AttributeError) as e:
@@ -505,7 +503,7 @@ def rank_runs(runs: Sequence[Path], *, at: int | None = None, n: int = 10, data:
     if len(runs) < 2 or len({r.resolve() for r in runs}) < len(runs):
         raise PmakitError("sweep-rank needs at least 2 different run directories")
     if n < 1 or batches < 2 or bootstrap < 0:
-        raise PmakitError("--n at least 1, --batches at least 2, --bootstrap 0 or more")
+        raise PmakitError("--last at least 1, --batches at least 2, --bootstrap 0 or more")
     if at is None:
         at = min(_window_at(r, None, 1)[-1].tokens for r in runs)
     windows = {str(r): _window_at(r, at, n) for r in runs}
