@@ -234,3 +234,26 @@ def test_killed_study_resumes_to_the_same_numbers(smoke: Path, tmp_path: Path) -
         return {(x["candidate"], x["tokens"], x["kind"]): x["val_loss"] for x in jsonl(r / "results.jsonl")}
 
     assert losses(other) == pytest.approx(losses(smoke))
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        (
+            "  batch_sizes: [3, 8]\n",
+            "sweep.every_tokens must be a multiple of the tokens per step (192, batch 3)",
+        ),
+        ("  points: [0.5, 1.5]\n", "sweep.points are fractions of the budget in (0, 1)"),
+        ("  lrs: [1.0e-3]\n  weight_decays: [0.1]\n", "at least 2 candidates"),
+        ("  recipes: [{method: nope, fraction: 0.2}]\n", "nope"),
+    ],
+)
+def test_a_bad_sweep_config_is_one_error_line_and_writes_nothing(
+    tmp_path: Path, section: str, message: str
+) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("preset: sweep-smoke\nsweep:\n" + section)
+    proc = run_cli("experiment", cfg, "-o", tmp_path / "run")
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("Error:")]
+    assert proc.returncode == 1 and len(errors) == 1 and message in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()

@@ -391,13 +391,13 @@ def run_sweep_study(
 
     study = _section(data)
     base = TrainConfig.from_dict({"every_tokens": study.every_tokens, **(data.get("train") or {})})
+    all_plans = plans(base, study)  # a bad grid fails before anything is written
     run_dir = Path(run_dir)
     if fresh and run_dir.exists():
         remove_run(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     check_same_config(run_dir, jsonable({"train": base.to_dict(), STUDY: asdict(study)}))
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    all_plans = plans(base, study)
     corpus = load_corpus(base)
     clock = Clock(run_dir / "timings.json")
     batches = val_batches(corpus.val, batch_size=base.batch_size, seq_len=base.model.seq_len,
