@@ -370,17 +370,8 @@ def _merge(
         )
     alpha = 0.2 if alpha is None else alpha
     url = output if isinstance(output, str) else None
-    if (
-        url is not None
-    ):  # fail now, not after the merge, on a missing bucket, bad credentials or a finished merge
-        from pmakit.remote import check_output
-        from pmakit.snapshot import MERGE_MANIFEST
-
-        if from_previous is not None or keep_fp32 or world.size > 1:
-            raise PmakitError(
-                f"{url}: --from-previous, --keep-fp32 and torchrun merge into local folders only"
-            )
-        check_output(url, MERGE_MANIFEST, force, resume)
+    if url is not None:
+        _check_url_output(url, from_previous is not None or keep_fp32 or world.size > 1, force, resume)
     chosen = _select(inputs, last, every, until, tokens_per_step, exclude)
     weights = get_weights("custom" if custom is not None else method, len(chosen), alpha=alpha, custom=custom)
     terms, term_weights, window = chosen, weights, None
@@ -427,6 +418,17 @@ def _merge(
         )
     if not quiet:
         _print_result(plan, result, output)
+
+
+def _check_url_output(url: str, local_only: bool, force: bool, resume: bool) -> None:
+    """Fail before merging, not after, on a missing bucket, bad credentials, a finished merge at the URL, or an
+    option that only merges into a local folder (``local_only``)."""
+    from pmakit.remote import check_output
+    from pmakit.snapshot import MERGE_MANIFEST
+
+    if local_only:
+        raise PmakitError(f"{url}: --from-previous, --keep-fp32 and torchrun merge into local folders only")
+    check_output(url, MERGE_MANIFEST, force, resume)
 
 
 def _merge_to_url(

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pmakit.checksums import sha256_file
 from pmakit.errors import PmakitError
 
 SCHEMES = ("s3", "gs")
@@ -548,7 +549,6 @@ def publish(local: Path, url: str, manifest: str, resume: bool) -> list[str]:
     An older manifest at ``url`` is deleted first: until the new one is written, the URL holds no finished merge.
     With ``resume``, objects that already carry the sha256 of their file are not uploaded again.
     """
-    from pmakit.merge.output import sha256_file
 
     where = parse(url)
     s = store(where.scheme)

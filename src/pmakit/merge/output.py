@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 import pmakit
+from pmakit.checksums import sha256_file
 from pmakit.errors import PmakitError
 from pmakit.formats import Reader
 from pmakit.formats.safetensors_io import write_index
@@ -127,14 +128,6 @@ PROGRESS_DIR = ".pmakit-progress"
 KILL_ENV = "PMAKIT_TEST_KILL"
 """Test hook: ``after-shard:K``, ``in-shard:K`` or ``before-rename`` makes the process SIGKILL itself there
 (``PMAKIT_TEST_KILL_SIGNAL=TERM``: SIGTERM, what torchrun sends the other ranks when one dies)."""
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(16 * 2**20):
-            h.update(block)
-    return h.hexdigest()
 
 
 class Ledger:
