@@ -251,6 +251,19 @@ def test_snapshot_saver_uploads_off_the_training_thread(
     want = torch.stack([state(s)["embed.weight"].float() for s in (1, 2, 3)]).mean(0)
     torch.testing.assert_close(merged["embed.weight"].float(), want, atol=1e-2, rtol=1e-2)
 
+    # The training callbacks (HF, Lightning, OLMo-core) build their saver through PMACore: upload_to passes through.
+    from pmakit.integrations import PMACore
+
+    core = PMACore(tmp_path / "core", 10, last=2, eval_every=0, upload_to=f"s3://{bucket}/core")
+    core.start(None, 0)
+    for step in (1, 2):
+        core.step(state(step), tokens=step * 10, step=step)
+    core.close()
+    keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="core/").get("Contents", []))
+    assert [k for k in keys if k.endswith("pmakit.json")] == [
+        f"core/step-{s:08d}/pmakit.json" for s in (1, 2)
+    ]
+
 
 @pytest.fixture(scope="module")
 def gcs_server() -> Any:

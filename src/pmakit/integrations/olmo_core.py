@@ -70,6 +70,8 @@ class PMACallback(Callback):
     """EMA factor."""
     keep_last: int | None = None
     """Keep only the newest K snapshots on disk (None: all; at least ``last``)."""
+    upload_to: str | None = None
+    """An ``s3://`` / ``gs://`` URL every complete snapshot is also uploaded to, off the training thread."""
     prefix: str = "eval/pmakit"
     """Metric prefix of the average's evaluation."""
     enabled: bool = True
@@ -90,6 +92,7 @@ class PMACallback(Callback):
             eval_every=self.eval_every,
             alpha=self.alpha,
             keep_last=self.keep_last,
+            upload_to=self.upload_to,
         )
 
     @property

@@ -55,6 +55,8 @@ class Averaging:
         dtype: cast floating-point weights to this dtype in the snapshots.
         metrics: the run's metrics log the records go to (closed by ``close``); None: ``save_dir/metrics.jsonl``,
             opened at the first record and again after ``close`` (a trainer may evaluate after training).
+        upload_to: an ``s3://`` / ``gs://`` URL every complete snapshot is also uploaded to, off the training
+            thread (``SnapshotSaver``'s ``upload_to``); the callbacks pass it through.
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class Averaging:
         background: bool = True,
         dtype: torch.dtype | None = None,
         metrics: MetricsLog | None = None,
+        upload_to: str | None = None,
     ) -> None:
         if eval_every < 0:
             raise PmakitError(f"eval_every must be >= 0 (0: never evaluate the merge), got {eval_every}")
@@ -85,6 +88,7 @@ class Averaging:
         self.keep_last = keep_last
         self.background = background
         self.dtype = dtype
+        self.upload_to = upload_to
         self.averager = OnlineAverager(last, method, alpha, hold_in_memory=hold_in_memory)
         self.saver: SnapshotSaver | None = None
         self.evaluations = 0
@@ -130,6 +134,7 @@ class Averaging:
             extra_text=_config_text(model),
             dtype=self.dtype,
             tidy=writer,
+            upload_to=self.upload_to if writer else None,
         )
         if rebuild and self.averager.count == 0:
             earlier = [s for s in discover(self.save_dir) if s.tokens <= tokens]
