@@ -213,37 +213,35 @@ def plans(base: TrainConfig, study: ScalingConfig, vocab: int) -> list[Plan]:
 # --------------------------------------------------------------------------------------------------- training
 
 
-def _train_trunk(plan: Plan, run_dir: Path, corpus: Any, clock: Clock, progress: bool) -> None:
-    trunk = run_dir / plan.size.name / "trunk"
-    if trained_tokens(trunk) >= plan.train.total_tokens:
+def train_trunk(
+    name: str, cfg: TrainConfig, run_dir: Path, corpus: Any, clock: Clock, progress: bool
+) -> None:
+    """A study's constant-LR trunk ``run_dir/name/trunk`` (resumed; nothing to do once trained), timed as
+    ``name/trunk``. Shared with the sweep study."""
+    trunk = run_dir / name / "trunk"
+    if trained_tokens(trunk) >= cfg.total_tokens:
         return
-    log.info("%s: constant-LR trunk to %s tokens", plan.size.name, format_tokens(plan.train.total_tokens))
+    log.info("%s: constant-LR trunk to %s tokens", name, format_tokens(cfg.total_tokens))
     t = time.perf_counter()
-    trainer = Trainer(plan.train, trunk, corpus=corpus, progress=progress)
+    trainer = Trainer(cfg, trunk, corpus=corpus, progress=progress)
     try:
         trainer.fit()
     finally:
         trainer.close()
-        clock.add(f"{plan.size.name}/trunk", time.perf_counter() - t)
+        clock.add(f"{name}/trunk", time.perf_counter() - t)
 
 
-def _anneal(plan: Plan, study: ScalingConfig, budget: int, fork: int, run_dir: Path, corpus: Any,
-            clock: Clock, progress: bool) -> None:  # fmt: skip
-    """The budget's ground truth: the trunk's state at the fork, LR decayed to 0 by the budget."""
-    branch = anneal_run(run_dir / plan.size.name, budget)
+def anneal_branch(name: str, cfg: TrainConfig, shape: str, budget: int, fork: int, run_dir: Path, corpus: Any,
+                  clock: Clock, progress: bool) -> None:  # fmt: skip
+    """The budget's ground truth: the trunk's state at the fork, LR decayed to 0 by the budget (``shape``),
+    resumed like the trunk. Shared with the sweep study."""
+    branch = anneal_run(run_dir / name, budget)
     if trained_tokens(branch) >= budget:
         return
-    cfg = plan.train
-    schedule = WSD(
-        cfg.lr, warmup=cfg.warmup_tokens, decay_start=fork, decay_end=budget, shape=study.anneal_shape
-    )
-    start = (
-        None
-        if checkpoint_dir(branch).exists()
-        else kept_checkpoint_dir(run_dir / plan.size.name / "trunk", fork)
-    )
+    schedule = WSD(cfg.lr, warmup=cfg.warmup_tokens, decay_start=fork, decay_end=budget, shape=shape)
+    start = None if checkpoint_dir(branch).exists() else kept_checkpoint_dir(run_dir / name / "trunk", fork)
     branch_cfg = replace(cfg, keep_checkpoints_at=(), total_tokens=budget)
-    log.info("%s: anneal from %s to %s", plan.size.name, format_tokens(fork), format_tokens(budget))
+    log.info("%s: anneal from %s to %s", name, format_tokens(fork), format_tokens(budget))
     t = time.perf_counter()
     trainer = Trainer(
         branch_cfg, branch, corpus=corpus, schedule=schedule, resume_from=start, progress=progress
@@ -252,7 +250,7 @@ def _anneal(plan: Plan, study: ScalingConfig, budget: int, fork: int, run_dir: P
         trainer.fit(until_tokens=budget)
     finally:
         trainer.close()
-        clock.add(f"{plan.size.name}/anneal-{budget}", time.perf_counter() - t)
+        clock.add(f"{name}/anneal-{budget}", time.perf_counter() - t)
 
 
 # --------------------------------------------------------------------------------------------------- scoring
@@ -424,7 +422,7 @@ def _size_record(plan: Plan, clock: Clock) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _write_csv(run_dir: Path, rows: Sequence[Mapping[str, Any]]) -> None:
+def write_results_csv(run_dir: Path, rows: Sequence[Mapping[str, Any]]) -> None:
     with atomic_open(run_dir / RESULTS_CSV, fsync=False) as f:  # the table of results.jsonl
         writer = csv.DictWriter(f, fieldnames=list(RESULT_COLUMNS), extrasaction="ignore")
         writer.writeheader()
@@ -456,16 +454,17 @@ def run_scaling_study(
     test, selection = _Rows(run_dir / RESULTS), _Rows(run_dir / "selection.jsonl")
     scorers = {}
     for plan in all_plans:
-        _train_trunk(plan, run_dir, corpus, clock, progress)
+        train_trunk(plan.size.name, plan.train, run_dir, corpus, clock, progress)
         for budget, fork in zip(plan.budgets, plan.forks):
-            _anneal(plan, study, budget, fork, run_dir, corpus, clock, progress)
+            anneal_branch(plan.size.name, plan.train, study.anneal_shape, budget, fork, run_dir, corpus, clock,
+                          progress)  # fmt: skip
         scorers[plan.size.name] = _Scorer(plan, corpus, selection_batches, test_batches)
         _score_references(plan, study, run_dir, scorers[plan.size.name], test, selection)
     recipe, table = choose_recipe(study, all_plans, selection.rows)
     log.info("merge recipe chosen on the selection split: %s", recipe.label)
     for plan in all_plans:
         _score_merges(plan, study, recipe, run_dir, scorers[plan.size.name], test, clock)
-    _write_csv(run_dir, test.rows)
+    write_results_csv(run_dir, test.rows)
     _write_record(run_dir, data, base, study, all_plans, clock, recipe, table, started)
     from pmakit.report import write_report
 

@@ -24,7 +24,6 @@ Re-running resumes: finished trunks, anneals and evaluations are not redone.
 
 from __future__ import annotations
 
-import csv
 import datetime
 import itertools
 import json
@@ -43,22 +42,19 @@ import pmakit
 from pmakit.config import Tokens, from_mapping
 from pmakit.errors import PmakitError
 from pmakit.evaluate import EvalResult, evaluate
-from pmakit.lab.results import Clock, check_same_config, jsonable, remove_run, trained_tokens
-from pmakit.lab.scaling import Recipe, split_batches
+from pmakit.lab.results import Clock, check_same_config, jsonable, remove_run
+from pmakit.lab.scaling import Recipe, anneal_branch, split_batches, train_trunk, write_results_csv
 from pmakit.runs import (
     RESULTS,
-    RESULTS_CSV,
     anneal_run,
     append_jsonl,
-    atomic_open,
     atomic_write_json,
     checkpoint_dir,
-    kept_checkpoint_dir,
     read_jsonl,
     snapshots_dir,
 )
 from pmakit.schedule import WSD
-from pmakit.train.loop import TrainConfig, Trainer
+from pmakit.train.loop import TrainConfig
 from pmakit.units import format_tokens
 from pmakit.weights import get_weights
 
@@ -202,44 +198,6 @@ def plans(base: TrainConfig, study: SweepConfig) -> list[Plan]:
 # --------------------------------------------------------------------------------------------------- training
 
 
-def _train_trunk(plan: Plan, run_dir: Path, corpus: Any, clock: Clock, progress: bool) -> None:
-    trunk = run_dir / plan.name / "trunk"
-    if trained_tokens(trunk) >= plan.train.total_tokens:
-        return
-    log.info("%s: constant-LR trunk to %s tokens", plan.name, format_tokens(plan.train.total_tokens))
-    t = time.perf_counter()
-    trainer = Trainer(plan.train, trunk, corpus=corpus, progress=progress)
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
-        clock.add(f"{plan.name}/trunk", time.perf_counter() - t)
-
-
-def _anneal(plan: Plan, study: SweepConfig, budget: int, fork: int, run_dir: Path, corpus: Any, clock: Clock,
-            progress: bool) -> None:  # fmt: skip
-    """The trunk's state at the fork, LR decayed to 0 by the budget."""
-    branch = anneal_run(run_dir / plan.name, budget)
-    if trained_tokens(branch) >= budget:
-        return
-    cfg = plan.train
-    schedule = WSD(
-        cfg.lr, warmup=cfg.warmup_tokens, decay_start=fork, decay_end=budget, shape=study.anneal_shape
-    )
-    start = (
-        None if checkpoint_dir(branch).exists() else kept_checkpoint_dir(run_dir / plan.name / "trunk", fork)
-    )
-    log.info("%s: anneal from %s to %s", plan.name, format_tokens(fork), format_tokens(budget))
-    t = time.perf_counter()
-    trainer = Trainer(replace(cfg, keep_checkpoints_at=(), total_tokens=budget), branch, corpus=corpus,
-                      schedule=schedule, resume_from=start, progress=progress)  # fmt: skip
-    try:
-        trainer.fit(until_tokens=budget)
-    finally:
-        trainer.close()
-        clock.add(f"{plan.name}/anneal-{budget}", time.perf_counter() - t)
-
-
 # --------------------------------------------------------------------------------------------------- scoring
 
 
@@ -375,13 +333,6 @@ def score_candidate(plan: Plan, study: SweepConfig, score: _Scorer, test: _Rows,
 # --------------------------------------------------------------------------------------------------- the run
 
 
-def _write_csv(run_dir: Path, rows: Sequence[Mapping[str, Any]]) -> None:
-    with atomic_open(run_dir / RESULTS_CSV, fsync=False) as f:  # the table of results.jsonl
-        writer = csv.DictWriter(f, fieldnames=list(RESULT_COLUMNS), extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-
-
 def run_sweep_study(
     data: Mapping[str, Any], run_dir: str | Path, *, fresh: bool = False, progress: bool = True
 ) -> Path:
@@ -405,12 +356,14 @@ def run_sweep_study(
     sel, tst = split_batches(batches, study.selection_batches, study.test_batches)
     test, selection = _Rows(run_dir / RESULTS), _Rows(run_dir / "selection.jsonl")
     for plan in all_plans:
-        _train_trunk(plan, run_dir, corpus, clock, progress)
+        train_trunk(plan.name, plan.train, run_dir, corpus, clock, progress)
         for budget, fork in zip(plan.budgets, plan.forks):
-            _anneal(plan, study, budget, fork, run_dir, corpus, clock, progress)
+            anneal_branch(
+                plan.name, plan.train, study.anneal_shape, budget, fork, run_dir, corpus, clock, progress
+            )
         scorer = _Scorer(plan, run_dir, corpus, {"selection": sel, "test": tst})
         score_candidate(plan, study, scorer, test, selection, clock)
-    _write_csv(run_dir, test.rows)
+    write_results_csv(run_dir, test.rows)
     _write_record(run_dir, data, base, study, all_plans, clock, started)
     from pmakit.report import write_report
 
