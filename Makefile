@@ -15,14 +15,14 @@ $(VENV)/.torch:
 	touch $@
 
 # torch first and pinned, so that nothing below resolves (and downloads) another torch.
-$(VENV)/.installed: $(VENV)/.torch pyproject.toml
-	$(PIP) install -q $(TORCH) -e ".[dev]"
+$(VENV)/.installed: $(VENV)/.torch pyproject.toml constraints.txt
+	$(PIP) install -q $(TORCH) -c constraints.txt -e ".[dev]"
 	touch $@
 
 # The test extra adds the pre-training frameworks (OLMo-core, torchtitan, Megatron-core) whose own code writes the
 # checkpoints that tests/layouts/ merges; torch stays pinned on the same line.
-$(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
-	$(PIP) install -q $(TORCH) -e ".[test]"
+$(VENV)/.installed-test: $(VENV)/.installed pyproject.toml constraints.txt
+	$(PIP) install -q $(TORCH) -c constraints.txt -e ".[test]"
 	touch $@
 
 # megatron-core 0.19 (what users run today) beside the pinned 0.16.1: its wheel is for Python 3.12, its code runs on

@@ -285,20 +285,39 @@ def test_stdlib_files_skip_third_party_and_need_sources(
         (root / rel).unlink()
     (root / "os.pyc").write_bytes(b"\0compiled")
     with pytest.raises(PmakitError, match="ships without .py sources.*--corpus") as err:
-        prepare_corpus(None, tmp_path / "cache")
+        prepare_corpus("stdlib", tmp_path / "cache")
     assert "\n" not in str(err.value)
 
 
-def test_stdlib_slice(tmp_path: Path) -> None:
-    corpus = prepare_corpus(None, tmp_path / "cache", vocab_size=512, max_bytes=200_000)
+def test_torch_sources_are_ordered_by_package_path_and_digested(tmp_path: Path) -> None:
+    files = data.torch_files()
+    root = Path(torch.__file__).parent
+    rel = [f.relative_to(root).as_posix() for f in files]
+    assert rel == sorted(rel) and "version.py" not in rel and "nn/modules/linear.py" in rel
+    # The digest names the text, not where it lies: a copy elsewhere digests the same; one changed byte does not.
+    few = files[:3]
+    copy = tmp_path / "copy"
+    for f in few:
+        (copy / f.relative_to(root)).parent.mkdir(parents=True, exist_ok=True)
+        (copy / f.relative_to(root)).write_bytes(f.read_bytes())
+    moved = [copy / f.relative_to(root) for f in few]
+    assert data.source_digest(few, root) == data.source_digest(moved, copy)
+    moved[0].write_bytes(moved[0].read_bytes() + b" ")
+    assert data.source_digest(few, root) != data.source_digest(moved, copy)
+
+
+@pytest.mark.parametrize("source", [None, "stdlib"])
+def test_builtin_corpus_slice(tmp_path: Path, source: str | None) -> None:
+    corpus = prepare_corpus(source, tmp_path / "cache", vocab_size=512, max_bytes=200_000)
     f = corpus.files
-    assert f["kind"] == "stdlib" and f["split"] == "by-file"
+    assert f["kind"] == ("torch-src" if source is None else "stdlib") and f["split"] == "by-file"
+    assert len(f["source_digest"]) == 64
     assert f["train_files"] >= 2 and f["val_files"] >= 1
     assert 100_000 < f["train_bytes"] + f["val_bytes"] <= 200_000
     assert corpus.vocab_size == 512 and int(corpus.train.max()) < 512
     meta = json.loads((Path(f["cache"]) / "meta.json").read_text())
     for name, doc in zip(meta["val_paths"], _docs(corpus, corpus.val)):
-        assert name.endswith(".py") and "site-packages" not in name
+        assert name.endswith(".py") and (source is None or "site-packages" not in name)
         assert Path(name).read_text(encoding="utf-8-sig").startswith(doc)
 
 

@@ -1,6 +1,6 @@
 """Our own small trainer for PMA studies on a CPU: data, model, loop.
 
-- ``pmakit.train.data``: a text corpus (the Python standard library by default) -> a locally trained byte-level
+- ``pmakit.train.data``: a text corpus (the pinned torch package's Python sources by default) -> a locally trained byte-level
   BPE tokenizer + train/val token arrays (split by file, cached); deterministic batches.
 - ``pmakit.train.model``: a small ``LlamaForCausalLM`` built from a config (no downloads).
 - ``pmakit.train.loop``: the training loop with the WSD schedule, the snapshot saver and the online averager.

@@ -2,10 +2,14 @@
 
 Corpus sources (``prepare_corpus(source, ...)``):
 
-- ``None``: the ``.py`` files of the Python standard library on this machine (``sysconfig`` ``stdlib`` path), minus
-  ``site-packages``/``dist-packages``. Its test suites are kept: they are ordinary Python and more than half of the
-  text (~31 MB of ``.py`` with them, ~12 MB without, on CPython 3.11), and a bigger corpus means fewer repeated
-  epochs in the demo.
+- ``None``: the ``.py`` files of the installed ``torch`` package (~50 MB of Python). pmakit pins torch, so every
+  machine that runs the README's commands reads the same bytes, whatever its Python (the standard library, the
+  corpus before, differs between Python releases, and with it every number of the demo). ``torch/version.py``, the
+  one file a build writes (CUDA version, git hash), is left out. The files are ordered by their path relative to the
+  package, and ``source_digest`` (sha256 over those paths and bytes) is recorded, so that a run can tell whether it
+  read the text a published result was measured on.
+- ``"stdlib"``: the ``.py`` files of the Python standard library on this machine (``sysconfig`` ``stdlib`` path),
+  minus ``site-packages``/``dist-packages`` (different on each Python release).
 - a text file: split into train and a contiguous tail for validation.
 - a directory: every text file below it (hidden files and directories skipped; binary or non-UTF-8 files skipped).
   A directory holding nanoGPT's ``train.bin`` and ``val.bin`` is read as those two token files instead.
@@ -71,6 +75,7 @@ _SNIFF_BYTES = 8192
 _PIECE_CHARS = 1 << 20
 _BATCH_CHARS = 2 << 20
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+_BUILD_FILES = {"version.py"}  # written by torch's build (CUDA version, git hash): differs between wheels
 _TOKEN_SUFFIXES = {".npy", ".bin"}
 
 
@@ -115,7 +120,8 @@ def prepare_corpus(
     """Tokenize a corpus (see the module docstring for sources), reusing ``cache_dir`` when nothing changed.
 
     Args:
-        source: None for the Python standard library; a text file, directory, glob, ``.npy`` or ``.bin``.
+        source: None for the installed torch package's sources, ``"stdlib"`` for this Python's standard library;
+            a text file, directory, glob, ``.npy`` or ``.bin``.
         cache_dir: Where tokenizer and token arrays are cached (created if missing).
         vocab_size: BPE vocabulary size, EOT and the 256 byte tokens included.
         val_fraction: Share of the text bytes held out for validation, in whole files (at least one), or as the
@@ -125,6 +131,8 @@ def prepare_corpus(
     """
     _check_options(vocab_size, val_fraction, max_bytes, seed)
     if source is None:
+        kind, label, paths = "torch-src", f"torch {torch_release()} sources", torch_files()
+    elif str(source) == "stdlib" and not Path(source).exists():
         kind, label, paths = "stdlib", f"stdlib:{stdlib_root()}", stdlib_files()
     else:
         kind, paths = resolve_source(source)
@@ -160,12 +168,13 @@ def prepare_corpus(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info(
-        "corpus: %d train / %d val files, %d / %d tokens, cached in %s",
+        "corpus: %d train / %d val files, %d / %d tokens, cached in %s%s",
         meta["train_files"],
         meta["val_files"],
         meta["train_tokens"],
         meta["val_tokens"],
         entry,
+        f" (source sha256 {meta['source_digest'][:12]})" if "source_digest" in meta else "",
     )
     corpus = _load_entry(entry)
     corpus.files["cached"] = False
@@ -306,6 +315,40 @@ def split_batches(
         name: val_batches(tokens, batch_size=batch_size, seq_len=seq_len, max_batches=max_batches)
         for name, tokens in (("selection", held.selection), ("test", held.test))
     }
+
+
+def torch_release() -> str:
+    """torch's release without the local build tag (``2.13.0+cpu`` and the CUDA wheel's ``2.13.0`` are one)."""
+    return torch.__version__.split("+")[0]
+
+
+def torch_files() -> list[Path]:
+    """The installed torch package's ``.py`` files, ordered by their path inside the package (the same order on
+    every machine), without the build-written ``version.py``."""
+    root = Path(torch.__file__).parent
+    files = []
+    for directory, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _SKIP_DIRS]
+        files += [Path(directory, n) for n in names if n.endswith(".py")]
+    files = [f for f in files if f.relative_to(root).as_posix() not in _BUILD_FILES]
+    if not files:
+        raise PmakitError(
+            f"the torch package at {root} ships without .py sources; "
+            "pass a text corpus with --corpus PATH (a text file, a directory, a glob, or a .npy/.bin of token ids)"
+        )
+    return sorted(files, key=lambda f: f.relative_to(root).as_posix())
+
+
+def source_digest(paths: Sequence[Path], root: Path) -> str:
+    """sha256 over the files' paths relative to ``root`` and their bytes: the same text gives the same digest on
+    any machine, wherever it is installed."""
+    h = hashlib.sha256()
+    for p in paths:
+        rel = p.relative_to(root).as_posix().encode()
+        h.update(len(rel).to_bytes(8, "little") + rel)
+        data = p.read_bytes()
+        h.update(len(data).to_bytes(8, "little") + data)
+    return h.hexdigest()
 
 
 def stdlib_root() -> Path:
@@ -655,6 +698,9 @@ def _build_entry(
         "encode_seconds": round(t2 - t1, 3),
         "val_paths": [name for name, _ in val_docs],
     }
+    roots = {"torch-src": Path(torch.__file__).parent, "stdlib": stdlib_root()}
+    if kind in roots:
+        meta["source_digest"] = source_digest(paths, roots[kind])
     _write_entry(tmp, tokenizer, train, val, meta)
     return meta
 

@@ -62,7 +62,7 @@ class TrainConfig:
     """Every knob of a ``pmakit train`` run. Tokens are absolute counts (``4_000_000``); config files may use '4M'."""
 
     corpus: str | None = None
-    """Text file, directory, glob or pre-tokenized .npy/.bin; None = the Python standard library's source."""
+    """Text file, directory, glob or pre-tokenized .npy/.bin; None = the installed torch package's .py files (the same on every machine); "stdlib" = this Python's standard library."""
     max_corpus_bytes: int | None = 16_000_000
     """Read at most this many bytes of text (None: all)."""
     vocab_size: int = 2048
