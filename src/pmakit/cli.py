@@ -906,7 +906,7 @@ def train(
     "--corpus",
     type=str,
     default=None,
-    help="Text file, directory, glob or .npy/.bin of token ids [default: the sources of the installed (pinned) torch package; "stdlib" for this Python's standard library].",
+    help="Text file, directory, glob or .npy/.bin of token ids [default: the pinned torch package's .py sources; 'stdlib': this Python's standard library].",
 )
 @click.option(
     "-o",
