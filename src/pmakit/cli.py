@@ -20,7 +20,7 @@ from typing import Any
 import click
 
 from pmakit.config import preset_names
-from pmakit.errors import PmakitError
+from pmakit.errors import PmakitError, redact
 from pmakit.layouts import out_formats
 from pmakit.layouts.kinds import BUFFER_RULES, DEFAULT_BUFFERS, describe, listing
 from pmakit.runs import checkpoint_dir
@@ -44,7 +44,7 @@ class _Group(click.Group):
             # input, wherever it is first touched; the name is cut to fit one line.
             name = str(e.filename or "")
             short = name if len(name) <= 160 else f"{name[:80]}...{name[-60:]} ({len(name):,} characters)"
-            raise click.ClickException(f"{short}: {e.strerror}") from None
+            raise click.ClickException(redact(f"{short}: {e.strerror}")) from None
         except Exception as e:
             _peer_failed(e)
             raise
@@ -86,7 +86,7 @@ LOCATION = _Location()
 class _WarningHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         level = "warning" if record.levelno >= logging.WARNING else "info"
-        click.echo(f"{level}: {record.getMessage()}", err=True)
+        click.echo(f"{level}: {redact(record.getMessage())}", err=True)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -369,9 +369,8 @@ def _merge(
             f"--alpha is the EMA factor: it does nothing with --{'weights' if custom else 'method ' + method}"
         )
     alpha = 0.2 if alpha is None else alpha
-    url = output if isinstance(output, str) else None
-    if url is not None:
-        _check_url_output(url, from_previous is not None or keep_fp32 or world.size > 1, force, resume)
+    if isinstance(output, str):
+        output = _check_url_output(output, inputs, from_previous is not None or keep_fp32, world, force, resume)
     chosen = _select(inputs, last, every, until, tokens_per_step, exclude)
     weights = get_weights("custom" if custom is not None else method, len(chosen), alpha=alpha, custom=custom)
     terms, term_weights, window = chosen, weights, None
@@ -387,12 +386,6 @@ def _merge(
     if dry_run:
         return
     extra.update(_merge_record(inputs, method, alpha, custom, last, every, until))
-    if url is not None:
-        _merge_to_url(
-            url, plan, terms, term_weights, extra, dtype, max_shard_size, quiet, resume, out_format, buffers
-        )
-        return
-    assert isinstance(output, Path)
     with _progress(_rank_input_bytes(plan, world.rank), quiet, "merging") as progress:
         result = run_merge(
             terms,
@@ -410,74 +403,29 @@ def _merge(
             window=window,
             buffers=buffers,
         )
-    if keep_fp32 and from_previous is None and not (output / "pmakit-fp32").is_dir() and world.rank == 0:
+    if keep_fp32 and from_previous is None and not (Path(output) / "pmakit-fp32").is_dir() and world.rank == 0:
         click.echo(
-            f"note: no {output / 'pmakit-fp32'}: the merge is fp32 already, so --from-previous {output} "
+            f"note: no {Path(output) / 'pmakit-fp32'}: the merge is fp32 already, so --from-previous {output} "
             "updates it exactly as it is",
             err=True,
         )
     if not quiet:
         _print_result(plan, result, output)
+        if result.url is not None:
+            click.echo(f"published {result.url}")
 
 
-def _check_url_output(url: str, local_only: bool, force: bool, resume: bool) -> None:
-    """Fail before merging, not after, on a missing bucket, bad credentials, a finished merge at the URL, or an
-    option that only merges into a local folder (``local_only``)."""
-    from pmakit.remote import check_output
-    from pmakit.snapshot import MERGE_MANIFEST
+def _check_url_output(
+    url: str, inputs: Sequence[Path | str], local_only: bool, world: Any, force: bool, resume: bool
+) -> str:
+    """Fail before merging, not after, on an output URL the library refuses (overlapping an input, a missing bucket,
+    bad credentials, a finished merge or foreign objects there) or an option that only merges into a local folder
+    (``local_only``). Returns the URL as the merge writes it."""
+    from pmakit.merge.url import check_url_output
 
-    if local_only:
+    if local_only or world.size > 1:
         raise PmakitError(f"{url}: --from-previous, --keep-fp32 and torchrun merge into local folders only")
-    check_output(url, MERGE_MANIFEST, force, resume)
-
-
-def _merge_to_url(
-    url: str,
-    plan: Any,
-    terms: list[Any],
-    term_weights: list[float],
-    extra: dict[str, Any],
-    dtype: str,
-    max_shard_size: int,
-    quiet: bool,
-    resume: bool,
-    out_format: str,
-    buffers: str,
-) -> None:
-    """A merge into object storage: made in a local staging folder (its resume ledger included), then published
-    (``pmakit.remote.publish``: the manifest last). A rerun with --resume continues whichever step was cut."""
-    import shutil
-
-    from pmakit.merge import merge as run_merge
-    from pmakit.remote import origin, publish, staging_dir
-    from pmakit.snapshot import MERGE_MANIFEST
-
-    key = json.dumps(
-        [[origin(s.path) for s in terms], term_weights, dtype, max_shard_size, out_format, buffers, extra]
-    )
-    staged = staging_dir(url, key)
-    if not (resume and (staged / MERGE_MANIFEST).is_file()):  # else: merged already, the upload was cut
-        staged.parent.mkdir(parents=True, exist_ok=True)
-        with _progress(_rank_input_bytes(plan, 0), quiet, "merging") as progress:
-            result = run_merge(
-                terms,
-                term_weights,
-                staged,
-                dtype=dtype,
-                max_shard_size=max_shard_size,
-                force=True,  # the staging folder is this merge's own
-                progress=progress,
-                manifest_extra={**extra, "output_url": url},
-                resume=resume,
-                out_format=None if out_format == "native" else out_format,
-                buffers=buffers,
-            )
-        if not quiet:
-            _print_result(plan, result, staged)
-    publish(staged, url, MERGE_MANIFEST, resume)
-    shutil.rmtree(staged.parent, ignore_errors=True)
-    if not quiet:
-        click.echo(f"published {url}")
+    return check_url_output(url, force=force, resume=resume, inputs=inputs)
 
 
 def _incremental(
@@ -546,7 +494,7 @@ def _rank_input_bytes(plan: Any, rank: int) -> int:
     return sum(plan.shard_input_bytes(i) for i in range(len(plan.shards)) if plan.owner(i) == rank)
 
 
-def _print_result(plan: Any, result: Any, output: Path) -> None:
+def _print_result(plan: Any, result: Any, output: Path | str) -> None:
     rate = plan.input_bytes / max(result.seconds, 1e-9)
     click.echo(
         f"wrote {output} ({format_bytes(plan.output_bytes)} in {len(plan.shards)} file(s)) in "

@@ -63,6 +63,7 @@ from pmakit.merge.plan import (
     output_dtype,
     plan_merge,
 )
+from pmakit.merge.url import url_outputs
 from pmakit.snapshot import Snapshot
 from pmakit.world import RankLost, World
 
@@ -88,6 +89,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+@url_outputs
 def merge(
     snapshots: Sequence[Snapshot],
     weights: Sequence[float],
@@ -110,6 +112,8 @@ def merge(
     """Merge ``snapshots`` (oldest first) with ``weights`` into a model directory ``out``.
 
     Args:
+        out: a folder, or an ``s3://`` / ``gs://`` prefix: merged in a private staging folder (on ``world``'s
+            device), then published, manifest last, under the rules of a folder (``pmakit.merge.url``).
         dtype: ``same`` (each tensor keeps its input dtype), ``bf16``, ``fp16``, ``fp32`` or a torch dtype.
         max_shard_size: bytes per output shard; a larger tensor gets a shard of its own.
         force: replace an existing ``out`` (only once the new merge is complete), or a partial one.

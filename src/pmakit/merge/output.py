@@ -22,7 +22,7 @@ import torch
 
 import pmakit
 from pmakit.checksums import sha256_file
-from pmakit.errors import PmakitError
+from pmakit.errors import PmakitError, redact
 from pmakit.formats import Reader
 from pmakit.formats.safetensors_io import write_index
 from pmakit.layouts import layout_of, open_weights, writer
@@ -104,7 +104,7 @@ def manifest_record(
         "tokens": plan.snapshots[-1].tokens,
         "inputs": [
             {
-                "path": origin(s.path),
+                "path": redact(origin(s.path)),
                 "step": s.step,
                 "tokens": s.tokens,
                 "weight": w,

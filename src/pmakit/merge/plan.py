@@ -326,3 +326,5 @@ class MergeResult:
     plan: MergePlan
     seconds: float
     manifest: dict[str, Any]
+    url: str | None = None
+    """Where a merge into object storage was published (``path`` is then its staging folder, removed since)."""
