@@ -548,6 +548,89 @@ class RemoteFile:
             _FILLED[self.placeholder].add(key)
 
 
+BLOCK_BYTES = 16 * 2**20
+"""The ranges a file read front to back is fetched in (``Sequential``), aligned to the file: one merge chunk of
+bf16. Whole aligned blocks rather than one GET per tensor chunk: a model's many small tensors (norms, a 1024-wide
+attention's 2 MiB projections) would otherwise each be a request, and a store's time per request dominates them."""
+
+
+class Sequential:
+    """Reads of one remote file that move front to back (a merge reads each input in its on-disk order), served
+    from aligned blocks of ``BLOCK_BYTES`` fetched ahead on the pool: the GETs of the GET floor, the same size and as
+    many in flight. The streams being read keep about ``IN_FLIGHT`` blocks in flight together (at least two each); a
+    block is dropped once a read starts past it. A read far ahead moves the stream there; a read behind the blocks
+    held is a GET of its own."""
+
+    def __init__(self, remote: RemoteFile) -> None:
+        self.remote = remote
+        self._blocks: dict[int, Future[bytes]] = {}
+        self._next = -1
+        """The next block to start; -1: none started yet."""
+        self._lock = threading.Lock()
+        self.waited = 0.0
+        """Seconds the reading thread waited for blocks (benchmarks)."""
+
+    def hint(self, start: int, stop: int) -> None:
+        """``read(start, stop)`` comes soon: start the blocks up to there, and the stream's share ahead."""
+        with self._lock:
+            self._advance(start, stop)
+
+    def read(self, start: int, stop: int) -> memoryview | bytes:
+        first, last = start // BLOCK_BYTES, (stop - 1) // BLOCK_BYTES
+        with self._lock:
+            for i in [i for i in self._blocks if i < first]:
+                del self._blocks[i]
+            if first not in self._blocks and not self._advance(start, stop):
+                return self.remote.read(start, stop)
+            futures = [self._blocks[i] for i in range(first, last + 1)]
+        began = time.perf_counter()
+        parts = [memoryview(f.result()) for f in futures]
+        self.waited += time.perf_counter() - began
+        lo = start - first * BLOCK_BYTES
+        if len(parts) == 1:
+            return parts[0][lo : lo + stop - start]
+        joined = b"".join(parts)
+        return memoryview(joined)[lo : lo + stop - start]
+
+    def _advance(self, start: int, stop: int) -> bool:
+        """Start the blocks ``[start, stop)`` needs and the stream's share ahead of it; False (nothing started) for a
+        range behind the blocks held: the caller GETs it on its own."""
+        first = start // BLOCK_BYTES
+        if (
+            self._next == -1 or first > self._next + 2
+        ):  # the first read, or a jump past unread bytes: start there
+            for future in self._blocks.values():
+                future.cancel()
+            self._blocks.clear()
+            self._next = first
+        elif first < self._next and first not in self._blocks:
+            return False
+        with _STREAMS_LOCK:
+            _STREAMS.add(self)
+            share = max(2, IN_FLIGHT // len(_STREAMS))
+        end = min(self.remote.size, max(stop, start + share * BLOCK_BYTES))
+        while self._next * BLOCK_BYTES < end:
+            a = self._next * BLOCK_BYTES
+            self._blocks[self._next] = self.remote.fetch(a, min(self.remote.size, a + BLOCK_BYTES))
+            self._next += 1
+        if self._next * BLOCK_BYTES >= self.remote.size:  # all started: no share of the pool needed any more
+            with _STREAMS_LOCK:
+                _STREAMS.discard(self)
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            for future in self._blocks.values():
+                future.cancel()
+            self._blocks.clear()
+        with _STREAMS_LOCK:
+            _STREAMS.discard(self)
+
+
+_STREAMS: set[Sequential] = set()
+_STREAMS_LOCK = threading.Lock()
+
+
 _FILES: dict[Path, RemoteFile] = {}
 _ROOTS: dict[Path, str] = {}
 _FILLED: dict[Path, set[tuple[int, int]]] = {}
