@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_merge import make_snapshots  # noqa: E402
-from s3server import FaultProxy, MotoServer, upload_tree  # noqa: E402
+from s3server import MotoServer, upload_tree  # noqa: E402
 
 
 def run_merge(args: list[str], env: dict[str, str]) -> tuple[float, int]:
@@ -55,7 +55,7 @@ def run_merge(args: list[str], env: dict[str, str]) -> tuple[float, int]:
     return wall, usage.ru_maxrss * 1024
 
 
-def get_floor(server: MotoServer, bucket: str, prefix: str) -> float:
+def get_floor(server: MotoServer, bucket: str, prefix: str, steps: list[str]) -> float:
     """Seconds to GET every input byte from the server, 16 MiB ranges, 32 in flight, into memory and dropped: what
     this server can serve, the floor of any merge from it."""
     from concurrent.futures import ThreadPoolExecutor
@@ -75,7 +75,7 @@ def get_floor(server: MotoServer, bucket: str, prefix: str) -> float:
     ranges = [
         (o["Key"], a, min(o["Size"], a + 16 * 2**20))
         for o in objects
-        if o["Key"].endswith(".safetensors")
+        if o["Key"].endswith(".safetensors") and o["Key"].split("/")[-2] in steps
         for a in range(0, o["Size"], 16 * 2**20)
     ]
 
@@ -89,20 +89,108 @@ def get_floor(server: MotoServer, bucket: str, prefix: str) -> float:
     return time.perf_counter() - start
 
 
+BREAKDOWN = r"""
+import json, sys, time
+t0 = time.perf_counter()
+from pmakit import remote
+from pmakit.cli import cli
+from pmakit.merge.stream import timed
+marks = {"import": time.perf_counter() - t0}
+localize = remote.localize
+def timed_localize(url):
+    start = time.perf_counter()
+    try:
+        return localize(url)
+    finally:
+        marks["mirror"] = marks.get("mirror", 0.0) + time.perf_counter() - start
+remote.localize = timed_localize
+get_busy = [0.0, 0, 0]
+read = remote.RemoteFile.read
+def timed_read(self, start, stop):
+    t = time.perf_counter()
+    data = read(self, start, stop)
+    get_busy[0] += time.perf_counter() - t
+    get_busy[1] += 1
+    get_busy[2] += len(data)
+    return data
+remote.RemoteFile.read = timed_read
+t1 = time.perf_counter()
+with timed() as stats:
+    cli.main(sys.argv[1:], standalone_mode=False)
+marks["command"] = time.perf_counter() - t1
+marks["total"] = time.perf_counter() - t0
+print(json.dumps({**marks, **stats.as_dict(), "get_seconds": get_busy[0], "gets": get_busy[1],
+                  "get_bytes": get_busy[2], "requests": remote.request_count()}))
+"""
+
+
+def breakdown(args: list[str], env: dict[str, str]) -> dict[str, float]:
+    """One remote merge with its time split: the import, the mirror (listing, headers, small files), the streaming
+    pass (``pmakit.merge.stream.timed``: the calling thread's wait for the GETs it reads, the fold, the writer) and
+    the GETs' own time summed over the pool's threads."""
+    import json
+
+    full_env = {**os.environ, **env, "PYTHONPATH": str(ROOT / "src"), "OMP_WAIT_POLICY": "PASSIVE"}
+    proc = subprocess.run(
+        [sys.executable, "-c", BREAKDOWN, "merge", *args, "--quiet", "--force"],
+        env=full_env,
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"breakdown run failed: {proc.stderr[-2000:]}")
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def print_breakdown(n: int, b: dict[str, float]) -> None:
+    print(
+        f"  N={n} where the remote merge's time goes (one run): process {b['total']:.2f} s = import "
+        f"{b['import']:.2f} + mirror {b.get('mirror', 0):.2f} (listing, headers, small files) + streaming "
+        f"{b['wall']:.2f} + the rest {b['total'] - b['import'] - b.get('mirror', 0) - b['wall']:.2f} (plan, "
+        "manifest, exit)"
+    )
+    print(
+        f"  streaming: reader thread waiting on GETs {b['read']:.2f} s, on the fold {b['wait_fold']:.2f} s, on "
+        f"buffers {b['wait_buffer']:.2f} s; fold workers {b['accumulate'] + b['cast']:.2f} s ({b['fold_cpu']:.2f} "
+        f"s CPU); writer {b['write'] + b['sha256'] + b['close']:.2f} s busy"
+    )
+    mb = b["get_bytes"] / 1e6
+    print(
+        f"  requests: {int(b['requests'])}; weight GETs: {int(b['gets'])} of {mb / max(1, b['gets']):.1f} MB, "
+        f"{b['get_seconds']:.1f} s summed over "
+        f"threads = {b['get_seconds'] / max(b['wall'], 1e-9):.1f} in flight on average during streaming, "
+        f"{mb / max(b['wall'], 1e-9):.0f} MB/s while streaming"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=int, default=4, help="snapshots")
+    ap.add_argument("--n", default="4,10", help="snapshots merged, comma-separated (one run holds the most)")
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--intermediate", type=int, default=2816)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--s3-out", action="store_true", help="also s3 -> s3 (staged and uploaded)")
     ap.add_argument("--data", type=Path, default=ROOT / "bench-data" / "s3")
     args = ap.parse_args()
+    ns = sorted(int(x) for x in args.n.split(","))
 
-    # bench_merge's Llama-shaped bf16 snapshots (hidden 2048, intermediate 5632, vocab 32000)
+    # bench_merge's Llama-shaped bf16 snapshots
     shape = argparse.Namespace(
-        layers=args.layers, hidden=2048, intermediate=5632, vocab=32000, heads=16, kv_heads=4
+        layers=args.layers,
+        hidden=args.hidden,
+        intermediate=args.intermediate,
+        vocab=32000,
+        heads=16,
+        kv_heads=4,
     )
-    run = make_snapshots(args.data, argparse.Namespace(n=args.n, **vars(shape)))[0].parent
-    size = sum(f.stat().st_size for f in run.rglob("*.safetensors"))
+    snaps = make_snapshots(args.data, argparse.Namespace(n=max(ns), **vars(shape)))
+    run = snaps[0].parent
+    size = sum(f.stat().st_size for f in run.rglob("*.safetensors")) / len(snaps)
+    print(
+        f"{max(ns)} bf16 snapshots of {size / 1e9:.3f} GB ({args.layers} layers, hidden {args.hidden}) on moto; "
+        f"{args.repeats} repeat(s); load average {os.getloadavg()[0]:.1f} at start on {os.cpu_count()} cores"
+    )
     server = MotoServer()
     try:
         client = server.client()
@@ -110,41 +198,36 @@ def main() -> None:
         upload_tree(client, run, "bench", "run")
         env = {**server.env(), "PMAKIT_STAGING": str(args.data / "staging")}
         out = args.data / "out"
-        modes = {
-            "disk -> disk": [str(run), "-o", str(out)],
-            "s3 -> disk": ["s3://bench/run", "-o", str(out)],
-            "s3 -> s3": ["s3://bench/run", "-o", "s3://bench/merged"],
-        }
-        results: dict[str, list[tuple[float, int]]] = {m: [] for m in modes}
-        floors = []
-        for _ in range(args.repeats):
-            floors.append(get_floor(server, "bench", "run/"))
-            for mode, margs in modes.items():
-                results[mode].append(run_merge(margs, env))
-                shutil.rmtree(out, ignore_errors=True)
-        proxy = FaultProxy(server.port)
-        requests = {}
-        for mode, margs in modes.items():
-            before = len(proxy.requests)
-            run_merge(margs, {**env, "AWS_ENDPOINT_URL": proxy.url})
-            requests[mode] = len(proxy.requests) - before
+        print(
+            f"{'N':>3} {'mode':<14} {'wall s (median)':>16} {'/ floor':>8} {'peak RSS':>10} {'requests':>9}"
+        )
+        for n in ns:
+            steps = [p.name for p in snaps[-n:]]
+            last = ["--last", str(n)]
+            modes = {
+                "disk -> disk": [str(run), "-o", str(out), *last],
+                "s3 -> disk": ["s3://bench/run", "-o", str(out), *last],
+            }
+            if args.s3_out:
+                modes["s3 -> s3"] = ["s3://bench/run", "-o", "s3://bench/merged", *last]
+            results: dict[str, list[tuple[float, int]]] = {m: [] for m in modes}
+            floors = []
+            for _ in range(args.repeats):  # interleaved: the floor and each mode under the same load
+                floors.append(get_floor(server, "bench", "run/", steps))
+                for mode, margs in modes.items():
+                    results[mode].append(run_merge(margs, env))
+                    shutil.rmtree(out, ignore_errors=True)
+            floor = statistics.median(floors)
+            print(f"{n:>3} {'GET floor':<14} {floor:>16.2f} {1.0:>8.2f} {'-':>10}")
+            for mode, rows in results.items():
+                wall = statistics.median(w for w, _ in rows)
+                rss = max(r for _, r in rows)
+                print(f"{n:>3} {mode:<14} {wall:>16.2f} {wall / floor:>8.2f} {rss / 2**20:>7.0f} MiB")
+            print_breakdown(n, breakdown(modes["s3 -> disk"], env))
             shutil.rmtree(out, ignore_errors=True)
-        proxy.stop()
     finally:
         server.stop()
-
-    base = statistics.median(w for w, _ in results["disk -> disk"])
-    print(
-        f"{args.n} bf16 snapshots of {size / args.n / 1e9:.2f} GB ({args.layers} layers), {args.repeats} repeats; "
-        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
-    )
-    print(f"{'mode':<14} {'wall s (median)':>16} {'ratio':>6} {'peak RSS':>10} {'requests':>9}")
-    floor = statistics.median(floors)
-    print(f"{'GET floor':<14} {floor:>16.2f} {floor / base:>6.2f} {'-':>10} {'-':>9}")
-    for mode, rows in results.items():
-        wall = statistics.median(w for w, _ in rows)
-        rss = max(r for _, r in rows)
-        print(f"{mode:<14} {wall:>16.2f} {wall / base:>6.2f} {rss / 2**20:>7.0f} MiB {requests[mode]:>9}")
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
 
 
 if __name__ == "__main__":

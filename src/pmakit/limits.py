@@ -52,6 +52,32 @@ CONFIG_NODES = Limit(
     "config-nodes", 100_000, "values in a config file once its YAML aliases are expanded (a preset has ~100)"
 )
 
+REMOTE_OBJECTS = Limit(
+    "remote-objects", 100_000, "objects listed under one s3:// or gs:// URL (point it at fewer snapshots)"
+)
+REMOTE_LIST_PAGES = Limit(
+    "remote-list-pages", 500, "pages of one listing (S3 and GCS send 1,000 objects a page)"
+)
+REMOTE_FILE_BYTES = Limit(
+    "remote-file-bytes",
+    64 * MIB,
+    "a non-weight object fetched into a remote run's mirror (larger ones, logs or event files, are left out; "
+    "DCP .metadata files have their own limit)",
+)
+REMOTE_FETCH_BYTES = Limit(
+    "remote-fetch-bytes", 4096 * MIB, "all non-weight objects fetched into one remote run's mirror"
+)
+REMOTE_KEY_DEPTH = Limit(
+    "remote-key-depth",
+    64,
+    "folder levels of an object key below the URL (deeper keys are left out of the mirror)",
+)
+REMOTE_GET_SECONDS = Limit(
+    "remote-get-seconds",
+    300,
+    "one GET's whole response, not each read of it (then retried; PMAKIT_GET_SECONDS sets another deadline)",
+)
+
 TABLE: tuple[Limit, ...] = (
     DCP_METADATA_BYTES,
     PICKLE_RECORD_BYTES,
@@ -63,6 +89,12 @@ TABLE: tuple[Limit, ...] = (
     SCALING_POINTS,
     CONFIG_BYTES,
     CONFIG_NODES,
+    REMOTE_OBJECTS,
+    REMOTE_LIST_PAGES,
+    REMOTE_FILE_BYTES,
+    REMOTE_FETCH_BYTES,
+    REMOTE_KEY_DEPTH,
+    REMOTE_GET_SECONDS,
 )
 
 

@@ -34,8 +34,10 @@ import atexit
 import contextlib
 import functools
 import hashlib
+import logging
 import os
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -44,10 +46,13 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
+from pmakit import limits
 from pmakit.checksums import sha256_file
 from pmakit.errors import PmakitError
+
+log = logging.getLogger(__name__)
 
 SCHEMES = ("s3", "gs")
 IN_FLIGHT = 32
@@ -88,6 +93,16 @@ class Location:
         return Location(self.scheme, self.bucket, f"{self.key}/{name}" if self.key else name)
 
 
+class Listed(NamedTuple):
+    """One object of a listing."""
+
+    key: str
+    size: int
+    pin: str | None
+    """What names this version of the object, sent with every read of it so that a rewritten object is an error:
+    S3's ETag (``If-Match``), GCS's generation (``ifGenerationMatch``); None when the store gave none."""
+
+
 def parse(url: str) -> Location:
     scheme, _, rest = url.partition("://")
     bucket, _, key = rest.partition("/")
@@ -114,12 +129,18 @@ class Store(ABC):
             self.requests += n
 
     @abstractmethod
+    def listing(self, where: Location) -> list[Listed]:
+        """Every object under the prefix ``where`` (recursively), at most ``limits.REMOTE_OBJECTS`` of them in at
+        most ``limits.REMOTE_LIST_PAGES`` pages (a listing that goes on for ever is one line)."""
+
     def list(self, where: Location) -> list[tuple[str, int]]:
         """(key, size) of every object under the prefix ``where`` (recursively)."""
+        return [(o.key, o.size) for o in self.listing(where)]
 
     @abstractmethod
-    def read(self, where: Location, start: int, stop: int) -> bytes:
-        """Bytes ``[start, stop)`` of an object (one ranged GET, retried)."""
+    def read(self, where: Location, start: int, stop: int, pin: str | None = None) -> bytes:
+        """Bytes ``[start, stop)`` of an object (one ranged GET, retried); with ``pin`` (its ``Listed.pin``),
+        only of that version of it: a changed object is one line."""
 
     @abstractmethod
     def download(self, where: Location, path: Path) -> None: ...
@@ -158,6 +179,62 @@ def retried(fn: Callable[[], T], what: str, transient: tuple[type[BaseException]
                 raise PmakitError(f"{what}: failed {attempts} times ({type(e).__name__}: {e})") from None
             time.sleep(min(8.0, 0.2 * 2**attempt))
     raise AssertionError("unreachable")
+
+
+def _check_listing(where: Location, pages: int, objects: int) -> None:
+    if pages > limits.REMOTE_LIST_PAGES.value:
+        raise limits.refuse(limits.REMOTE_LIST_PAGES, f"{where.url}: the listing")
+    if objects > limits.REMOTE_OBJECTS.value:
+        raise limits.refuse(limits.REMOTE_OBJECTS, f"{where.url}: the listing")
+
+
+def get_seconds() -> float:
+    """The deadline of one GET's whole response: ``PMAKIT_GET_SECONDS``, else ``limits.REMOTE_GET_SECONDS``."""
+    text = os.environ.get("PMAKIT_GET_SECONDS", "")
+    if not text:
+        return float(limits.REMOTE_GET_SECONDS.value)
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):
+        raise PmakitError(f"PMAKIT_GET_SECONDS={text!r}: expected a number of seconds above 0")
+    return seconds
+
+
+def read_within(body: Any, seconds: float) -> bytes:
+    """The whole of a streamed response ``body`` (botocore's ``StreamingBody``), given up after ``seconds`` in all
+    (``TimeoutError``, which the caller retries): the client's read timeout applies to each read, so a server
+    sending a byte a second would hold a GET for ever. At the deadline the connection's socket is shut down, which
+    ends the blocked read."""
+    expired = threading.Event()
+
+    def cut() -> None:
+        expired.set()
+        raw = getattr(body, "_raw_stream", None)
+        sock = getattr(getattr(raw, "connection", None), "sock", None)
+        try:
+            if sock is not None:
+                sock.shutdown(socket.SHUT_RDWR)
+            else:
+                body.close()
+        except OSError:
+            pass
+
+    timer = threading.Timer(seconds, cut)
+    timer.daemon = True
+    timer.start()
+    try:
+        data: bytes = body.read()
+    except Exception:
+        if not expired.is_set():
+            raise
+        data = b""
+    finally:
+        timer.cancel()
+    if expired.is_set():
+        raise TimeoutError(f"no whole response within {seconds:g} s")
+    return data
 
 
 class S3Store(Store):
@@ -207,27 +284,33 @@ class S3Store(Store):
         except BotoCoreError as e:
             raise PmakitError(f"{where.url}: {what} failed ({e})") from None
 
-    def list(self, where: Location) -> list[tuple[str, int]]:
+    def listing(self, where: Location) -> list[Listed]:
         prefix = f"{where.key}/" if where.key else ""
 
-        def pages() -> list[tuple[str, int]]:
-            out = []
-            for page in self._client.get_paginator("list_objects_v2").paginate(
-                Bucket=where.bucket, Prefix=prefix
-            ):
+        def pages() -> list[Listed]:
+            out: list[Listed] = []
+            paginator = self._client.get_paginator("list_objects_v2")
+            for n, page in enumerate(paginator.paginate(Bucket=where.bucket, Prefix=prefix), 1):
                 self.count()
-                out += [(o["Key"], int(o["Size"])) for o in page.get("Contents", [])]
+                out += [
+                    Listed(str(o["Key"]), int(o["Size"]), o.get("ETag") or None)
+                    for o in page.get("Contents", [])
+                ]
+                _check_listing(where, n, len(out))
             return out
 
         return self._call(pages, where, "listing")
 
-    def read(self, where: Location, start: int, stop: int) -> bytes:
+    def read(self, where: Location, start: int, stop: int, pin: str | None = None) -> bytes:
+        seconds = get_seconds()
+        condition = {"IfMatch": pin} if pin else {}
+
         def get() -> bytes:
             self.count()
             response = self._client.get_object(
-                Bucket=where.bucket, Key=where.key, Range=f"bytes={start}-{stop - 1}"
+                Bucket=where.bucket, Key=where.key, Range=f"bytes={start}-{stop - 1}", **condition
             )
-            data: bytes = response["Body"].read()
+            data = read_within(response["Body"], seconds)
             if len(data) != stop - start:
                 raise ConnectionError(f"got {len(data)} of {stop - start} bytes")
             return data
@@ -286,6 +369,8 @@ def _client_error(e: Any) -> str:
         return "no such bucket"
     if code in ("NoSuchKey", "404"):
         return "no such object"
+    if code in ("PreconditionFailed", "412"):
+        return "changed in the store since pmakit listed it: its ETag no longer matches; merge again"
     if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403", "ExpiredToken"):
         return f"access denied: {code} (check the credentials and the bucket's policy)"
     return f"{code or status}: {error.get('Message', '')}".strip()
@@ -320,6 +405,11 @@ class GCSStore(Store):
         )
         try:
             return retried(fn, f"{where.url}: {what}", transient)
+        except gexc.PreconditionFailed:
+            raise PmakitError(
+                f"{where.url}: {what} failed (changed in the store since pmakit listed it: its generation no "
+                "longer matches; merge again)"
+            ) from None
         except gexc.NotFound:
             raise PmakitError(f"{where.url}: {what} failed (no such bucket or object)") from None
         except (gexc.Forbidden, gexc.Unauthorized) as e:
@@ -330,19 +420,29 @@ class GCSStore(Store):
     def _blob(self, where: Location) -> Any:
         return self._client.bucket(where.bucket).blob(where.key)
 
-    def list(self, where: Location) -> list[tuple[str, int]]:
+    def listing(self, where: Location) -> list[Listed]:
         prefix = f"{where.key}/" if where.key else ""
 
-        def blobs() -> list[tuple[str, int]]:
-            self.count()
-            return [(b.name, int(b.size)) for b in self._client.list_blobs(where.bucket, prefix=prefix)]
+        def blobs() -> list[Listed]:
+            out: list[Listed] = []
+            for n, page in enumerate(self._client.list_blobs(where.bucket, prefix=prefix).pages, 1):
+                self.count()
+                out += [
+                    Listed(b.name, int(b.size), str(b.generation) if b.generation else None) for b in page
+                ]
+                _check_listing(where, n, len(out))
+            return out
 
         return self._call(blobs, where, "listing")
 
-    def read(self, where: Location, start: int, stop: int) -> bytes:
+    def read(self, where: Location, start: int, stop: int, pin: str | None = None) -> bytes:
+        condition = {"if_generation_match": int(pin)} if pin else {}
+
         def get() -> bytes:
             self.count()
-            data: bytes = self._blob(where).download_as_bytes(start=start, end=stop - 1, checksum=None)
+            data: bytes = self._blob(where).download_as_bytes(
+                start=start, end=stop - 1, checksum=None, **condition
+            )
             if len(data) != stop - start:
                 raise ConnectionError(f"got {len(data)} of {stop - start} bytes")
             return data
@@ -419,9 +519,11 @@ class RemoteFile:
     where: Location
     size: int
     placeholder: Path
+    pin: str | None = None
+    """The version listed (``Listed.pin``): every read asks for it."""
 
     def read(self, start: int, stop: int) -> bytes:
-        return store(self.where.scheme).read(self.where, start, stop)
+        return store(self.where.scheme).read(self.where, start, stop, self.pin)
 
     def fetch(self, start: int, stop: int) -> Future[bytes]:
         """``read`` on the fetch pool: the GET starts now."""
@@ -445,6 +547,89 @@ class RemoteFile:
             os.close(fd)
         with _FILLED_LOCK:
             _FILLED[self.placeholder].add(key)
+
+
+BLOCK_BYTES = 16 * 2**20
+"""The ranges a file read front to back is fetched in (``Sequential``), aligned to the file: one merge chunk of
+bf16. Whole aligned blocks rather than one GET per tensor chunk: a model's many small tensors (norms, a 1024-wide
+attention's 2 MiB projections) would otherwise each be a request, and a store's time per request dominates them."""
+
+
+class Sequential:
+    """Reads of one remote file that move front to back (a merge reads each input in its on-disk order), served
+    from aligned blocks of ``BLOCK_BYTES`` fetched ahead on the pool: the GETs of the GET floor, the same size and as
+    many in flight. The streams being read keep about ``IN_FLIGHT`` blocks in flight together (at least two each); a
+    block is dropped once a read starts past it. A read far ahead moves the stream there; a read behind the blocks
+    held is a GET of its own."""
+
+    def __init__(self, remote: RemoteFile) -> None:
+        self.remote = remote
+        self._blocks: dict[int, Future[bytes]] = {}
+        self._next = -1
+        """The next block to start; -1: none started yet."""
+        self._lock = threading.Lock()
+        self.waited = 0.0
+        """Seconds the reading thread waited for blocks (benchmarks)."""
+
+    def hint(self, start: int, stop: int) -> None:
+        """``read(start, stop)`` comes soon: start the blocks up to there, and the stream's share ahead."""
+        with self._lock:
+            self._advance(start, stop)
+
+    def read(self, start: int, stop: int) -> memoryview | bytes:
+        first, last = start // BLOCK_BYTES, (stop - 1) // BLOCK_BYTES
+        with self._lock:
+            for i in [i for i in self._blocks if i < first]:
+                del self._blocks[i]
+            if first not in self._blocks and not self._advance(start, stop):
+                return self.remote.read(start, stop)
+            futures = [self._blocks[i] for i in range(first, last + 1)]
+        began = time.perf_counter()
+        parts = [memoryview(f.result()) for f in futures]
+        self.waited += time.perf_counter() - began
+        lo = start - first * BLOCK_BYTES
+        if len(parts) == 1:
+            return parts[0][lo : lo + stop - start]
+        joined = b"".join(parts)
+        return memoryview(joined)[lo : lo + stop - start]
+
+    def _advance(self, start: int, stop: int) -> bool:
+        """Start the blocks ``[start, stop)`` needs and the stream's share ahead of it; False (nothing started) for a
+        range behind the blocks held: the caller GETs it on its own."""
+        first = start // BLOCK_BYTES
+        if (
+            self._next == -1 or first > self._next + 2
+        ):  # the first read, or a jump past unread bytes: start there
+            for future in self._blocks.values():
+                future.cancel()
+            self._blocks.clear()
+            self._next = first
+        elif first < self._next and first not in self._blocks:
+            return False
+        with _STREAMS_LOCK:
+            _STREAMS.add(self)
+            share = max(2, IN_FLIGHT // len(_STREAMS))
+        end = min(self.remote.size, max(stop, start + share * BLOCK_BYTES))
+        while self._next * BLOCK_BYTES < end:
+            a = self._next * BLOCK_BYTES
+            self._blocks[self._next] = self.remote.fetch(a, min(self.remote.size, a + BLOCK_BYTES))
+            self._next += 1
+        if self._next * BLOCK_BYTES >= self.remote.size:  # all started: no share of the pool needed any more
+            with _STREAMS_LOCK:
+                _STREAMS.discard(self)
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            for future in self._blocks.values():
+                future.cancel()
+            self._blocks.clear()
+        with _STREAMS_LOCK:
+            _STREAMS.discard(self)
+
+
+_STREAMS: set[Sequential] = set()
+_STREAMS_LOCK = threading.Lock()
 
 
 _FILES: dict[Path, RemoteFile] = {}
@@ -472,45 +657,116 @@ def origin(path: Path) -> str:
 
 
 def localize(url: str) -> Path:
-    """A local mirror of the run or snapshot at ``url`` (see the module docstring); removed at exit."""
+    """A local mirror of the run or snapshot at ``url`` (see the module docstring); removed at exit.
+
+    Only what the layouts and the output can use is fetched: weight files are placeholders holding their heads,
+    other objects are downloaded up to ``limits.REMOTE_FILE_BYTES`` each (``DCP_METADATA_BYTES`` for a DCP
+    ``.metadata``) and ``limits.REMOTE_FETCH_BYTES`` in all; larger ones (logs, event files) are left out. Every
+    read is pinned to the version listed. Keys that cannot be a file of the mirror are left out with one warning.
+    """
     where = parse(url)
     s = store(where.scheme)
     s.check_bucket(where)
-    objects = s.list(where)
+    objects = s.listing(where)
     if not objects:
         raise PmakitError(f"{where.url}: nothing stored under this prefix")
+    files, left_out = _mirror_entries(objects, f"{where.key}/" if where.key else "")
+    if left_out:
+        parts = [f"{len(keys):,} {why} (e.g. {keys[0]!r})" for why, keys in left_out.items()]
+        log.warning("%s: left out of the local mirror: %s", where.url, "; ".join(parts))
     base = Path(tempfile.mkdtemp(prefix="pmakit-remote-"))
     atexit.register(shutil.rmtree, base, True)
     root = base / (where.key.rsplit("/", 1)[-1] or where.bucket)
     root.mkdir()
     _ROOTS[root] = where.url
-    prefix = f"{where.key}/" if where.key else ""
-    downloads = []
-    for key, size in objects:
-        rel = key[len(prefix) :]
-        parts = rel.split("/")
-        if not rel or rel.endswith("/") or any(p in ("", ".", "..") for p in parts):
-            continue  # folder markers; names that would leave the mirror
-        target = root.joinpath(*parts)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        obj = Location(where.scheme, where.bucket, key)
-        if target.suffix in RANGED_SUFFIXES or (size > SMALL_FILE and target.suffix in LARGE_SUFFIXES):
-            with open(target, "wb") as f:
-                f.truncate(size)
-            _FILES[target] = remote = RemoteFile(obj, size, target)
-            if target.suffix == ".safetensors":
-                downloads.append(_pool().submit(_fill_head, remote))
-        else:
-            downloads.append(_pool().submit(s.download, obj, target))
-    for future in downloads:
-        future.result()
+    for folder in sorted({rel.rsplit("/", 1)[0] for rel in files if "/" in rel}):
+        (root / folder).mkdir(parents=True, exist_ok=True)
+    downloads: list[Future[None]] = []
+    fetched = 0
+    try:
+        for rel, obj in files.items():
+            target = root / rel
+            remote = RemoteFile(Location(where.scheme, where.bucket, obj.key), obj.size, target, obj.pin)
+            if _is_weight_file(target.name, obj.size):
+                with open(target, "wb") as f:
+                    f.truncate(obj.size)
+                _FILES[target] = remote
+                if target.suffix == ".safetensors":
+                    downloads.append(_pool().submit(_fill_head, remote))
+                continue
+            fetched += obj.size
+            if fetched > limits.REMOTE_FETCH_BYTES.value:
+                raise limits.refuse(limits.REMOTE_FETCH_BYTES, f"{where.url}: its non-weight objects")
+            downloads.append(_pool().submit(_download, remote))
+        for future in downloads:
+            future.result()
+    except BaseException:
+        for future in downloads:
+            future.cancel()
+        raise
     return root
 
 
+def _is_weight_file(name: str, size: int) -> bool:
+    suffix = os.path.splitext(name)[1]
+    return suffix in RANGED_SUFFIXES or (size > SMALL_FILE and suffix in LARGE_SUFFIXES)
+
+
+def _mirror_entries(objects: list[Listed], prefix: str) -> tuple[dict[str, Listed], dict[str, list[str]]]:
+    """The objects that become files of the mirror, by their path in it, and those left out by reason. Left out:
+    keys outside the prefix, names that would leave the mirror (``..``, ``.``, empty parts from ``//``), keys
+    deeper than ``limits.REMOTE_KEY_DEPTH`` or with a part too long for a file name, a key that is also a folder
+    of other keys (the folder is kept), and non-weight objects over their size limit."""
+    kept: dict[str, Listed] = {}
+    left_out: dict[str, list[str]] = {}
+    for obj in objects:
+        rel = obj.key[len(prefix) :] if obj.key.startswith(prefix) else None
+        parts = rel.split("/") if rel else []
+        if rel is None:
+            why = "outside the prefix"
+        elif not rel or rel.endswith("/"):
+            continue  # folder markers
+        elif any(p in ("", ".", "..") for p in parts):
+            why = "with names that would leave the mirror ('..', '.', '//')"
+        elif len(parts) - 1 > limits.REMOTE_KEY_DEPTH.value or len(rel.encode()) > 1024:
+            why = f"deeper than {limits.REMOTE_KEY_DEPTH.name} = {limits.REMOTE_KEY_DEPTH.value} or over 1,024 bytes"
+        elif not _is_weight_file(parts[-1], obj.size) and obj.size > _file_limit(parts[-1]).value:
+            limit = _file_limit(parts[-1])
+            why = f"non-weight objects over {limit.name} = {limit.value:,} bytes"
+        else:
+            kept[rel] = obj
+            continue
+        left_out.setdefault(why, []).append(obj.key)
+    folders = {"/".join(rel.split("/")[:i]) for rel in kept for i in range(1, rel.count("/") + 1)}
+    for rel in sorted(folders.intersection(kept)):
+        left_out.setdefault("both a file and a folder of other keys", []).append(kept.pop(rel).key)
+    return kept, left_out
+
+
+def _file_limit(name: str) -> limits.Limit:
+    return limits.DCP_METADATA_BYTES if name.endswith(".metadata") else limits.REMOTE_FILE_BYTES
+
+
+def _download(remote: RemoteFile) -> None:
+    """A small file of the mirror, whole, in ranged GETs of the version listed."""
+    fd = os.open(remote.placeholder, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for a in range(0, remote.size, PART_BYTES):
+            os.pwrite(fd, remote.read(a, min(remote.size, a + PART_BYTES)), a)
+    finally:
+        os.close(fd)
+
+
 def _fill_head(remote: RemoteFile) -> None:
-    """A safetensors placeholder's header (8-byte length + JSON), so that the reader parses it as it is."""
+    """A safetensors placeholder's header (8-byte length + JSON), so that the reader parses it as it is. A length
+    over ``limits.SAFETENSORS_HEADER_BYTES`` is refused before its bytes are asked for."""
     head = remote.read(0, min(remote.size, HEAD_BYTES))
-    n = int.from_bytes(head[:8], "little") + 8 if len(head) >= 8 else 0
+    claimed = int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
+    if claimed > limits.SAFETENSORS_HEADER_BYTES.value:
+        raise limits.refuse(
+            limits.SAFETENSORS_HEADER_BYTES, f"{remote.where.url}'s header ({claimed:,} bytes)"
+        )
+    n = claimed + 8
     if n > len(head) and n <= remote.size:
         head += remote.read(len(head), n)
     with open(remote.placeholder, "r+b") as f:

@@ -19,7 +19,6 @@ import struct
 import time
 import warnings
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -191,9 +190,11 @@ class SafetensorsReader(Reader):
                     )
                     self._where[name] = (i, data_start + begin)
             self.watch(self._files)
-            # Files of an object-store mirror: their placeholders hold only the header; chunks are ranged GETs.
-            self._remote = [remote.lookup(f) for f in self._files]
-            self._fetching: dict[tuple[int, int, int], Future[bytes]] = {}
+            # Files of an object-store mirror: their placeholders hold only the header; the bytes are ranged GETs
+            # of aligned blocks, fetched ahead as the merge moves through each file.
+            self._remote = [
+                None if (r := remote.lookup(f)) is None else remote.Sequential(r) for f in self._files
+            ]
         except BaseException:
             self.close()
             raise
@@ -231,8 +232,7 @@ class SafetensorsReader(Reader):
             return torch.empty(0, dtype=self.tensors[name].dtype)
         source = self._remote[index]
         if source is not None:
-            pending = self._fetching.pop((index, offset, nbytes), None)
-            data = pending.result() if pending is not None else source.read(offset, offset + nbytes)
+            data = source.read(offset, offset + nbytes)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # read-only bytes: read-only by the contract
                 return torch.frombuffer(data, dtype=self.tensors[name].dtype)
@@ -254,15 +254,15 @@ class SafetensorsReader(Reader):
         index, offset, nbytes = self._range(name, start, stop)
         source = self._remote[index]
         if source is not None:
-            if nbytes and (index, offset, nbytes) not in self._fetching:
-                self._fetching[index, offset, nbytes] = source.fetch(offset, offset + nbytes)
+            if nbytes:
+                source.hint(offset, offset + nbytes)
         elif hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fds[index], offset, nbytes, os.POSIX_FADV_WILLNEED)
 
     def close(self) -> None:
-        for pending in getattr(self, "_fetching", {}).values():
-            pending.cancel()
-        self._fetching = {}
+        for source in getattr(self, "_remote", []):
+            if source is not None:
+                source.close()
         for m in self._maps:
             # A caller may still hold a view; the map then goes with the last one.
             with contextlib.suppress(BufferError):
