@@ -58,3 +58,32 @@ def test_a_continuation_after_recover_never_merges_two_trajectories(tmp_path: Pa
     manifest = json.loads((tmp_path / "merged" / "pmakit-merge.json").read_text())
     tokens = [i["tokens"] for i in manifest["inputs"]]
     assert max(tokens) == 2560 and all(t <= 2560 for t in tokens), tokens
+
+
+def _listing(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in sorted(root.rglob("*"))}
+
+
+def test_experiment_refuses_a_directory_holding_a_train_run(tmp_path: Path) -> None:
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(TINY.replace("total_tokens: 5120", "total_tokens: 640"))
+    run = tmp_path / "run"
+    assert run_cli("train", cfg, "-o", run).returncode == 0
+    before = _listing(run)
+    proc = run_cli("experiment", "--preset", "smoke", "-o", run)
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("Error:")]
+    assert proc.returncode == 1 and len(errors) == 1 and "holds a `pmakit train` run" in errors[0], (
+        proc.stderr
+    )
+    assert "Traceback" not in proc.stderr and _listing(run) == before  # no main/, config.json, plots/
+
+
+def test_experiment_refuses_a_directory_holding_another_study(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "experiment.json").write_text(json.dumps({"study": "sweep"}))
+    before = _listing(run)
+    proc = run_cli("experiment", "--preset", "smoke", "-o", run)
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("Error:")]
+    assert proc.returncode == 1 and len(errors) == 1 and "holds the sweep study, not the pma" in errors[0]
+    assert _listing(run) == before
