@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from conftest import run_cli
 from pmakit.snapshot import discover
@@ -64,11 +67,19 @@ def _listing(root: Path) -> dict[str, int]:
     return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in sorted(root.rglob("*"))}
 
 
-def test_experiment_refuses_a_directory_holding_a_train_run(tmp_path: Path) -> None:
-    cfg = tmp_path / "tiny.yaml"
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real `pmakit train` run of 5 steps (copy it before changing it)."""
+    root = tmp_path_factory.mktemp("short")
+    cfg = root / "tiny.yaml"
     cfg.write_text(TINY.replace("total_tokens: 5120", "total_tokens: 640"))
-    run = tmp_path / "run"
-    assert run_cli("train", cfg, "-o", run).returncode == 0
+    proc = run_cli("train", cfg, "-o", root / "run")
+    assert proc.returncode == 0, proc.stderr
+    return root / "run"
+
+
+def test_experiment_refuses_a_directory_holding_a_train_run(short_run: Path, tmp_path: Path) -> None:
+    run = Path(shutil.copytree(short_run, tmp_path / "run"))
     before = _listing(run)
     proc = run_cli("experiment", "--preset", "smoke", "-o", run)
     errors = [x for x in proc.stderr.splitlines() if x.startswith("Error:")]
@@ -87,3 +98,15 @@ def test_experiment_refuses_a_directory_holding_another_study(tmp_path: Path) ->
     errors = [x for x in proc.stderr.splitlines() if x.startswith("Error:")]
     assert proc.returncode == 1 and len(errors) == 1 and "holds the sweep study, not the pma" in errors[0]
     assert _listing(run) == before
+
+
+def test_report_of_a_train_run_with_a_deeply_nested_metrics_line_is_one_line(
+    short_run: Path, tmp_path: Path
+) -> None:
+    run = Path(shutil.copytree(short_run, tmp_path / "run"))
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    proc = run_cli("report", run)
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("Error:")]
+    assert proc.returncode == 1 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "json-depth = 64" in errors[0] and "metrics.jsonl:" in errors[0], errors
