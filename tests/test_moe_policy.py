@@ -52,7 +52,7 @@ def moe_state(seed: int, experts: int = E, bias: bool = True) -> dict[str, torch
     ],
 )
 def test_classify_names_of_each_framework(name: str, dtype: torch.dtype, kind: Kind) -> None:
-    assert classify(name, dtype) is kind
+    assert classify(name, dtype, (E,)) is kind
 
 
 def test_default_averages_biases_in_fp32_and_takes_counters_from_the_newest(tmp_path: Path) -> None:
@@ -205,3 +205,39 @@ def test_incremental_update_averages_biases_and_refuses_latest(tmp_path: Path) -
     )
     assert proc.returncode != 0 and "cannot take router biases from the newest snapshot" in proc.stderr
     assert not (tmp_path / "m2").exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "shape", "kind"),
+    [
+        (COUNT, torch.float32, (E, H), Kind.WEIGHT),  # a 2-D float "tokens_per_expert" is a projection
+        (BIAS, torch.float32, (E, H), Kind.WEIGHT),
+        (BIAS, torch.float32, (), Kind.WEIGHT),
+        (COUNT, torch.float32, (), Kind.COUNTER),  # a scalar count is still a count
+        (COUNT, torch.int64, (E, H), Kind.COUNTER),  # integers are never averaged, whatever their shape
+    ],
+)
+def test_a_router_state_name_with_an_implausible_shape_is_a_weight(
+    name: str, dtype: torch.dtype, shape: tuple[int, ...], kind: Kind
+) -> None:
+    assert classify(name, dtype, shape) is kind
+
+
+@pytest.mark.parametrize("buffers", ["average", "latest"])
+def test_streaming_merge_averages_implausible_router_state_as_weights(tmp_path: Path, buffers: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    states = [moe_state(s) for s in (1, 2, 3)]
+    for s in states:  # named like router state, shaped like weights
+        s[COUNT] = torch.randn(E, H, generator=g).to(torch.bfloat16)
+        s[BIAS] = torch.randn(E, H, generator=g).to(torch.bfloat16)
+    run = write_states(tmp_path / "run", states)
+    proc = run_cli("merge", run, "-o", tmp_path / "out", "--buffers", buffers, "--dtype", "bf16")
+    assert proc.returncode == 0, proc.stderr
+    got = load_dir(tmp_path / "out")
+    for name in (COUNT, BIAS):
+        want = (sum(s[name].float() for s in states) / 3).to(torch.bfloat16)
+        assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], want), name
+        warnings = [x for x in proc.stderr.splitlines() if name in x]
+        assert len(warnings) == 1 and "merged as a weight" in warnings[0], proc.stderr
+    kinds = json.loads((tmp_path / "out" / "pmakit-merge.json").read_text())["tensor_kinds"]
+    assert "router_bias" not in kinds and kinds["counter"]["names"] == [STEPS]

@@ -47,6 +47,11 @@ RESULTS_BYTES = Limit("results-bytes", 256 * MIB, "a results file read by pmakit
 SCALING_POINTS = Limit(
     "scaling-points", 10_000, "merge and anneal points of one scaling-fit (10 sizes x 20 budgets: 400)"
 )
+BOOTSTRAP_RESAMPLES = Limit(
+    "bootstrap-resamples",
+    100_000,
+    "bootstrap resamples of a ranking or a study's intervals (1,000 is the default)",
+)
 CONFIG_BYTES = Limit("config-bytes", 16 * MIB, "a YAML or TOML config file")
 CONFIG_NODES = Limit(
     "config-nodes", 100_000, "values in a config file once its YAML aliases are expanded (a preset has ~100)"
@@ -87,6 +92,7 @@ TABLE: tuple[Limit, ...] = (
     TENSORS_PER_FILE,
     RESULTS_BYTES,
     SCALING_POINTS,
+    BOOTSTRAP_RESAMPLES,
     CONFIG_BYTES,
     CONFIG_NODES,
     REMOTE_OBJECTS,

@@ -209,11 +209,13 @@ class OnlineAverager:
 
     def _check_keys(self, state: Mapping[str, torch.Tensor], tokens: int) -> None:
         if not self._spec:
-            self._spec = {k: (tuple(v.shape), v.dtype) for k, v in state.items() if _averaged(k, v.dtype)}
+            self._spec = {
+                k: (tuple(v.shape), v.dtype) for k, v in state.items() if _averaged(k, v.dtype, v.shape)
+            }
             if not self._spec:
                 raise PmakitError("the state has no floating-point tensors to average")
             return
-        floats = {k for k, v in state.items() if _averaged(k, v.dtype)}
+        floats = {k for k, v in state.items() if _averaged(k, v.dtype, v.shape)}
         missing, extra = self._spec.keys() - floats, floats - self._spec.keys()
         wrong = [k for k in self._spec.keys() & floats if tuple(state[k].shape) != self._spec[k][0]]
         if missing or extra or wrong:
@@ -351,12 +353,12 @@ class OnlineAverager:
                 self._spec = {
                     k: (tuple(info.shape), info.dtype)
                     for k, info in newest.tensors.items()
-                    if _averaged(k, info.dtype)
+                    if _averaged(k, info.dtype, info.shape)
                 }
                 self._nonfloat = {
                     k: newest.read(k, 0, info.numel).view(info.shape).clone()
                     for k, info in newest.tensors.items()
-                    if not _averaged(k, info.dtype)
+                    if not _averaged(k, info.dtype, info.shape)
                 }
             if self.hold_in_memory:
                 for e in self._entries:
@@ -540,7 +542,7 @@ def _open_window_snapshot(entry: _Entry) -> Iterator[Reader]:
         yield reader
 
 
-def _averaged(name: str, dtype: torch.dtype) -> bool:
+def _averaged(name: str, dtype: torch.dtype, shape: Sequence[int]) -> bool:
     """Kept in the running sums: weights and router biases (averaged, as ``merge`` does by default); counters and
     other non-float tensors are the newest snapshot's (``pmakit.layouts.kinds``)."""
-    return classify(name, dtype) is not Kind.COUNTER
+    return classify(name, dtype, shape) is not Kind.COUNTER

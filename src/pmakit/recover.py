@@ -916,10 +916,11 @@ def merged_state(
     from pmakit.weights import get_weights
 
     weights = get_weights(method, len(snapshots), alpha=alpha)
-    return average_states((_finite_state(s) for s in snapshots), weights, dtype="same"), weights
+    return average_states((read_finite_state(s) for s in snapshots), weights, dtype="same"), weights
 
 
-def _finite_state(snapshot: Snapshot) -> dict[str, Any]:
+def read_finite_state(snapshot: Snapshot) -> dict[str, Any]:
+    """The tensors of ``snapshot``; NaN or Inf in a float tensor is one error naming the tensor and snapshot."""
     import torch
 
     from pmakit.formats import is_float, read_state

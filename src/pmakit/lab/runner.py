@@ -7,6 +7,7 @@ recovery studies (``recovery``), ``replicas`` model copies (``replicas``), ``sca
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,6 +33,7 @@ def run_experiment(
     """
     if seeds < 1:
         raise PmakitError(f"--seeds must be at least 1, got {seeds}")
+    check_study_dir(Path(run_dir), data.get("study"))
     if seeds > 1:
         return _run_seeds(data, Path(run_dir), seeds, fresh=fresh, progress=progress)
     study = data.get("study")
@@ -58,6 +60,35 @@ def run_experiment(
     from pmakit.lab.pma import run_pma_study
 
     return run_pma_study(data, run_dir, fresh=fresh, progress=progress)
+
+
+OTHER_RUNS = (
+    ("pmakit-merge.json", "a merged model"),
+    ("pmakit.json", "a snapshot"),
+    ("metrics.jsonl", "a `pmakit train` run"),
+    ("checkpoint", "a `pmakit train` run"),
+    ("snapshots", "a `pmakit train` run"),
+)
+"""Files at the top of a directory that mark another kind of run than a study (whose runs live one level down)."""
+
+
+def check_study_dir(run_dir: Path, study: str | None) -> None:
+    """Refuse a run directory that holds another kind of run (a ``pmakit train`` run, a snapshot, a merged model)
+    or another study: a study started there would write its files among the other run's."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise PmakitError(f"{run_dir} is not a directory")
+    for name, what in OTHER_RUNS:
+        if (run_dir / name).exists():
+            raise PmakitError(
+                f"{run_dir} holds {what} (its {name}), not a study; give pmakit experiment another -o"
+            )
+    try:
+        found = json.loads((run_dir / "experiment.json").read_text()).get("study")
+    except (OSError, ValueError, AttributeError):
+        return
+    if found != study and not {found, study} <= {None, "moe"}:  # the moe study writes the PMA study's record
+        raise PmakitError(f"{run_dir} holds the {found or 'pma'} study, not the {study or 'pma'} study this config "
+                          "asks for; give pmakit experiment another -o")  # fmt: skip
 
 
 def _run_seeds(data: Mapping[str, Any], run_dir: Path, seeds: int, *, fresh: bool, progress: bool) -> Path:

@@ -44,6 +44,7 @@ from pmakit.errors import PmakitError
 from pmakit.evaluate import EvalResult, evaluate
 from pmakit.lab.results import Clock, check_same_config, jsonable, remove_run
 from pmakit.lab.scaling import Recipe, anneal_branch, split_batches, train_trunk, write_results_csv
+from pmakit.limits import BOOTSTRAP_RESAMPLES, refuse
 from pmakit.runs import (
     RESULTS,
     anneal_run,
@@ -119,6 +120,8 @@ class SweepConfig:
                 raise PmakitError(f"sweep recipe fraction must be in (0, 1), got {r.fraction}")
         if min(self.selection_batches, self.test_batches) < 2 or self.bootstrap < 0:
             raise PmakitError("sweep.selection_batches and test_batches at least 2; bootstrap 0 or more")
+        if self.bootstrap > BOOTSTRAP_RESAMPLES.value:
+            raise refuse(BOOTSTRAP_RESAMPLES, f"sweep.bootstrap {self.bootstrap:,}")
         WSD(1.0, decay_start=0, decay_end=1, shape=self.anneal_shape)  # a bad shape fails here
 
 
@@ -403,11 +406,23 @@ def read_json(path: Path) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------- sweep-rank
 
 
+def _resolved(run: Path) -> Path:
+    """``run`` with its links resolved; a symlink loop or an unreadable path is one error line."""
+    try:
+        return run.resolve(strict=True)
+    except FileNotFoundError:
+        raise PmakitError(f"{run}: no such run directory") from None
+    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop, on Python < 3.13
+        raise PmakitError(
+            f"{run}: cannot be read as a run directory ({getattr(e, 'strerror', None) or e})"
+        ) from None
+
+
 def _window_at(run: Path, at: int | None, n: int) -> list[Any]:
     """The last ``n`` snapshots of ``run`` at or before ``at`` tokens (all of its snapshots when ``at`` is None)."""
     from pmakit.snapshot import gather
 
-    if not run.is_dir():
+    if not _resolved(run).is_dir():
         raise PmakitError(f"{run}: no such run directory")
     snapshots, _ = gather([run])
     if (
@@ -429,19 +444,86 @@ def _vocabulary(snapshot: Path) -> Any:
         raise PmakitError(f"{snapshot}: no readable config.json to build the model from ({e})") from e
 
 
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "vocab.txt",
+    "added_tokens.json",
+)
+"""The files that map text to token ids (a fast tokenizer's tokenizer.json holds all of it)."""
+
+
+def tokenizer_digest(snapshot: Path, run: Path) -> str | None:
+    """A digest of the tokenizer ``snapshot`` was trained with (its own files, else ``RUN/tokenizer/``): equal
+    digests tokenize alike. ``tokenizer.json`` is compared as parsed JSON less its padding and truncation settings;
+    the other files byte for byte. None when neither place holds a tokenizer file."""
+    import hashlib
+
+    from pmakit.limits import JSON_BYTES, loads_json, read_regular
+
+    for where in (snapshot, run / "tokenizer"):
+        found = [where / name for name in TOKENIZER_FILES if (where / name).is_file()]
+        if not found:
+            continue
+        digest = hashlib.sha256()
+        for path in found:
+            data = read_regular(path, JSON_BYTES)
+            if path.name == "tokenizer.json":
+                doc = loads_json(data, str(path))
+                if isinstance(doc, dict):
+                    doc = {k: v for k, v in doc.items() if k not in ("padding", "truncation")}
+                data = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+            digest.update(f"{path.name}\0{len(data)}\0".encode() + data)
+        return digest.hexdigest()
+    return None
+
+
+def _check_one_tokenizer(windows: Mapping[str, Sequence[Any]]) -> None:
+    """The runs share one tokenizer (its files compared; a vocabulary of the same size is not enough), or one
+    error line naming a run that differs. Runs without any tokenizer file fall back to the vocabulary size, said
+    in a warning."""
+    digests = {k: tokenizer_digest(w[-1].path, Path(k)) for k, w in windows.items()}
+    missing = [k for k, d in digests.items() if d is None]
+    if missing and len(missing) < len(digests):
+        raise PmakitError(f"{missing[0]} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...) to compare "
+                          "with the other runs': a sweep ranks runs of one tokenizer")  # fmt: skip
+    first = next(iter(digests))
+    for name, digest in digests.items():
+        if digest != digests[first]:
+            raise PmakitError(f"{name} and {first} were trained with different tokenizers (their tokenizer files "
+                              "differ): a sweep ranks runs of one tokenizer")  # fmt: skip
+    vocab = {k: _vocabulary(w[-1].path) for k, w in windows.items()}
+    if len(set(vocab.values())) > 1:
+        raise PmakitError(
+            f"the runs have different vocabularies ({vocab}): a sweep ranks runs of one tokenizer"
+        )
+    if missing:
+        log.warning(
+            "no run has tokenizer files: only the vocabulary sizes (%s) could be compared", vocab[first]
+        )
+
+
 def _merge_losses(window: Sequence[Any], batches: Sequence[Any]) -> list[float]:
     """Per-batch test losses of the SMA of ``window``, in a model built from its newest snapshot's config.json."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from pmakit.evaluate import batch_losses
-    from pmakit.formats import read_state
     from pmakit.merge import average_states
+    from pmakit.recover import read_finite_state
     from pmakit.train.loop import swapped
 
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(window[-1].path))
-    states = [read_state(s.path) for s in window]
-    with swapped(model, average_states(states, get_weights("sma", len(states)))):
-        return list(batch_losses(model, batches))
+    states = (
+        read_finite_state(s) for s in window
+    )  # one at a time; NaN/Inf is an error naming tensor and snapshot
+    with swapped(model, average_states(states, get_weights("sma", len(window)))):
+        losses = list(batch_losses(model, batches))
+    if not all(math.isfinite(x) for x in losses):
+        raise PmakitError(f"the merge of {window[0].path.parent} scores a non-finite loss on the held-out batches: "
+                          "it cannot be ranked")  # fmt: skip
+    return losses
 
 
 def rank_runs(runs: Sequence[Path], *, at: int | None = None, n: int = 10, data: str | None = None,
@@ -453,18 +535,16 @@ def rank_runs(runs: Sequence[Path], *, at: int | None = None, n: int = 10, data:
     from pmakit.report.sweep import rank_table
     from pmakit.train.data import split_batches as heldout_batches
 
-    if len(runs) < 2 or len({r.resolve() for r in runs}) < len(runs):
+    if len(runs) < 2 or len({_resolved(r) for r in runs}) < len(runs):
         raise PmakitError("sweep-rank needs at least 2 different run directories")
     if n < 1 or batches < 2 or bootstrap < 0:
         raise PmakitError("--last at least 1, --batches at least 2, --bootstrap 0 or more")
+    if bootstrap > BOOTSTRAP_RESAMPLES.value:
+        raise refuse(BOOTSTRAP_RESAMPLES, f"--bootstrap {bootstrap:,}")
     if at is None:
         at = min(_window_at(r, None, 1)[-1].tokens for r in runs)
     windows = {str(r): _window_at(r, at, n) for r in runs}
-    vocab = {k: _vocabulary(w[-1].path) for k, w in windows.items()}
-    if len(set(vocab.values())) > 1:
-        raise PmakitError(
-            f"the runs have different vocabularies ({vocab}): a sweep ranks runs of one tokenizer"
-        )
+    _check_one_tokenizer(windows)
     first = windows[str(runs[0])][-1]
     found = load_eval_data(data, runs[0], first, TuneConfig(batches=batches, seed=seed))
     test = heldout_batches(

@@ -9,6 +9,10 @@ Kinds (``Kind``):
 - ``counter``: a count (tokens routed to each expert) or any other non-float tensor. The newest snapshot's, as it
   is, never averaged: an average of counts is a count of nothing.
 
+A name is not enough: every framework's router bias and counter is one number per expert (1-D; a counter may be
+a 0-D scalar). A float tensor whose name looks like router state but whose shape does not is a weight, averaged
+and cast like one, with one warning naming it (a model's own ``tokens_per_expert`` projection is not a count).
+
 RNG states and a module's extra state are not tensors of the model and never reach a merge plan: the layouts skip
 them (``Reader.skipped``). Names are matched as suffixes of the full tensor name, so that the same pattern finds a
 tensor whatever prefix (``model.``, ``module.``, ``decoder.layers.3.``) a trainer puts before it.
@@ -17,8 +21,9 @@ tensor whatever prefix (``model.``, ``module.``, ``decoder.layers.3.``) a traine
 from __future__ import annotations
 
 import enum
+import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -64,14 +69,28 @@ PATTERNS: dict[str, tuple[tuple[str, Kind], ...]] = {
 
 _COMPILED = [(re.compile(p), kind) for patterns in PATTERNS.values() for p, kind in patterns]
 
+MAX_DIMS = {Kind.ROUTER_BIAS: (1, 1), Kind.COUNTER: (0, 1)}
+"""The dimensions (least, most) a float tensor named like router state must have to be taken for it."""
 
-def classify(name: str, dtype: torch.dtype) -> Kind:
-    """The kind of the tensor ``name`` of ``dtype``: non-float tensors are counters, float ones by their name."""
+log = logging.getLogger(__name__)
+_warned: set[str] = set()
+
+
+def classify(name: str, dtype: torch.dtype, shape: Sequence[int]) -> Kind:
+    """The kind of the tensor ``name`` of ``dtype`` and ``shape``: non-float tensors are counters, float ones by
+    their name, when their shape is one router state can have (else a weight, with one warning)."""
     if not is_float(dtype):
         return Kind.COUNTER
     for pattern, kind in _COMPILED:
         if pattern.search(name):
-            return kind
+            least, most = MAX_DIMS[kind]
+            if least <= len(shape) <= most:
+                return kind
+            if name not in _warned:
+                _warned.add(name)
+                log.warning("%s is named like a %s but is a %s tensor of shape %s: merged as a weight", name,
+                            kind.value.replace("_", " "), str(dtype).removeprefix("torch."), list(shape))  # fmt: skip
+            return Kind.WEIGHT
     return Kind.WEIGHT
 
 

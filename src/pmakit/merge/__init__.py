@@ -379,7 +379,7 @@ def average_states(
             raise PmakitError(
                 f"the states to average differ in their tensors: {sorted(state.keys() ^ newest.keys())}"
             )
-        kinds = {k: rule(classify(k, t.dtype), buffers) for k, t in state.items()}
+        kinds = {k: rule(classify(k, t.dtype, t.shape), buffers) for k, t in state.items()}
         # Of the newest state only the tensors taken as they are are kept (of the others, shape and dtype).
         newest = {k: t if kinds[k] == "latest" else t.to("meta") for k, t in state.items()}
         if weight != 0:  # as the engine: a zero weight adds nothing (not even a -0.0)
@@ -389,7 +389,7 @@ def average_states(
         raise ValueError(f"more states than the {len(weights)} weights")
     out: dict[str, torch.Tensor] = {}
     for name, ref in newest.items():
-        kind = classify(name, ref.dtype)
+        kind = classify(name, ref.dtype, ref.shape)
         if kinds[name] == "latest":
             out[name] = ref.float() if kind is Kind.ROUTER_BIAS else ref
             continue

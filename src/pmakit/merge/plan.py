@@ -167,7 +167,7 @@ def _validate_moe(readers: Sequence[Reader], snapshots: Sequence[Snapshot]) -> N
                 continue  # the common case, without classifying every name of a large model
             info = b or a
             assert info is not None
-            kind = classify(name, info.dtype)
+            kind = classify(name, info.dtype, info.shape)
             if a is None or b is None:
                 if kind is Kind.ROUTER_BIAS:
                     has, lacks = (ref_snap, snap) if a is None else (snap, ref_snap)
@@ -270,7 +270,7 @@ def plan_merge(
                 f"{snapshots[-1].path}: no model weights ({len(newest.skipped)} entries, none a model tensor)"
             )
         order = sorted(newest.tensors, key=lambda k: newest.tensors[k].order)
-        kinds = {k: classify(k, newest.tensors[k].dtype) for k in order}
+        kinds = {k: classify(k, newest.tensors[k].dtype, newest.tensors[k].shape) for k in order}
         tensors = {
             k: (
                 newest.tensors[k],

@@ -5,12 +5,14 @@ Reads only the run's own files: ``metrics.jsonl`` (train, eval, event records) a
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from pmakit.errors import PmakitError
+from pmakit.limits import loads_json
 from pmakit.report import fmt
 from pmakit.report.blocks import Block, Bullets, FigureBlock, Heading, Paragraph, Table
+from pmakit.runs import METRICS, read_jsonl
 
 PLOT = "plots/train_curves.png"
 
@@ -21,24 +23,17 @@ def is_train_run(run_dir: Path) -> bool:
 
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl's records; a torn or damaged line (a killed run) is skipped."""
-    out = []
-    for line in (run_dir / "metrics.jsonl").read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            out.append(record)
-    return out
+    """metrics.jsonl's records, read as every reader of that file does (``pmakit.runs.read_jsonl``): a torn or
+    damaged line (a killed run) is skipped; a line nested past the json-depth limit is one error naming it."""
+    return read_jsonl(run_dir / METRICS)
 
 
 def _snapshots(run_dir: Path) -> list[dict[str, Any]]:
     found = []
     for meta in sorted((run_dir / "snapshots").glob("*/pmakit.json")):
         try:
-            record = json.loads(meta.read_text())
-        except ValueError:
+            record = loads_json(meta.read_bytes(), str(meta))
+        except (PmakitError, OSError):
             continue
         if isinstance(record, dict) and isinstance(record.get("tokens"), int):
             found.append({**record, "path": meta.parent.name})

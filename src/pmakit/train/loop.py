@@ -340,6 +340,8 @@ class Trainer:
         checkpoint = checkpoint_dir(self.run_dir)
         if resume_from is not None:
             self.load_checkpoint(Path(resume_from), fork=True)
+            if self.copies.is_writer:
+                self._set_aside_later_states()
         elif resume and trainer_state(checkpoint).exists():
             self.load_checkpoint(checkpoint)
             log.info("resumed %s at %d tokens (step %d)", self.run_dir, self.tokens, self.step)
@@ -352,6 +354,33 @@ class Trainer:
         self.copies.attach(self.model)
         if self._copies_state is not None:
             self.copies.load_state_dict(self._copies_state, self.optimizer)
+
+    def _set_aside_later_states(self) -> None:
+        """A run continued from an earlier point (``--resume-from`` a ``pmakit recover`` output into the run it came
+        from): the snapshots and the checkpoint past that point belong to the abandoned trajectory. They move to
+        ``RUN/discarded/rollback-T/`` (where ``pmakit merge RUN`` never looks, as the spike callback's discards),
+        before the first step, so that a merge of the run never averages two trajectories, even when this
+        continuation stops part-way."""
+        from pmakit.recover import DISCARDED_DIR
+        from pmakit.snapshot import read_snapshot
+
+        later = []
+        for path in [*sorted(snapshots_dir(self.run_dir).glob("step-*")), checkpoint_dir(self.run_dir)]:
+            try:
+                if read_snapshot(path).tokens > self.tokens:
+                    later.append(path)
+            except (PmakitError, OSError):
+                continue  # incomplete: the saver tidies it
+        if not later:
+            return
+        target = Path(self.run_dir) / DISCARDED_DIR / f"rollback-{self.tokens}"
+        target.mkdir(parents=True, exist_ok=True)
+        for path in later:
+            dest = target / path.name
+            shutil.rmtree(dest, ignore_errors=True)
+            os.replace(path, dest)
+        log.warning("moved %d snapshot(s) and checkpoint(s) past %s tokens, of the abandoned trajectory, to %s",
+                    len(later), f"{self.tokens:,}", target)  # fmt: skip
 
     # ------------------------------------------------------------------ set-up helpers
 
