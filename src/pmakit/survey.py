@@ -110,6 +110,8 @@ def inspect_inputs(
         "largest_tensor_bytes": max(info.nbytes for info, _ in every_plan.tensors.values()),
     }
     report["state"] = listing(every_plan.kinds, every_plan.buffers)
+    if every_plan.precisions:
+        report["precision"] = every_plan.precision()
     if last is None and from_run and every is None:
         last = default_last([s for s in complete if until is None or s.tokens <= until])
     try:
@@ -187,6 +189,8 @@ def render(report: dict[str, Any], *, show_all: bool = False) -> None:
     )
     for line in describe(report.get("state", {})):
         console.print(line, highlight=False)
+    if "precision" in report:
+        console.print(f"precision: {report['precision']['why']}", highlight=False)
     merge = report.get("merge", {})
     if "error" in merge:
         console.print(f"default merge: {merge['error']}", highlight=False)

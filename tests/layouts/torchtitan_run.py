@@ -10,8 +10,9 @@ first mode, ``--module deepseek_v3`` picks the deepseek_v3 debug model instead (
 EP's all-to-all dispatcher; no CPU patch beyond those below was needed for EP over gloo).
 
 Modes:
-  train DUMP STEPS          the llama3 debug model, a checkpoint every step (DUMP/checkpoint/step-N, full state,
-                            synchronous DCP), ``Trainer.train()``
+  train DUMP STEPS [OPT..]  the llama3 debug model, a checkpoint every step (DUMP/checkpoint/step-N, full state,
+                            synchronous DCP), ``Trainer.train()``; OPT: more torchtitan options (e.g.
+                            ``--checkpoint.export_dtype float16``, ``--checkpoint.last_save_in_hf``)
   reshard SRC DST N,M,..    SRC/checkpoint/step-N, step-M, ... (full checkpoints) loaded by torchtitan's CheckpointManager into this world
                             size (all but the data loader, which torchtitan cannot reshard) and saved again to
                             DST/checkpoint/step-N; ``ntokens_seen`` (per rank in torchtitan) divided by the data
@@ -81,10 +82,15 @@ assert tt_utils.device_type == "cpu"
 
 from torch.utils.data import IterableDataset  # noqa: E402
 
-MODELS = {"llama3": "llama3_debugmodel", "deepseek_v3": "deepseek_v3_debugmodel"}
+MODELS = {
+    "llama3": "llama3_debugmodel",
+    "deepseek_v3": "deepseek_v3_debugmodel",
+    "qwen3": "qwen3_moe_debug",  # MoE: 64 grouped experts, top-8, expert_bias_E; export_dtype="float16"
+    "gpt_oss": "gpt_oss_debugmodel_flex",  # MoE with expert biases, attention sinks, router bias
+}
 MODULE = "llama3"  # ``--module M`` before the first mode picks another debug model (see MODELS)
 EP = 1  # ``--ep N`` before the first mode: expert parallelism over N ranks (deepseek_v3)
-VOCAB = 2048  # both debug models
+VOCAB = 2048  # the debug models' vocabulary
 SEQ = 32
 BATCH = 4  # sequences per step, over all data-parallel ranks
 TOKENS_PER_STEP = BATCH * SEQ
@@ -147,6 +153,23 @@ def sum_gradients(model: torch.nn.Module) -> None:
 
 tt_fsdp.disable_fsdp_gradient_division = sum_gradients
 tt_dist_utils.set_pg_timeouts = lambda **kwargs: None  # its barrier passes device_ids=["cpu"] (see docstring)
+
+
+def _smaller(build: Any, **sizes: int) -> Any:
+    """torchtitan's layer-list builder with smaller sizes: the MoE debug models' expert sizes (64 experts of 768 for
+    qwen3, 8 of 2880 for gpt_oss) make gigabyte checkpoints, too much for a CPU test."""
+    return lambda **kw: build(**{**kw, **sizes})
+
+
+import torchtitan.models.gpt_oss as tt_gpt_oss  # noqa: E402
+import torchtitan.models.qwen3 as tt_qwen3  # noqa: E402
+
+tt_qwen3._build_qwen3_moe_layers = _smaller(  # type: ignore[attr-defined]
+    tt_qwen3._build_qwen3_moe_layers, n_layers=2, num_experts=8, top_k=2, moe_hidden_dim=64
+)
+tt_gpt_oss._build_gptoss_layers = _smaller(  # type: ignore[attr-defined]
+    tt_gpt_oss._build_gptoss_layers, n_layers=2, hidden_dim=64
+)
 
 
 class TinyTokenizer(BaseTokenizer):
@@ -244,13 +267,14 @@ def trainer(cfg: Any) -> Any:
     return cfg.build()
 
 
-def train(dump: Path, steps: int) -> None:
+def train(dump: Path, steps: int, *options: str) -> None:
     # The job config saved beside checkpoint/ names the model for the HF export; the last save is model-only, as
-    # torchtitan's default (the debug config turns that off).
+    # torchtitan's default (the debug config turns that off). ``options``: more of torchtitan's own options.
     cfg = config(
         dump,
         *("--training.steps", str(steps), "--debug.save_config_file", "config.json"),
         "--checkpoint.last_save_model_only",
+        *options,
     )
     t = trainer(cfg)
     try:
@@ -327,7 +351,7 @@ def online(dump: Path, pma: Path, steps: int) -> None:
 
 def run_job(mode: str, args: list[str]) -> None:
     if mode == "train":
-        train(Path(args[0]), int(args[1]))
+        train(Path(args[0]), int(args[1]), *args[2:])
     elif mode == "reshard":
         reshard(Path(args[0]), Path(args[1]), [int(x) for x in args[2].split(",")])
     elif mode == "pma-init":

@@ -62,6 +62,7 @@ from pmakit.merge.plan import (
     MergeResult,
     output_dtype,
     plan_merge,
+    window_dtypes,
 )
 from pmakit.snapshot import Snapshot
 from pmakit.world import RankLost, World
@@ -137,10 +138,9 @@ def merge(
     plan = plan_merge(
         snapshots,
         weights,
-        dtype=dtype,
+        dtype=window_dtypes(dtype, window[0] if window else None, buffers),
         max_shard_size=max_shard_size,
         ranks=world.size,
-        cast=window is not None or None,
         buffers=buffers,
     )
     out_format = _output_format(plan, out_format)
@@ -182,7 +182,6 @@ def _fp32_sums(
         dtype="fp32",
         max_shard_size=max_shard_size,
         ranks=world.size,
-        cast=True,
         buffers=buffers,
     )
 
@@ -292,7 +291,7 @@ def _fp32_pass(
 
     def cast_plan() -> MergePlan:  # a stage of its own: it reads what rank 0 just wrote
         casting = plan_merge(
-            [state], [1.0], dtype=dtypes, max_shard_size=shard_size, ranks=world.size, cast=True
+            [state], [1.0], dtype=dtypes, max_shard_size=shard_size, ranks=world.size
         )
         if casting.shards != job.plan.shards:
             raise RuntimeError("the cast pass planned other shards than the merge")
