@@ -34,7 +34,10 @@ Patches (CPU only; torchtitan 0.3.0 assumes an accelerator):
   checkpoint's ``dataloader`` entry is the real one's);
 - attention: torchtitan's llama3 uses FlexAttention (its only language-model backend besides CUDA varlen), which
   has no backward on CPU: ``FlexAttention.compiled_flex_attn`` is causal SDPA (each sequence is one document, so
-  the block-causal mask is the causal one);
+  the block-causal mask is the causal one; gpt_oss's sliding windows of 128 cover the 32 positions), written out
+  where the caller asks for the log-sum-exp (gpt_oss's attention sinks);
+- model sizes: the qwen3 and gpt_oss MoE debug models' layer builders get 2 layers, 8 experts of width 64 (see
+  ``_smaller``): the same code and names, megabytes instead of gigabytes;
 - ``components.metrics.DeviceMemoryMonitor`` (accelerator memory statistics) is a stand-in reporting zeros;
 - FSDP gradient reduction: ``distributed.fsdp.disable_fsdp_gradient_division`` also forces a SUM reduction (the
   same thing: torchtitan's divide factor is 1), as gloo has no ``PREMUL_SUM``;
@@ -132,10 +135,19 @@ def causal_attention(
 ) -> tuple[torch.Tensor, Any]:
     """In place of torchtitan's compiled FlexAttention, which has no backward on CPU: causal SDPA. Each sequence
     here is one document (positions 0..SEQ-1), so torchtitan's block-causal mask is exactly the causal one."""
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, is_causal=True, scale=kw.get("scale"), enable_gqa=kw.get("enable_gqa", False)
-    )
-    return out, types.SimpleNamespace(lse=None)
+    aux = kw.get("return_aux")
+    if aux is None or not getattr(aux, "lse", False):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=kw.get("scale"), enable_gqa=kw.get("enable_gqa", False)
+        )
+        return out, types.SimpleNamespace(lse=None)
+    # gpt_oss's attention sinks need the log-sum-exp of the scores: causal attention written out.
+    if kw.get("enable_gqa", False):
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    scores = q @ k.transpose(-2, -1) * (kw.get("scale") or q.shape[-1] ** -0.5)
+    causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+    scores = scores.masked_fill(~causal, float("-inf"))
+    return scores.softmax(-1) @ v, types.SimpleNamespace(lse=scores.logsumexp(-1))
 
 
 tt_attention.FlexAttention.compiled_flex_attn = staticmethod(causal_attention)  # type: ignore[method-assign]

@@ -28,6 +28,7 @@ import torch
 from pmakit import limits
 from pmakit.errors import PmakitError
 from pmakit.formats.safetensors_io import OutputTensor, Shard, ShardWriter
+from pmakit.layouts import torchtitan_names as names
 from pmakit.layouts.base import Layout, Snapshot
 
 NAME = "torchtitan-hf"
@@ -63,32 +64,54 @@ def _adapter(name: str, flavor: str) -> Any:
     return spec.state_dict_adapter(spec.model, None)
 
 
-def adapter_for(checkpoint: Path) -> tuple[Any, str]:
-    """(the adapter, '') or (None, why not)."""
+def adapter_for(checkpoint: Path) -> tuple[Any, str, str]:
+    """(the adapter, the model's ``--module`` name, '') or (None, '', why not)."""
     config = job_config(checkpoint)
     if config is None:
-        return None, (
+        return (
+            None,
+            "",
             f"no torchtitan job config in {checkpoint.absolute().parent.parent} "
-            "(run torchtitan with --debug.save_config_file config.json)"
+            "(run torchtitan with --debug.save_config_file config.json)",
         )
     spec = config["model_spec"]
     try:
-        return _adapter(spec["name"], spec["flavor"]), ""
+        return _adapter(spec["name"], spec["flavor"]), spec["name"], ""
     except (ImportError, AttributeError, KeyError, PmakitError) as e:
-        return None, f"no torchtitan state-dict adapter for {spec['name']}/{spec['flavor']} ({e})"
+        return None, "", f"no torchtitan state-dict adapter for {spec['name']}/{spec['flavor']} ({e})"
 
 
 def export_format(snapshot: Snapshot) -> str:
     """``torchtitan-hf`` when the adapter for ``snapshot``'s model is at hand, else ``safetensors`` (warned)."""
-    adapter, why = adapter_for(snapshot.path)
+    adapter, _, why = adapter_for(snapshot.path)
     if adapter is None:
         print(f"warning: --format safetensors keeps torchtitan's parameter names: {why}", file=sys.stderr)
         return "safetensors"
     return NAME
 
 
-def _to_hf(adapter: Any, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-    return dict(adapter.to_hf({name: tensor}))
+def plan_routes(adapter: Any, family: str, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, names.Route]:
+    """Each tensor's HF route, checked to lose nothing (``names.check_complete``)."""
+    routes = {name: names.route(adapter, family, name, shape) for name, shape in shapes.items()}
+    names.check_complete(routes, shapes)
+    return routes
+
+
+def _check_written(path: Path, planned: list[OutputTensor]) -> None:
+    """Read the written file's header back: the planned names, count and bytes, or one line saying what is not."""
+    from pmakit.formats.safetensors_io import read_header
+
+    header, _, _ = read_header(path)
+    got = {k: v for k, v in header.items() if k != "__metadata__"}
+    want = {t.name: t for t in planned}
+    if got.keys() != want.keys():
+        lost = sorted(want.keys() - got.keys()) or sorted(got.keys() - want.keys())
+        raise PmakitError(
+            f"{path}: holds {len(got)} of {len(want)} converted tensors (e.g. {lost[0]!r} differs)"
+        )
+    size = sum(v["data_offsets"][1] - v["data_offsets"][0] for v in got.values())
+    if size != sum(t.nbytes for t in planned):
+        raise PmakitError(f"{path}: {size} bytes of tensors, {sum(t.nbytes for t in planned)} converted")
 
 
 class TorchtitanHFExport(Layout):
@@ -111,17 +134,15 @@ class TorchtitanHFExport(Layout):
         distributed: bool,
         fsync: bool,
     ) -> list[str]:
-        adapter, why = adapter_for(template)
+        adapter, family, why = adapter_for(template)
         if adapter is None:
             raise PmakitError(f"cannot write HF names: {why}; use --format safetensors")
-        names = sorted(merged)
-        # Names and shapes first, on meta tensors (no data), for the file's header.
+        order = sorted(merged)
+        routes = plan_routes(adapter, family, {n: tuple(merged[n].shape) for n in order})
         planned = [
-            OutputTensor(k, v.dtype, tuple(v.shape))
-            for name in names
-            for k, v in _to_hf(
-                adapter, name, torch.empty(merged[name].shape, dtype=merged[name].dtype, device="meta")
-            ).items()
+            OutputTensor(k, merged[n].dtype, shape)
+            for n in order
+            for k, shape in zip(routes[n].hf, routes[n].shapes)
         ]
         rank, world = (
             (torch.distributed.get_rank(), torch.distributed.get_world_size()) if distributed else (0, 1)
@@ -130,13 +151,14 @@ class TorchtitanHFExport(Layout):
         file = "model-hf.safetensors" if world == 1 else f"model-hf-{rank + 1:05d}-of-{world:05d}.safetensors"
         writer = ShardWriter(out / file, Shard(file, tuple(planned)))
         try:
-            for name in names:
-                for k, v in _to_hf(adapter, name, merged[name]).items():
+            for n in order:
+                for k, v in names.to_hf(adapter, routes[n], n, merged[n]):
                     writer.write(k, v.contiguous().reshape(-1))
             writer.close(fsync=fsync)
         except BaseException:
             writer.abort()
             raise
+        _check_written(out / file, planned)
         # No index: the merge drops the staged shards' index after this, and torchtitan's HF reader
         # (HuggingFaceStorageReader) reads every *.safetensors file of the directory.
         if distributed:
