@@ -83,7 +83,13 @@ def inspect_inputs(
     skip = {Path(p).resolve() for p in exclude}
     rows, from_run = _rows([Path(p) for p in inputs], tokens_per_step)
     complete = sort_snapshots(r for r in rows if isinstance(r, Snapshot) and r.path.resolve() not in skip)
-    table = [_snapshot_row(snap) for snap in complete]
+    table, refused = [], []
+    for snap in complete:
+        try:
+            table.append(_snapshot_row(snap))
+        except PmakitError as e:  # e.g. torchtitan's HF last save lacking tensors: named, not merged short
+            table.append({"path": str(snap.path), "complete": False, "reason": str(e)})
+            refused.append(str(e))
     table += [
         {"path": str(r.path), "complete": False, "reason": str(r)}
         for r in rows
@@ -94,6 +100,10 @@ def inspect_inputs(
         report["compatible"] = False
         hints = "".join(runs_hint(Path(p)) for p in inputs)
         report["problems"] = [f"no complete snapshots{hints}"]
+        return report
+    if refused:
+        report["compatible"] = False
+        report["problems"] = refused
         return report
     try:
         every_plan = plan_merge(complete, [1 / len(complete)] * len(complete), dtype=dtype)

@@ -27,6 +27,7 @@ import torch
 
 from pmakit import limits
 from pmakit.errors import PmakitError
+from pmakit.formats import Reader, TensorInfo, open_reader
 from pmakit.formats.safetensors_io import OutputTensor, Shard, ShardWriter
 from pmakit.layouts import torchtitan_names as names
 from pmakit.layouts.base import Layout, Snapshot
@@ -112,6 +113,66 @@ def _check_written(path: Path, planned: list[OutputTensor]) -> None:
     size = sum(v["data_offsets"][1] - v["data_offsets"][0] for v in got.values())
     if size != sum(t.nbytes for t in planned):
         raise PmakitError(f"{path}: {size} bytes of tensors, {sum(t.nbytes for t in planned)} converted")
+
+
+LAST_SAVE = "--checkpoint.last_save_in_hf"
+
+
+class LastSaveReader(Reader):
+    """torchtitan's last save in HF format (``--checkpoint.last_save_in_hf``: ``step-N/`` of HF safetensors) under
+    torchtitan's names, so that it merges with the run's DCP checkpoints: each tensor read back along its route
+    (``torchtitan_names``), one converted tensor held at a time. The names and shapes are those of ``reference``,
+    a DCP checkpoint of the same run; a save that lacks any of them is refused in one line, never merged short."""
+
+    format = "torchtitan-hf"
+
+    def __init__(self, path: Path, reference: Mapping[str, TensorInfo]) -> None:
+        super().__init__(path)
+        adapter, family, why = adapter_for(path)
+        if adapter is None:
+            raise PmakitError(f"{path}: torchtitan's last save in HF format ({LAST_SAVE}); to read it: {why}")
+        self.adapter, self.inner = adapter, open_reader(path)
+        self.files, self.skipped = self.inner.files, self.inner.skipped
+        shapes = {n: i.shape for n, i in reference.items()}
+        self.routes = plan_routes(adapter, family, shapes)
+        held = self.inner.tensors
+        lacking = [n for n, r in self.routes.items() if any(h not in held for h in r.hf)]
+        if lacking:
+            raise PmakitError(
+                f"{path} is torchtitan's last save in HF format ({LAST_SAVE}) and lacks {len(lacking)} of the "
+                f"run's {len(shapes)} tensors (e.g. {lacking[0]!r}, which torchtitan's {family} adapter does not "
+                f"write): merge without it (--exclude {path}), or train without {LAST_SAVE}"
+            )
+        used = {h for r in self.routes.values() for h in r.hf}
+        for n, r in self.routes.items():
+            for h, shape in zip(r.hf, r.shapes):
+                if held[h].shape != shape:
+                    raise PmakitError(f"{path}: {h!r} is {list(held[h].shape)}, {list(shape)} for {n!r}")
+        if len(used) != len(held):
+            extra = sorted(held.keys() - used)
+            raise PmakitError(f"{path}: {len(extra)} tensors the run's checkpoints lack, e.g. {extra[0]!r}")
+        self.tensors = {
+            n: TensorInfo(held[r.hf[0]].dtype, shapes[n], held[r.hf[0]].order) for n, r in self.routes.items()
+        }
+        self._cached: tuple[str, torch.Tensor] | None = None
+
+    def read(self, name: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self._cached is None or self._cached[0] != name:
+            r = self.routes[name]
+            parts = [
+                self.inner.read(h, 0, self.inner.tensors[h].numel).reshape(shape)
+                for h, shape in zip(r.hf, r.shapes)
+            ]
+            value = names.from_hf(self.adapter, r, name, parts)
+            self._cached = (name, value.contiguous().reshape(-1))
+        return self._cached[1][start:stop]
+
+    def verify(self) -> None:
+        self.inner.verify()
+
+    def close(self) -> None:
+        self._cached = None
+        self.inner.close()
 
 
 class TorchtitanHFExport(Layout):
