@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 import pmakit.merge as merge_mod
 from conftest import load_dir, state, write_snapshot
@@ -236,17 +237,39 @@ def test_mismatched_inputs_list_every_difference(make_run: Callable[..., Path], 
     with pytest.raises(PmakitError) as e:
         merge(discover(run), [1 / 3] * 3, tmp_path / "out")
     msg = str(e.value)
-    for part in (
-        "4 differences",
-        "lacks 1 tensors",
-        "head.weight",
-        "extra.bias",
-        "[65, 16]",
-        "torch.float32",
-        "--dtype",
-    ):
+    # layers.0.norm.weight differs only in float precision (fp32 here, bf16 in the others): not a difference.
+    for part in ("3 differences", "lacks 1 tensors", "head.weight", "extra.bias", "[65, 16]"):
         assert part in msg, part
+    assert "layers.0.norm.weight" not in msg
     assert not (tmp_path / "out").exists() and not partial_dir(tmp_path / "out").exists()
+
+
+def test_snapshots_differing_only_in_float_precision_merge_in_the_widest(
+    make_run: Callable[..., Path], tmp_path: Path
+) -> None:
+    """A run's checkpoints in fp32 and its last save exported in fp16 (torchtitan's export_dtype): one run, summed in
+    fp32 and written in fp32; the manifest says which input was in which dtype and why."""
+    run = tmp_path / "run"
+    states = [{k: v.float() for k, v in state(i).items()} for i in (1, 2)]
+    states.append({k: v.half() for k, v in state(3).items()})
+    for i, s in enumerate(states, 1):
+        write_snapshot(run / f"step-{i:06d}", s, step=i, tokens=10 * i)
+    res = merge(discover(run), [1 / 3] * 3, tmp_path / "out")
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    for name in states[0]:
+        want = torch.stack([s[name].float() for s in states]).mean(0)
+        assert got[name].dtype == torch.float32
+        torch.testing.assert_close(got[name], want, msg=name)
+    precision = res.manifest["precision"]
+    assert list(precision["inputs"].values()) == ["float32", "float32", "float16"]
+    assert precision["output"] == "float32" and "widest" in precision["why"]
+    # fp16 and bf16 inputs: neither holds the other's values, so fp32; --dtype still chooses.
+    write_snapshot(run / "step-000001", {k: v.bfloat16() for k, v in state(1).items()}, step=1, tokens=10)
+    write_snapshot(run / "step-000002", {k: v.half() for k, v in state(2).items()}, step=2, tokens=20)
+    merge(discover(run), [1 / 3] * 3, tmp_path / "out2")
+    assert {t.dtype for t in load_file(tmp_path / "out2" / "model.safetensors").values()} == {torch.float32}
+    merge(discover(run), [1 / 3] * 3, tmp_path / "out3", dtype="bf16")
+    assert {t.dtype for t in load_file(tmp_path / "out3" / "model.safetensors").values()} == {torch.bfloat16}
 
 
 def test_nan_names_tensor_and_snapshot_and_leaves_nothing(

@@ -458,16 +458,16 @@ def _plan(
     window: Any,
     buffers: str,
 ) -> Any:
-    """The shard plan over the world's ranks; an incremental update's terms may differ in float dtype."""
+    """The shard plan over the world's ranks; an incremental update's terms in the full merge's dtypes."""
     from pmakit.merge import plan_merge
+    from pmakit.merge.plan import window_dtypes
 
     return plan_merge(
         terms,
         term_weights,
-        dtype=dtype,
+        dtype=window_dtypes(dtype, window[0] if window else None, buffers),
         max_shard_size=max_shard_size,
         ranks=world.size,
-        cast=True if window else None,
         buffers=buffers,
     )
 

@@ -83,7 +83,13 @@ def inspect_inputs(
     skip = {Path(p).resolve() for p in exclude}
     rows, from_run = _rows([Path(p) for p in inputs], tokens_per_step)
     complete = sort_snapshots(r for r in rows if isinstance(r, Snapshot) and r.path.resolve() not in skip)
-    table = [_snapshot_row(snap) for snap in complete]
+    table, refused = [], []
+    for snap in complete:
+        try:
+            table.append(_snapshot_row(snap))
+        except PmakitError as e:  # e.g. torchtitan's HF last save lacking tensors: named, not merged short
+            table.append({"path": str(snap.path), "complete": False, "reason": str(e)})
+            refused.append(str(e))
     table += [
         {"path": str(r.path), "complete": False, "reason": str(r)}
         for r in rows
@@ -94,6 +100,10 @@ def inspect_inputs(
         report["compatible"] = False
         hints = "".join(runs_hint(Path(p)) for p in inputs)
         report["problems"] = [f"no complete snapshots{hints}"]
+        return report
+    if refused:
+        report["compatible"] = False
+        report["problems"] = refused
         return report
     try:
         every_plan = plan_merge(complete, [1 / len(complete)] * len(complete), dtype=dtype)
@@ -110,6 +120,8 @@ def inspect_inputs(
         "largest_tensor_bytes": max(info.nbytes for info, _ in every_plan.tensors.values()),
     }
     report["state"] = listing(every_plan.kinds, every_plan.buffers)
+    if every_plan.precisions:
+        report["precision"] = every_plan.precision()
     if last is None and from_run and every is None:
         last = default_last([s for s in complete if until is None or s.tokens <= until])
     try:
@@ -187,6 +199,8 @@ def render(report: dict[str, Any], *, show_all: bool = False) -> None:
     )
     for line in describe(report.get("state", {})):
         console.print(line, highlight=False)
+    if "precision" in report:
+        console.print(f"precision: {report['precision']['why']}", highlight=False)
     merge = report.get("merge", {})
     if "error" in merge:
         console.print(f"default merge: {merge['error']}", highlight=False)

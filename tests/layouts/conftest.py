@@ -356,3 +356,63 @@ def olmo_core_moe_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pa
         *("experts", 2, "+", "train", p["e2"], 4),
     )
     return {**p, "root": root}
+
+
+@pytest.fixture(scope="session")
+def torchtitan_settings_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """torchtitan's everyday checkpoint settings, each with its own Trainer (``torchtitan_run.py``), 3 steps, a
+    checkpoint every step, the last one model-only (torchtitan's default), in 3 processes:
+
+    - qwen3 MoE (``--config qwen3_moe_debug``, whose ``export_dtype="float16"`` makes the last save fp16): ``q3``;
+      ``q3-merged`` and ``q3-hf`` (``pmakit merge``, no flags; ``--format safetensors``); torchtitan loading each
+      and taking a step (``q3-loaded.pt``/``.json``, ``q3-loaded-hf.pt``/``.json``); ``q3-lasthf``: the same run
+      with ``--checkpoint.last_save_in_hf``;
+    - gpt_oss (``gpt_oss_debugmodel_flex``): ``gpt``, ``gpt-merged``, ``gpt-hf``, and torchtitan loading
+      ``gpt-merged`` (``gpt-loaded.pt``/``.json``);
+    - llama3 with ``--checkpoint.last_save_in_hf --checkpoint.export_dtype bfloat16``: ``l3`` (its step-3 HF
+      safetensors in bf16), ``l3-merged``, torchtitan loading it (``l3-loaded.pt``/``.json``).
+    """
+    if importlib.util.find_spec("torchtitan") is None:
+        pytest.skip("torchtitan is not installed")
+    root = tmp_path_factory.mktemp("torchtitan_settings")
+    script = HERE / "torchtitan_run.py"
+    p = {
+        name: root / name
+        for name in (
+            "q3",
+            "q3-merged",
+            "q3-hf",
+            "q3-lasthf",
+            "gpt",
+            "gpt-merged",
+            "gpt-hf",
+            "l3",
+            "l3-merged",
+        )
+    }
+    run_framework(
+        script,
+        *("--module", "qwen3", "train", p["q3"], 3, "+"),
+        *("cli", "merge", p["q3"], "-o", p["q3-merged"], "-q", "+"),
+        *("cli", "merge", p["q3"], "-o", p["q3-hf"], "-q", "--format", "safetensors", "+"),
+        *("pma-init", p["q3-merged"], root / "q3-init", root / "q3-loaded.pt", "+"),
+        *("hf-init", p["q3-hf"], root / "q3-hf-init", root / "q3-loaded-hf.pt", "+"),
+        *("train", p["q3-lasthf"], 3, "--checkpoint.last_save_in_hf"),
+        timeout=900,
+    )
+    run_framework(
+        script,
+        *("--module", "gpt_oss", "train", p["gpt"], 3, "+"),
+        *("cli", "merge", p["gpt"], "-o", p["gpt-merged"], "-q", "+"),
+        *("cli", "merge", p["gpt"], "-o", p["gpt-hf"], "-q", "--format", "safetensors", "+"),
+        *("pma-init", p["gpt-merged"], root / "gpt-init", root / "gpt-loaded.pt"),
+        timeout=900,
+    )
+    run_framework(
+        script,
+        *("train", p["l3"], 3, "--checkpoint.last_save_in_hf", "--checkpoint.export_dtype", "bfloat16", "+"),
+        *("cli", "merge", p["l3"], "-o", p["l3-merged"], "-q", "+"),
+        *("pma-init", p["l3-merged"], root / "l3-init", root / "l3-loaded.pt"),
+        timeout=900,
+    )
+    return {**p, "root": root}

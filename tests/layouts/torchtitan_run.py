@@ -10,8 +10,9 @@ first mode, ``--module deepseek_v3`` picks the deepseek_v3 debug model instead (
 EP's all-to-all dispatcher; no CPU patch beyond those below was needed for EP over gloo).
 
 Modes:
-  train DUMP STEPS          the llama3 debug model, a checkpoint every step (DUMP/checkpoint/step-N, full state,
-                            synchronous DCP), ``Trainer.train()``
+  train DUMP STEPS [OPT..]  the llama3 debug model, a checkpoint every step (DUMP/checkpoint/step-N, full state,
+                            synchronous DCP), ``Trainer.train()``; OPT: more torchtitan options (e.g.
+                            ``--checkpoint.export_dtype float16``, ``--checkpoint.last_save_in_hf``)
   reshard SRC DST N,M,..    SRC/checkpoint/step-N, step-M, ... (full checkpoints) loaded by torchtitan's CheckpointManager into this world
                             size (all but the data loader, which torchtitan cannot reshard) and saved again to
                             DST/checkpoint/step-N; ``ntokens_seen`` (per rank in torchtitan) divided by the data
@@ -33,7 +34,10 @@ Patches (CPU only; torchtitan 0.3.0 assumes an accelerator):
   checkpoint's ``dataloader`` entry is the real one's);
 - attention: torchtitan's llama3 uses FlexAttention (its only language-model backend besides CUDA varlen), which
   has no backward on CPU: ``FlexAttention.compiled_flex_attn`` is causal SDPA (each sequence is one document, so
-  the block-causal mask is the causal one);
+  the block-causal mask is the causal one; gpt_oss's sliding windows of 128 cover the 32 positions), written out
+  where the caller asks for the log-sum-exp (gpt_oss's attention sinks);
+- model sizes: the qwen3 and gpt_oss MoE debug models' layer builders get 2 layers, 8 experts of width 64 (see
+  ``_smaller``): the same code and names, megabytes instead of gigabytes;
 - ``components.metrics.DeviceMemoryMonitor`` (accelerator memory statistics) is a stand-in reporting zeros;
 - FSDP gradient reduction: ``distributed.fsdp.disable_fsdp_gradient_division`` also forces a SUM reduction (the
   same thing: torchtitan's divide factor is 1), as gloo has no ``PREMUL_SUM``;
@@ -81,10 +85,15 @@ assert tt_utils.device_type == "cpu"
 
 from torch.utils.data import IterableDataset  # noqa: E402
 
-MODELS = {"llama3": "llama3_debugmodel", "deepseek_v3": "deepseek_v3_debugmodel"}
+MODELS = {
+    "llama3": "llama3_debugmodel",
+    "deepseek_v3": "deepseek_v3_debugmodel",
+    "qwen3": "qwen3_moe_debug",  # MoE: 64 grouped experts, top-8, expert_bias_E; export_dtype="float16"
+    "gpt_oss": "gpt_oss_debugmodel_flex",  # MoE with expert biases, attention sinks, router bias
+}
 MODULE = "llama3"  # ``--module M`` before the first mode picks another debug model (see MODELS)
 EP = 1  # ``--ep N`` before the first mode: expert parallelism over N ranks (deepseek_v3)
-VOCAB = 2048  # both debug models
+VOCAB = 2048  # the debug models' vocabulary
 SEQ = 32
 BATCH = 4  # sequences per step, over all data-parallel ranks
 TOKENS_PER_STEP = BATCH * SEQ
@@ -126,10 +135,19 @@ def causal_attention(
 ) -> tuple[torch.Tensor, Any]:
     """In place of torchtitan's compiled FlexAttention, which has no backward on CPU: causal SDPA. Each sequence
     here is one document (positions 0..SEQ-1), so torchtitan's block-causal mask is exactly the causal one."""
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, is_causal=True, scale=kw.get("scale"), enable_gqa=kw.get("enable_gqa", False)
-    )
-    return out, types.SimpleNamespace(lse=None)
+    aux = kw.get("return_aux")
+    if aux is None or not getattr(aux, "lse", False):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=kw.get("scale"), enable_gqa=kw.get("enable_gqa", False)
+        )
+        return out, types.SimpleNamespace(lse=None)
+    # gpt_oss's attention sinks need the log-sum-exp of the scores: causal attention written out.
+    if kw.get("enable_gqa", False):
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    scores = q @ k.transpose(-2, -1) * (kw.get("scale") or q.shape[-1] ** -0.5)
+    causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+    scores = scores.masked_fill(~causal, float("-inf"))
+    return scores.softmax(-1) @ v, types.SimpleNamespace(lse=scores.logsumexp(-1))
 
 
 tt_attention.FlexAttention.compiled_flex_attn = staticmethod(causal_attention)  # type: ignore[method-assign]
@@ -147,6 +165,23 @@ def sum_gradients(model: torch.nn.Module) -> None:
 
 tt_fsdp.disable_fsdp_gradient_division = sum_gradients
 tt_dist_utils.set_pg_timeouts = lambda **kwargs: None  # its barrier passes device_ids=["cpu"] (see docstring)
+
+
+def _smaller(build: Any, **sizes: int) -> Any:
+    """torchtitan's layer-list builder with smaller sizes: the MoE debug models' expert sizes (64 experts of 768 for
+    qwen3, 8 of 2880 for gpt_oss) make gigabyte checkpoints, too much for a CPU test."""
+    return lambda **kw: build(**{**kw, **sizes})
+
+
+import torchtitan.models.gpt_oss as tt_gpt_oss  # noqa: E402
+import torchtitan.models.qwen3 as tt_qwen3  # noqa: E402
+
+tt_qwen3._build_qwen3_moe_layers = _smaller(  # type: ignore[attr-defined]
+    tt_qwen3._build_qwen3_moe_layers, n_layers=2, num_experts=8, top_k=2, moe_hidden_dim=64
+)
+tt_gpt_oss._build_gptoss_layers = _smaller(  # type: ignore[attr-defined]
+    tt_gpt_oss._build_gptoss_layers, n_layers=2, hidden_dim=64
+)
 
 
 class TinyTokenizer(BaseTokenizer):
@@ -244,13 +279,14 @@ def trainer(cfg: Any) -> Any:
     return cfg.build()
 
 
-def train(dump: Path, steps: int) -> None:
+def train(dump: Path, steps: int, *options: str) -> None:
     # The job config saved beside checkpoint/ names the model for the HF export; the last save is model-only, as
-    # torchtitan's default (the debug config turns that off).
+    # torchtitan's default (the debug config turns that off). ``options``: more of torchtitan's own options.
     cfg = config(
         dump,
         *("--training.steps", str(steps), "--debug.save_config_file", "config.json"),
         "--checkpoint.last_save_model_only",
+        *options,
     )
     t = trainer(cfg)
     try:
@@ -327,7 +363,7 @@ def online(dump: Path, pma: Path, steps: int) -> None:
 
 def run_job(mode: str, args: list[str]) -> None:
     if mode == "train":
-        train(Path(args[0]), int(args[1]))
+        train(Path(args[0]), int(args[1]), *args[2:])
     elif mode == "reshard":
         reshard(Path(args[0]), Path(args[1]), [int(x) for x in args[2].split(",")])
     elif mode == "pma-init":

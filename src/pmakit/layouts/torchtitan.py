@@ -76,6 +76,13 @@ def _is_torchtitan_dcp(path: Path) -> bool:
         return False
 
 
+def _is_hf_save(path: Path) -> bool:
+    """torchtitan's last save in HF format (``--checkpoint.last_save_in_hf``): safetensors, no DCP ``.metadata``."""
+    return not (path / dcp_io.METADATA_FILE).exists() and (
+        (path / "model.safetensors.index.json").is_file() or any(path.glob("*.safetensors"))
+    )
+
+
 def _siblings(path: Path) -> list[Path]:
     """The other ``step-N`` checkpoints of the same save folder, in step order."""
     try:
@@ -124,10 +131,15 @@ class TorchtitanLayout(Layout):
         if (path / dcp_io.METADATA_FILE).is_file():
             # Its own train_state, or a model-only save (the last one) beside torchtitan checkpoints.
             return _is_torchtitan_dcp(path) or any(_is_torchtitan_dcp(s) for s in _siblings(path))
-        # A save that never finished: DCP files but no .metadata (written last), among torchtitan checkpoints.
-        return any(path.glob("*.distcp")) and any(_is_torchtitan_dcp(s) for s in _siblings(path))
+        # The last save in HF format (--checkpoint.last_save_in_hf), or one that never finished: DCP files but no
+        # .metadata (written last); either among torchtitan checkpoints.
+        return (_is_hf_save(path) or any(path.glob("*.distcp"))) and any(
+            _is_torchtitan_dcp(s) for s in _siblings(path)
+        )
 
     def read(self, path: Path, tokens_per_step: int | None) -> Snapshot:
+        if _is_hf_save(path):
+            return self._model_only(path, tokens_per_step, hf=True)
         if not (path / dcp_io.METADATA_FILE).is_file():
             raise IncompleteSnapshot(
                 path,
@@ -140,12 +152,14 @@ class TorchtitanLayout(Layout):
             path, tokens=state["tokens"], step=state["step"], source=self.name, meta=state, layout=self.name
         )
 
-    def _model_only(self, path: Path, tokens_per_step: int | None) -> Snapshot:
-        """A checkpoint without ``train_state`` (torchtitan's model-only last save): tokens = its step x the tokens
-        per step the folder's other checkpoints agree on (or ``--tokens-per-step``)."""
+    def _model_only(self, path: Path, tokens_per_step: int | None, hf: bool = False) -> Snapshot:
+        """A checkpoint without ``train_state`` (torchtitan's model-only last save, ``hf``: in HF format): tokens =
+        its step x the tokens per step the folder's other checkpoints agree on (or ``--tokens-per-step``)."""
         step = int(path.name[5:])
         if tokens_per_step:
-            return from_name(path, tokens_per_step, self.name)
+            snap = from_name(path, tokens_per_step, self.name)
+            snap.meta.update(model_only=True, hf=hf)
+            return snap
         rates = set()
         for sibling in _siblings(path):
             if _is_torchtitan_dcp(sibling):
@@ -162,7 +176,7 @@ class TorchtitanLayout(Layout):
                 f"a model-only torchtitan save (no train_state) and {why}: pass --tokens-per-step",
             )
         rate = int(next(iter(rates)))
-        meta = {"step": step, "tokens": step * rate, "tokens_per_step": rate, "model_only": True}
+        meta = {"step": step, "tokens": step * rate, "tokens_per_step": rate, "model_only": True, "hf": hf}
         return Snapshot(path, tokens=step * rate, step=step, source=self.name, meta=meta, layout=self.name)
 
     def safetensors_format(self, snapshot: Snapshot) -> str:
@@ -172,6 +186,16 @@ class TorchtitanLayout(Layout):
         return export_format(snapshot)
 
     def open(self, path: Path) -> Reader:
+        if _is_hf_save(path):
+            from pmakit.layouts.torchtitan_hf import LastSaveReader
+
+            reference = next((s for s in reversed(_siblings(path)) if _is_torchtitan_dcp(s)), None)
+            if reference is None:
+                raise PmakitError(
+                    f"{path}: torchtitan's last save in HF format, and no DCP checkpoint beside it"
+                )
+            with DCPReader(reference) as names:
+                return LastSaveReader(path, names.tensors)
         return DCPReader(path)  # the model's names at the top level; optimizer.* etc. skipped
 
     def write(

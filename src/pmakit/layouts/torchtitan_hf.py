@@ -27,7 +27,9 @@ import torch
 
 from pmakit import limits
 from pmakit.errors import PmakitError
+from pmakit.formats import Reader, TensorInfo, open_reader
 from pmakit.formats.safetensors_io import OutputTensor, Shard, ShardWriter
+from pmakit.layouts import torchtitan_names as names
 from pmakit.layouts.base import Layout, Snapshot
 
 NAME = "torchtitan-hf"
@@ -63,32 +65,114 @@ def _adapter(name: str, flavor: str) -> Any:
     return spec.state_dict_adapter(spec.model, None)
 
 
-def adapter_for(checkpoint: Path) -> tuple[Any, str]:
-    """(the adapter, '') or (None, why not)."""
+def adapter_for(checkpoint: Path) -> tuple[Any, str, str]:
+    """(the adapter, the model's ``--module`` name, '') or (None, '', why not)."""
     config = job_config(checkpoint)
     if config is None:
-        return None, (
+        return (
+            None,
+            "",
             f"no torchtitan job config in {checkpoint.absolute().parent.parent} "
-            "(run torchtitan with --debug.save_config_file config.json)"
+            "(run torchtitan with --debug.save_config_file config.json)",
         )
     spec = config["model_spec"]
     try:
-        return _adapter(spec["name"], spec["flavor"]), ""
+        return _adapter(spec["name"], spec["flavor"]), spec["name"], ""
     except (ImportError, AttributeError, KeyError, PmakitError) as e:
-        return None, f"no torchtitan state-dict adapter for {spec['name']}/{spec['flavor']} ({e})"
+        return None, "", f"no torchtitan state-dict adapter for {spec['name']}/{spec['flavor']} ({e})"
 
 
 def export_format(snapshot: Snapshot) -> str:
     """``torchtitan-hf`` when the adapter for ``snapshot``'s model is at hand, else ``safetensors`` (warned)."""
-    adapter, why = adapter_for(snapshot.path)
+    adapter, _, why = adapter_for(snapshot.path)
     if adapter is None:
         print(f"warning: --format safetensors keeps torchtitan's parameter names: {why}", file=sys.stderr)
         return "safetensors"
     return NAME
 
 
-def _to_hf(adapter: Any, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-    return dict(adapter.to_hf({name: tensor}))
+def plan_routes(adapter: Any, family: str, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, names.Route]:
+    """Each tensor's HF route, checked to lose nothing (``names.check_complete``)."""
+    routes = {name: names.route(adapter, family, name, shape) for name, shape in shapes.items()}
+    names.check_complete(routes, shapes)
+    return routes
+
+
+def _check_written(path: Path, planned: list[OutputTensor]) -> None:
+    """Read the written file's header back: the planned names, count and bytes, or one line saying what is not."""
+    from pmakit.formats.safetensors_io import read_header
+
+    header, _, _ = read_header(path)
+    got = {k: v for k, v in header.items() if k != "__metadata__"}
+    want = {t.name: t for t in planned}
+    if got.keys() != want.keys():
+        lost = sorted(want.keys() - got.keys()) or sorted(got.keys() - want.keys())
+        raise PmakitError(
+            f"{path}: holds {len(got)} of {len(want)} converted tensors (e.g. {lost[0]!r} differs)"
+        )
+    size = sum(v["data_offsets"][1] - v["data_offsets"][0] for v in got.values())
+    if size != sum(t.nbytes for t in planned):
+        raise PmakitError(f"{path}: {size} bytes of tensors, {sum(t.nbytes for t in planned)} converted")
+
+
+LAST_SAVE = "--checkpoint.last_save_in_hf"
+
+
+class LastSaveReader(Reader):
+    """torchtitan's last save in HF format (``--checkpoint.last_save_in_hf``: ``step-N/`` of HF safetensors) under
+    torchtitan's names, so that it merges with the run's DCP checkpoints: each tensor read back along its route
+    (``torchtitan_names``), one converted tensor held at a time. The names and shapes are those of ``reference``,
+    a DCP checkpoint of the same run; a save that lacks any of them is refused in one line, never merged short."""
+
+    format = "torchtitan-hf"
+
+    def __init__(self, path: Path, reference: Mapping[str, TensorInfo]) -> None:
+        super().__init__(path)
+        adapter, family, why = adapter_for(path)
+        if adapter is None:
+            raise PmakitError(f"{path}: torchtitan's last save in HF format ({LAST_SAVE}); to read it: {why}")
+        self.adapter, self.inner = adapter, open_reader(path)
+        self.files, self.skipped = self.inner.files, self.inner.skipped
+        shapes = {n: i.shape for n, i in reference.items()}
+        self.routes = plan_routes(adapter, family, shapes)
+        held = self.inner.tensors
+        lacking = [n for n, r in self.routes.items() if any(h not in held for h in r.hf)]
+        if lacking:
+            raise PmakitError(
+                f"{path} is torchtitan's last save in HF format ({LAST_SAVE}) and lacks {len(lacking)} of the "
+                f"run's {len(shapes)} tensors (e.g. {lacking[0]!r}, which torchtitan's {family} adapter does not "
+                f"write): merge without it (--exclude {path}), or train without {LAST_SAVE}"
+            )
+        used = {h for r in self.routes.values() for h in r.hf}
+        for n, r in self.routes.items():
+            for h, shape in zip(r.hf, r.shapes):
+                if held[h].shape != shape:
+                    raise PmakitError(f"{path}: {h!r} is {list(held[h].shape)}, {list(shape)} for {n!r}")
+        if len(used) != len(held):
+            extra = sorted(held.keys() - used)
+            raise PmakitError(f"{path}: {len(extra)} tensors the run's checkpoints lack, e.g. {extra[0]!r}")
+        self.tensors = {
+            n: TensorInfo(held[r.hf[0]].dtype, shapes[n], held[r.hf[0]].order) for n, r in self.routes.items()
+        }
+        self._cached: tuple[str, torch.Tensor] | None = None
+
+    def read(self, name: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self._cached is None or self._cached[0] != name:
+            r = self.routes[name]
+            parts = [
+                self.inner.read(h, 0, self.inner.tensors[h].numel).reshape(shape)
+                for h, shape in zip(r.hf, r.shapes)
+            ]
+            value = names.from_hf(self.adapter, r, name, parts)
+            self._cached = (name, value.contiguous().reshape(-1))
+        return self._cached[1][start:stop]
+
+    def verify(self) -> None:
+        self.inner.verify()
+
+    def close(self) -> None:
+        self._cached = None
+        self.inner.close()
 
 
 class TorchtitanHFExport(Layout):
@@ -111,17 +195,15 @@ class TorchtitanHFExport(Layout):
         distributed: bool,
         fsync: bool,
     ) -> list[str]:
-        adapter, why = adapter_for(template)
+        adapter, family, why = adapter_for(template)
         if adapter is None:
             raise PmakitError(f"cannot write HF names: {why}; use --format safetensors")
-        names = sorted(merged)
-        # Names and shapes first, on meta tensors (no data), for the file's header.
+        order = sorted(merged)
+        routes = plan_routes(adapter, family, {n: tuple(merged[n].shape) for n in order})
         planned = [
-            OutputTensor(k, v.dtype, tuple(v.shape))
-            for name in names
-            for k, v in _to_hf(
-                adapter, name, torch.empty(merged[name].shape, dtype=merged[name].dtype, device="meta")
-            ).items()
+            OutputTensor(k, merged[n].dtype, shape)
+            for n in order
+            for k, shape in zip(routes[n].hf, routes[n].shapes)
         ]
         rank, world = (
             (torch.distributed.get_rank(), torch.distributed.get_world_size()) if distributed else (0, 1)
@@ -130,13 +212,14 @@ class TorchtitanHFExport(Layout):
         file = "model-hf.safetensors" if world == 1 else f"model-hf-{rank + 1:05d}-of-{world:05d}.safetensors"
         writer = ShardWriter(out / file, Shard(file, tuple(planned)))
         try:
-            for name in names:
-                for k, v in _to_hf(adapter, name, merged[name]).items():
+            for n in order:
+                for k, v in names.to_hf(adapter, routes[n], n, merged[n]):
                     writer.write(k, v.contiguous().reshape(-1))
             writer.close(fsync=fsync)
         except BaseException:
             writer.abort()
             raise
+        _check_written(out / file, planned)
         # No index: the merge drops the staged shards' index after this, and torchtitan's HF reader
         # (HuggingFaceStorageReader) reads every *.safetensors file of the directory.
         if distributed:

@@ -62,6 +62,7 @@ from pmakit.merge.plan import (
     MergeResult,
     output_dtype,
     plan_merge,
+    window_dtypes,
 )
 from pmakit.merge.url import url_outputs
 from pmakit.snapshot import Snapshot
@@ -141,10 +142,9 @@ def merge(
     plan = plan_merge(
         snapshots,
         weights,
-        dtype=dtype,
+        dtype=window_dtypes(dtype, window[0] if window else None, buffers),
         max_shard_size=max_shard_size,
         ranks=world.size,
-        cast=window is not None or None,
         buffers=buffers,
     )
     out_format = _output_format(plan, out_format)
@@ -186,7 +186,6 @@ def _fp32_sums(
         dtype="fp32",
         max_shard_size=max_shard_size,
         ranks=world.size,
-        cast=True,
         buffers=buffers,
     )
 
@@ -296,7 +295,7 @@ def _fp32_pass(
 
     def cast_plan() -> MergePlan:  # a stage of its own: it reads what rank 0 just wrote
         casting = plan_merge(
-            [state], [1.0], dtype=dtypes, max_shard_size=shard_size, ranks=world.size, cast=True
+            [state], [1.0], dtype=dtypes, max_shard_size=shard_size, ranks=world.size
         )
         if casting.shards != job.plan.shards:
             raise RuntimeError("the cast pass planned other shards than the merge")

@@ -117,6 +117,7 @@ def manifest_record(
         "skipped_entries": plan.skipped,
         "buffers": plan.buffers,
         "tensor_kinds": listing(plan.kinds, plan.buffers),
+        **({"precision": plan.precision()} if plan.precisions else {}),
         "output": {"files": files, "copied": copied, "total_bytes": plan.output_bytes},
     }
 

@@ -54,6 +54,20 @@ class MergePlan:
     """name -> what kind of state the tensor is (``pmakit.layouts.kinds``); absent: a weight."""
     buffers: str = DEFAULT_BUFFERS
     """The rule for router biases: ``average`` or ``latest``."""
+    precisions: tuple[str, ...] = ()
+    """Each input's float dtype(s) (``float32``, ``float16``, ``bfloat16+float32``), oldest first, when the inputs
+    differ in float precision (else empty): see ``precision``."""
+
+    def precision(self) -> dict[str, Any]:
+        """Which inputs were in which float dtype, the output's dtype and why (empty when they all agree)."""
+        if not self.precisions:
+            return {}
+        out = sorted({str(d).replace("torch.", "") for _, d in self.tensors.values() if d.is_floating_point})
+        return {
+            "inputs": {str(s.path): p for s, p in zip(self.snapshots, self.precisions)},
+            "output": "+".join(out),
+            "why": precision_reason(self.snapshots, self.precisions, out),
+        }
 
     def owner(self, shard: int) -> int:
         return self.owners[shard] if self.owners else 0
@@ -114,8 +128,48 @@ def output_dtype(dtype: str | torch.dtype | None, source: torch.dtype) -> torch.
     return DTYPES[dtype]
 
 
-def _validate(readers: Sequence[Reader], snapshots: Sequence[Snapshot], cast: bool) -> None:
-    """Compare every input's keys, shapes and dtypes with the newest one's; raise listing every difference."""
+def precision_reason(snapshots: Sequence[Snapshot], precisions: Sequence[str], out: Sequence[str]) -> str:
+    """One sentence: the inputs' float precisions, how they were merged and why the output has its dtype."""
+    groups: dict[str, list[str]] = {}
+    for snap, p in zip(snapshots, precisions):
+        export = (
+            " (a model-only last save: torchtitan's --checkpoint.export_dtype)"
+            if snap.meta.get("model_only")
+            else ""
+        )
+        groups.setdefault(p, []).append(snap.path.name + export)
+    said = "; ".join(f"{p} {', '.join(names)}" for p, names in groups.items())
+    return (
+        f"the snapshots differ only in float precision ({said}): one run, accumulated in fp32 and written in "
+        f"{'+'.join(out)}, the widest precision of the inputs, so that no input loses digits (--dtype chooses "
+        "another)"
+    )
+
+
+def _precisions(readers: Sequence[Reader]) -> tuple[str, ...]:
+    """Each input's float dtypes, when they are not all the same (else empty)."""
+    each = [
+        "+".join(
+            sorted({str(i.dtype).replace("torch.", "") for i in r.tensors.values() if is_float(i.dtype)})
+        )
+        for r in readers
+    ]
+    return tuple(each) if len(set(each)) > 1 else ()
+
+
+def _widest(readers: Sequence[Reader], name: str) -> torch.dtype:
+    """The dtype that holds every input's ``name`` exactly: fp32 for fp32 and fp16 inputs, or fp16 and bf16."""
+    dtypes = [r.tensors[name].dtype for r in readers]
+    widest = dtypes[-1]
+    if is_float(widest):
+        for d in dtypes:
+            widest = torch.promote_types(widest, d)
+    return widest
+
+
+def _validate(readers: Sequence[Reader], snapshots: Sequence[Snapshot]) -> None:
+    """Compare every input's keys, shapes and dtypes with the newest one's; raise listing every difference.
+    Float dtypes may differ (a run's checkpoints in fp32 and its export in fp16 or bf16: see ``_widest``)."""
     ref, ref_snap = readers[-1].tensors, snapshots[-1]
     _validate_moe(readers, snapshots)
     problems: list[str] = []
@@ -142,11 +196,8 @@ def _validate(readers: Sequence[Reader], snapshots: Sequence[Snapshot], cast: bo
                     f"tensor {name!r}: shape {list(a.shape)} in {snap.path} but {list(b.shape)} in "
                     f"{ref_snap.path}"
                 )
-            elif a.dtype != b.dtype and not (cast and is_float(a.dtype) and is_float(b.dtype)):
-                problems.append(
-                    f"tensor {name!r}: {a.dtype} in {snap.path} but {b.dtype} in {ref_snap.path}"
-                    + ("" if cast else " (pass --dtype to cast)")
-                )
+            elif a.dtype != b.dtype and not (is_float(a.dtype) and is_float(b.dtype)):
+                problems.append(f"tensor {name!r}: {a.dtype} in {snap.path} but {b.dtype} in {ref_snap.path}")
     if problems:
         head = f"the snapshots do not match ({len(problems)} differences):"
         shown = problems[:50] + ([f"... and {len(problems) - 50} more"] if len(problems) > 50 else [])
@@ -244,15 +295,14 @@ def plan_merge(
     dtype: str | torch.dtype | Mapping[str, torch.dtype] | None = "same",
     max_shard_size: int = 5 * 10**9,
     ranks: int = 1,
-    cast: bool | None = None,
     buffers: str = DEFAULT_BUFFERS,
 ) -> MergePlan:
     """Read every input's headers, check they match, and lay out the output. Reads no weights.
 
     Args:
-        dtype: as for ``merge``, or a mapping of tensor name to output dtype.
+        dtype: as for ``merge`` (``same``: each tensor in the widest float dtype of the inputs, the newest input's
+            when they agree), or a mapping of tensor name to output dtype.
         ranks: split the output into shards owned by this many ranks, balanced by bytes.
-        cast: inputs may differ in float dtype (default: only when ``dtype`` is not ``same``).
         buffers: routers' load-balancing biases averaged (``average``) or the newest input's (``latest``); in
             fp32 either way. Counters are always the newest input's (see ``pmakit.layouts.kinds``).
     """
@@ -263,7 +313,7 @@ def plan_merge(
         raise PmakitError("no snapshots to merge")
     with contextlib.ExitStack() as stack:
         readers = [stack.enter_context(open_weights(s.path)) for s in snapshots]
-        _validate(readers, snapshots, cast=dtype not in (None, "same") if cast is None else cast)
+        _validate(readers, snapshots)
         newest = readers[-1]
         if not newest.tensors:  # e.g. a torch file of trainer state only: one line, not a crash further down
             raise PmakitError(
@@ -274,9 +324,7 @@ def plan_merge(
         tensors = {
             k: (
                 newest.tensors[k],
-                dtype[k]
-                if isinstance(dtype, Mapping)
-                else _kind_dtype(kinds[k], dtype, newest.tensors[k].dtype),
+                dtype[k] if isinstance(dtype, Mapping) else _kind_dtype(kinds[k], dtype, _widest(readers, k)),
             )
             for k in order
         }
@@ -284,7 +332,20 @@ def plan_merge(
         skipped = sorted({s for r in readers for s in r.skipped})
     shards, owners = _plan_rank_shards(out, max_shard_size, ranks)
     state: dict[str, Kind] = {k: v for k, v in kinds.items() if v is not Kind.WEIGHT}
-    return MergePlan(list(snapshots), list(weights), tensors, shards, skipped, owners, state, buffers)
+    return MergePlan(
+        list(snapshots), list(weights), tensors, shards, skipped, owners, state, buffers, _precisions(readers)
+    )
+
+
+def window_dtypes(
+    dtype: str | torch.dtype | None, window: Sequence[Snapshot] | None, buffers: str = DEFAULT_BUFFERS
+) -> str | torch.dtype | Mapping[str, torch.dtype] | None:
+    """``dtype`` for a plan over an incremental update's terms: with ``same``, the dtypes a full merge of the
+    ``window`` would write (its terms mix the previous merge's fp32 sums with snapshots, which must not widen it)."""
+    if window is None or dtype not in (None, "same"):
+        return dtype
+    full = plan_merge(window, [1 / len(window)] * len(window), dtype="same", buffers=buffers)
+    return {name: out for name, (_, out) in full.tensors.items()}
 
 
 def _kind_dtype(kind: Kind, dtype: str | torch.dtype | None, source: torch.dtype) -> torch.dtype:
