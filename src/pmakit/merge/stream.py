@@ -390,11 +390,13 @@ class _DeviceFold:
         for _ in range(slots):
             host = torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=self.cuda)
             dev = torch.empty(slot_bytes, dtype=torch.uint8, device=device)
-            self._free.put(_Slot(host, dev, self._event(), self._event()))
+            self._free.put(_Slot(host, dev, self._event(blocking=True), self._event()))
         self._local = threading.local()
 
-    def _event(self) -> Any:
-        return torch.cuda.Event() if self.cuda else _Ready()
+    def _event(self, blocking: bool = False) -> Any:
+        """A CUDA event; ``blocking``: a thread that waits for it sleeps rather than spins (the cores it would
+        spin on copy other workers' chunks)."""
+        return torch.cuda.Event(blocking=blocking) if self.cuda else _Ready()
 
     def _on(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
         return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
@@ -409,7 +411,7 @@ class _DeviceFold:
             local.acc = torch.empty(elems, dtype=torch.float32, device=self.device)
             local.out = torch.empty(self._out_bytes, dtype=torch.uint8, device=self.device)
             local.flag = torch.empty(1, dtype=torch.bool, pin_memory=self.cuda)
-            local.done = self._event()
+            local.done = self._event(blocking=True)
         return local
 
     def fold(self, views: Sequence[torch.Tensor], weights: Sequence[float], out: torch.Tensor) -> bool:
@@ -425,9 +427,8 @@ class _DeviceFold:
             self._fold_one(view, weight, acc)
         with self._on(self._fold):
             cast = acc if out.dtype == torch.float32 else local.out[: out.nbytes].view(out.dtype).copy_(acc)
-            local.flag.copy_(
-                torch.isfinite(cast).all().reshape(1), non_blocking=True
-            )  # after the cast: fp16 Inf
+            finite = torch.isfinite(cast).all()  # after the cast: a sum beyond fp16's range is Inf only there
+            local.flag.copy_(finite.reshape(1), non_blocking=True)
             out.copy_(cast, non_blocking=True)
             local.done.record()
         local.done.synchronize()
