@@ -12,7 +12,8 @@
 Every method merges the same N bf16 Llama-shaped snapshots (hidden 2048, intermediate 5632, vocab 32000, GQA 16/4
 heads; SMA, fp32 accumulation, bf16 output). Runs are interleaved (repeat -> mode -> method) so that load from other
 processes spreads over all methods. The table reports the median wall time (and the range), its ratio to the floor
-measured in the same run, CPU seconds (user + sys of the process and its children), and the peak anonymous memory
+measured in the same run, CPU seconds (user + sys of the process and its children) and the cores that makes over the
+wall time, and the peak anonymous memory
 (RssAnon sampled every 10 ms from /proc: mmapped file pages are the page cache's, not the process's).
 
 warm: inputs read into the page cache right before each run; floor = `cat` of every input to /dev/null plus `cp` of
@@ -129,8 +130,8 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int]:
-    """Wall seconds and peak RssAnon bytes of a command (sampled every 10 ms)."""
+def run(cmd: list[str], env: dict[str, str] | None = None, timeout: float | None = None) -> tuple[float, int]:
+    """Wall seconds and peak RssAnon bytes of a command (sampled every 10 ms); killed after ``timeout`` s."""
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     peak = 0
@@ -142,6 +143,10 @@ def run(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int]:
                     peak = max(peak, int(line.split()[1]) * 1024)
         except (FileNotFoundError, ProcessLookupError):
             pass
+        if timeout is not None and time.perf_counter() - start > timeout:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"{cmd[:3]} took over {timeout:.0f} s: killed")
         time.sleep(0.01)
     seconds = time.perf_counter() - start
     if proc.returncode != 0:
@@ -208,6 +213,19 @@ def main() -> None:
     ap.add_argument("--skip", nargs="*", default=[], choices=["naive", "mergekit", "cold", "warm", "timed"])
     ap.add_argument("--make-only", action="store_true", help="only generate the snapshots")
     ap.add_argument("--cuda", action="store_true", help="also `pmakit merge --device cuda` (needs a GPU)")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also `pmakit merge` with this many fold workers (PMAKIT_FOLD_WORKERS), as pmakit-<N>w",
+    )
+    ap.add_argument("--run-timeout", type=float, help="seconds before a run is killed and left out")
+    ap.add_argument(
+        "--baseline",
+        type=Path,
+        help="also `pmakit merge` from this source tree (e.g. the main checkout's src)",
+    )
     args = ap.parse_args()
     if args.full:
         vars(args).update(FULL)
@@ -253,15 +271,43 @@ def main() -> None:
     }
     for skipped in [*args.skip, *([] if args.cuda else ["pmakit-cuda"])]:
         methods.pop(skipped, None)
+    envs = {name: env for name in methods}
+    for n in args.workers:
+        methods[f"pmakit-{n}w"] = [
+            sys.executable,
+            "-m",
+            "pmakit",
+            "merge",
+            *map(str, snaps),
+            "-o",
+            str(out_dir),
+            "-q",
+        ]
+        envs[f"pmakit-{n}w"] = {**env, "PMAKIT_FOLD_WORKERS": str(n)}
+    if args.baseline:
+        methods["baseline"] = [
+            sys.executable,
+            "-m",
+            "pmakit",
+            "merge",
+            *map(str, snaps),
+            "-o",
+            str(out_dir),
+            "-q",
+        ]
+        envs["baseline"] = {**env, "PYTHONPATH": str(args.baseline.resolve())}
     modes = [m for m in ("warm", "cold") if m not in args.skip]
     times: dict[tuple[str, str], list[float]] = {}
     cpu: dict[tuple[str, str], list[float]] = {}
     peaks: dict[tuple[str, str], int] = {}
     breakdowns: dict[str, list[dict[str, float]]] = {}
     loads = [os.getloadavg()[0]]
+    failed: set[str] = set()
     for rep in range(args.repeats):
         for mode in modes:
             for name, cmd in methods.items():
+                if name in failed:
+                    continue
                 shutil.rmtree(out_dir, ignore_errors=True)
                 if mode == "cold":
                     evict(in_files)
@@ -274,9 +320,14 @@ def main() -> None:
                     floor_run(in_files, out_dir)
                     seconds, peak = time.perf_counter() - t0, 0
                 else:
-                    if name not in ("pmakit", "pmakit-cuda", "timed"):  # pmakit refuses an existing output
+                    if name in ("naive", "mergekit"):  # pmakit refuses an existing output
                         out_dir.mkdir()
-                    seconds, peak = run(cmd, env)
+                    try:
+                        seconds, peak = run(cmd, envs[name], args.run_timeout)
+                    except RuntimeError as e:  # reported, left out of the table; the others go on
+                        print(f"  FAILED {name}: {e}", flush=True)
+                        failed.add(name)
+                        continue
                 if name == "timed":
                     breakdowns.setdefault(mode, []).append(
                         {"seconds": seconds, **json.loads((data / "timed.json").read_text())}
@@ -292,7 +343,8 @@ def main() -> None:
                     flush=True,
                 )
     shutil.rmtree(out_dir, ignore_errors=True)
-    report(args, in_bytes, params, modes, list(methods), times, cpu, peaks, loads)
+    shown = [m for m in methods if all((mode, m) in times for mode in modes)]
+    report(args, in_bytes, params, modes, shown, times, cpu, peaks, loads)
     for mode, runs in breakdowns.items():
         report_breakdown(mode, runs, times)
 
@@ -317,7 +369,7 @@ def report(
     head = (
         f"{'mode':5} {'method':11} {'median s':>9} {'range s':>13} {'x floor':>8} {'cpu s':>7} {'GB/s in':>8}"
     )
-    print(head + f" {'anon MiB':>9} {'mergekit/this':>14}")
+    print(head + f" {'cores':>6} {'anon MiB':>9} {'mergekit/this':>14}")
     for mode in modes:
         floor = statistics.median(times[(mode, "floor")]) if (mode, "floor") in times else float("nan")
         mk = statistics.median(times[(mode, "mergekit")]) if (mode, "mergekit") in times else float("nan")
@@ -327,6 +379,7 @@ def report(
             print(
                 f"{mode:5} {name:11} {t:9.2f} {min(ts):6.2f}-{max(ts):6.2f} {t / floor:8.2f} "
                 f"{statistics.median(cpu[(mode, name)]):7.1f} {in_bytes / t / 1e9:8.2f} "
+                f"{statistics.median(cpu[(mode, name)]) / t:6.2f} "
                 f"{peaks[(mode, name)] / 2**20:9.0f} {f'{mk / t:.2f}x' if mk == mk else '-':>14}"
             )
 

@@ -65,6 +65,42 @@ def test_torch_imported_first_gets_one_warning_naming_the_variable(tmp_path: Pat
     assert "torch was imported before pmakit" in proc.stderr
 
 
+OWN_LOOP = """
+    import {first}
+    import {second}
+    from pmakit.online import OnlineAverager
+    from pmakit.saver import SnapshotSaver
+    print("calling", flush=True)
+    averager = OnlineAverager(n=2)
+    for name in ("a", "b"):
+        SnapshotSaver(name, every_tokens=10).close()
+"""
+
+
+@pytest.mark.parametrize("first", ["averager", "saver"])
+def test_a_users_own_loop_is_warned_at_its_first_call_when_torch_came_first(
+    tmp_path: Path, first: str
+) -> None:
+    """Torch imported before pmakit with no OMP_WAIT_POLICY: libgomp started with threads that spin. The first
+    pmakit object of the user's own loop (no pmakit.train) says so, once, with the fix."""
+    code = OWN_LOOP.format(first="torch", second="pmakit")
+    if first == "saver":  # the saver alone, first
+        code = code.replace("    averager = OnlineAverager(n=2)\n", "").replace(
+            '"b"):\n', '"b"):\n        OnlineAverager(n=2)\n'
+        )
+    proc = _python(code, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("torch was imported before pmakit") == 1, proc.stderr
+    assert "Put `import pmakit` before `import torch`" in proc.stderr
+    assert "OMP_WAIT_POLICY=PASSIVE" in proc.stderr
+    # no warning: pmakit first, or the variable set before Python started
+    for env, order in (({}, ("pmakit", "torch")), ({"OMP_WAIT_POLICY": "PASSIVE"}, ("torch", "pmakit"))):
+        (where := tmp_path / "-".join(order)).mkdir()
+        proc = _python(OWN_LOOP.format(first=order[0], second=order[1]), where, **env)
+        assert proc.returncode == 0 and "calling" in proc.stdout, proc.stderr
+        assert "imported before pmakit" not in proc.stderr, (env, order)
+
+
 def test_progress_off_a_terminal_is_a_line_per_interval(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -125,7 +125,8 @@ def test_peak_work_memory_is_independent_of_n_and_model_size(tmp_path: Path) -> 
             sparse_snapshot(tmp_path / name / f"s{i}", shapes, tokens=i)
         plans.append(plan_merge(discover(tmp_path / name), [1 / n] * n))
     assert len({p.peak_memory for p in plans}) == 1
-    assert plans[-1].peak_memory < 256 * 2**20
+    # a 32 MiB output buffer and 2 MiB of scratch a fold worker (as many as this machine gives), two for the writer
+    assert plans[-1].peak_memory <= (plans[-1].fold.workers + 2) * 34 * 2**20
     # and the merge really runs in it: an all-zero 16-way merge of the 16M-element tensor
     merge(plans[1].snapshots, plans[1].weights, tmp_path / "out", fsync=False)
     assert load_dir(tmp_path / "out")["w"].abs().sum() == 0

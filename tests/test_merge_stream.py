@@ -1,9 +1,11 @@
 """The streaming engine's performance machinery: cache blocks, worker threads, early writeback."""
 
+import contextlib
 import hashlib
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,7 +16,9 @@ from conftest import state, write_snapshot
 from pmakit.errors import PmakitError
 from pmakit.formats import safetensors_io
 from pmakit.formats.safetensors_io import OutputTensor, Shard, ShardWriter
-from pmakit.merge import merge
+from pmakit.layouts import open_weights
+from pmakit.merge import merge, plan_merge
+from pmakit.merge.stream import stream_average
 from pmakit.snapshot import discover
 from test_merge import assert_one_ulp, load_dir
 
@@ -27,7 +31,7 @@ def test_blocks_and_workers_match_reference(
     # workers whose chunks must still reach the writer in order.
     monkeypatch.setattr(merge_mod.plan, "CHUNK_ELEMS", 100)
     monkeypatch.setattr(merge_mod.stream, "BLOCK_ELEMS", 7)
-    monkeypatch.setattr(merge_mod.stream, "WORKERS", workers)
+    monkeypatch.setenv("PMAKIT_FOLD_WORKERS", str(workers))
     snaps = discover(make_run(3))
     weights = [0.2, 0.3, 0.5]
     merge(snaps, weights, tmp_path / "out", fsync=True)
@@ -130,3 +134,45 @@ def test_cast_check_agrees_with_the_cast(dtype: torch.dtype, values: list[float]
     # The fast path answers 0.0; the exact one the cast block's (here non-zero) sum.
     fast = fast or (dtype == torch.bfloat16 and values[0] in (60000.0, 70000.0))
     assert (result == 0.0) == fast
+
+
+def _staged(plan: Any, out: Path, staged: bool) -> dict[str, torch.Tensor]:
+    with contextlib.ExitStack() as stack:
+        readers = [stack.enter_context(open_weights(s.path)) for s in plan.snapshots]
+        out.mkdir()
+        stream_average(plan, readers, out, None, False, device="cpu", staged=staged)
+    return load_dir(out)
+
+
+@pytest.mark.parametrize("dtype", ["same", "fp32", "fp16"])
+def test_the_device_fold_on_the_cpu_writes_the_cpu_folds_bytes(
+    make_run: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str
+) -> None:
+    """The `--device cuda` pipeline (staging buffers reused across inputs, chunks and three workers, a device
+    accumulator a worker, the cast and NaN/Inf flag) run with plain CPU memory: byte for byte the CPU fold's
+    output, with more chunks than staging buffers and a ragged last chunk."""
+    monkeypatch.setattr(merge_mod.plan, "CHUNK_ELEMS", 100)
+    monkeypatch.setenv("PMAKIT_FOLD_WORKERS", "3")
+    snaps = discover(make_run(4))
+    plan = plan_merge(snaps, [0.1, 0.2, 0.3, 0.4], dtype=dtype)
+    assert plan.fold.workers == 3
+    cpu, staged = _staged(plan, tmp_path / "cpu", False), _staged(plan, tmp_path / "staged", True)
+    assert cpu.keys() == staged.keys()
+    for name in cpu:
+        assert cpu[name].dtype == staged[name].dtype and torch.equal(cpu[name], staged[name]), name
+
+
+def test_the_device_fold_finds_nan_and_overflow(make_run: Callable[..., Path], tmp_path: Path) -> None:
+    run = make_run(3)
+    bad = state(2)
+    bad["embed.weight"].view(-1)[5] = float("inf")
+    write_snapshot(run / "step-000200", bad, step=200, tokens=2000)
+    plan = plan_merge(discover(run), [1 / 3] * 3)
+    with pytest.raises(PmakitError, match="non-finite values.*embed.weight"):
+        _staged(plan, tmp_path / "nan", True)
+    big = {k: v.float() * 0 + 60000 if v.is_floating_point() else v for k, v in state(1).items()}
+    write_snapshot(tmp_path / "big" / "step-000100", big, step=100, tokens=1000)
+    write_snapshot(tmp_path / "big" / "step-000200", big, step=200, tokens=2000)
+    plan = plan_merge(discover(tmp_path / "big"), [1.0, 1.0], dtype="fp16")  # 120000: beyond fp16's range
+    with pytest.raises(PmakitError, match="exceeds the range of float16"):
+        _staged(plan, tmp_path / "overflow", True)

@@ -13,8 +13,9 @@ from click.testing import CliRunner
 
 from pmakit.cli import cli
 from pmakit.errors import PmakitError
-from pmakit.merge import CHUNK_ELEMS, N_BUFFERS, plan_merge
+from pmakit.merge import CHUNK_ELEMS, plan_merge
 from pmakit.merge.capacity import Bandwidth, layout_of, load_layout, plan_report, plan_scale
+from pmakit.merge.resources import SCRATCH_BYTES
 from pmakit.snapshot import discover
 from pmakit.weights import get_weights
 
@@ -77,8 +78,10 @@ def test_70b_layout_bytes_and_bounded_memory(layout: Path) -> None:
     assert sum(r["read_bytes"] for r in plan["per_rank"]) == plan["read_bytes"]
     reads = [r["read_bytes"] for r in plan["per_rank"]]
     assert max(reads) - min(reads) <= 10 * plan["largest_tensor_bytes"]  # balanced to within one tensor
-    memory = CHUNK_ELEMS * 4 * (N_BUFFERS + 2)
-    assert plan["max_memory_bytes"] == memory < 2**30  # 192 MiB, whatever the model size ...
+    fold = plan["fold"]  # sized for a quarter of this node's cores (4 ranks a node)
+    memory = CHUNK_ELEMS * 4 * fold["buffers"] + SCRATCH_BYTES * fold["workers"]
+    assert fold["buffers"] == fold["workers"] + 2
+    assert plan["max_memory_bytes"] == memory < 2**30  # whatever the model size ...
     assert _plan(layout, "--snapshots", "40", "--ranks", "8")["max_memory_bytes"] == memory  # ... and N
     # The slowest rank, by hand: 4 ranks share a node's 2 GB/s disk; each accumulates at 1 GB/s.
     slowest = max(plan["per_rank"], key=lambda r: r["read_bytes"] + r["write_bytes"])
@@ -99,12 +102,20 @@ def test_more_ranks_on_one_disk_do_not_beat_the_disk(layout: Path) -> None:
     assert two_nodes["seconds"] == pytest.approx(io_floor / 2, rel=0.05)
 
 
-def test_plan_of_snapshots_matches_the_merge_plan(make_run: Callable[..., Path]) -> None:
+def test_plan_of_snapshots_matches_the_merge_plan(
+    make_run: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     snaps = discover(make_run(4))
     report = plan_report(snaps, None, ranks=2, disk_bandwidth=1e9, accumulate_bandwidth=1e9)
     plan = plan_merge(snaps, get_weights("sma", 4))
     assert report["read_bytes"] == plan.input_bytes and report["write_bytes"] == plan.output_bytes
-    assert report["snapshots"] == 4 and report["max_memory_bytes"] == plan.peak_memory
+    assert report["snapshots"] == 4
+    # each of two ranks on this node is sized for half its cores, as torchrun's ranks size themselves
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert report["max_memory_bytes"] == plan_merge(snaps, get_weights("sma", 4)).peak_memory
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    one = plan_report(snaps, None, ranks=1, disk_bandwidth=1e9, accumulate_bandwidth=1e9)
+    assert one["max_memory_bytes"] == plan.peak_memory
     r = CliRunner().invoke(
         cli, ["inspect", "--plan", str(snaps[0].path.parent), "--last", "4", "--ranks", "2"]
     )

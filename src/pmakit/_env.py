@@ -31,7 +31,9 @@ def warn_if_spinning() -> bool:
     _warned = True
     log.warning(
         "torch was imported before pmakit, so its OpenMP threads spin while they wait: on a busy machine "
-        "training runs up to 20x slower. Import pmakit first, or set OMP_WAIT_POLICY=PASSIVE in the environment."
+        "training runs up to 20x slower. Put `import pmakit` "
+        "before `import torch` (the first import of your script), or set OMP_WAIT_POLICY=PASSIVE in the "
+        "environment."
     )
     return True
 

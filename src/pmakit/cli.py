@@ -511,7 +511,8 @@ def _print_plan(plan: Any) -> None:
     click.echo(
         f"{len(plan.snapshots)} snapshots, {len(plan.tensors)} tensors: reads "
         f"{format_bytes(plan.input_bytes)}, writes {format_bytes(plan.output_bytes)} in "
-        f"{len(plan.shards)} file(s), work memory {format_bytes(plan.peak_memory)}"
+        f"{len(plan.shards)} file(s), work memory {format_bytes(plan.peak_memory)} "
+        f"({plan.fold.workers} fold worker(s): {plan.fold.why})"
     )
     _print_state(listing(plan.kinds, plan.buffers))
 

@@ -118,6 +118,9 @@ class OnlineAverager:
         hold_in_memory: bool = False,
         resum_every: int = 64,
     ) -> None:
+        from pmakit._env import warn_if_spinning
+
+        warn_if_spinning()  # at the user's first call, where torch was imported before pmakit
         if n < 1:
             raise PmakitError(f"the averaging window needs at least one snapshot, got n={n}")
         if method not in WEIGHTINGS:

@@ -230,6 +230,9 @@ class SnapshotSaver:
         tidy: bool = True,
         upload_to: str | None = None,
     ) -> None:
+        from pmakit._env import warn_if_spinning
+
+        warn_if_spinning()  # at the user's first call, where torch was imported before pmakit
         if every_tokens < 1:
             raise PmakitError(f"every_tokens must be a positive number of tokens, got {every_tokens}")
         if keep_last is not None and keep_last < 1:

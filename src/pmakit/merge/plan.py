@@ -6,7 +6,7 @@ import contextlib
 import logging
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,14 @@ from pmakit.formats import Reader, TensorInfo, is_float
 from pmakit.formats.safetensors_io import OutputTensor, Shard, plan_shards
 from pmakit.layouts import open_weights
 from pmakit.layouts.kinds import DEFAULT_BUFFERS, Kind, check_buffers, classify, is_expert_tensor, rule
+from pmakit.merge.resources import (
+    PREFETCH_AHEAD,
+    SCRATCH_BYTES,
+    FoldSizing,
+    read_node,
+    size_fold,
+    workers_override,
+)
 from pmakit.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
@@ -32,7 +40,8 @@ DTYPES = {
 CHUNK_ELEMS = 8 * 2**20
 """Elements per chunk: 16 MiB of bf16 input, 32 MiB of fp32 accumulator."""
 N_BUFFERS = 4
-"""Output chunks that may wait for the writer thread."""
+"""Output chunks in flight with the two fold workers of a two-core machine (see ``resources.size_fold``)."""
+_TWO_CORES = FoldSizing(2, N_BUFFERS, PREFETCH_AHEAD, "two workers (a plan made without looking at the node)")
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,8 @@ class MergePlan:
     """name -> what kind of state the tensor is (``pmakit.layouts.kinds``); absent: a weight."""
     buffers: str = DEFAULT_BUFFERS
     """The rule for router biases: ``average`` or ``latest``."""
+    fold: FoldSizing = _TWO_CORES
+    """Fold workers, output buffers and read-ahead, sized from the cores and memory this process may use."""
     precisions: tuple[str, ...] = ()
     """Each input's float dtype(s) (``float32``, ``float16``, ``bfloat16+float32``), oldest first, when the inputs
     differ in float precision (else empty): see ``precision``."""
@@ -108,13 +119,19 @@ class MergePlan:
 
     @property
     def n_buffers(self) -> int:
-        """Output buffers between the kernel and the writer thread."""
-        return N_BUFFERS
+        """Output buffers between the fold workers and the writer thread."""
+        return self.fold.buffers
+
+    @property
+    def buffer_bytes(self) -> int:
+        """One output buffer: a chunk of the widest output dtype (fp32 at least)."""
+        return self.chunk_elems * max([4] + [dtype.itemsize for _, dtype in self.tensors.values()])
 
     @property
     def peak_memory(self) -> int:
-        """Bytes of work memory the merge allocates (buffers + accumulator + cast), whatever N and model size."""
-        return self.chunk_elems * 4 * (N_BUFFERS + 2)  # output buffers, accumulator, conversion buffer
+        """Bytes of work memory the merge allocates (output buffers, the workers' scratch), whatever N and model
+        size."""
+        return self.buffer_bytes * self.fold.buffers + SCRATCH_BYTES * self.fold.workers
 
 
 def output_dtype(dtype: str | torch.dtype | None, source: torch.dtype) -> torch.dtype:
@@ -332,9 +349,18 @@ def plan_merge(
         skipped = sorted({s for r in readers for s in r.skipped})
     shards, owners = _plan_rank_shards(out, max_shard_size, ranks)
     state: dict[str, Kind] = {k: v for k, v in kinds.items() if v is not Kind.WEIGHT}
-    return MergePlan(
-        list(snapshots), list(weights), tensors, shards, skipped, owners, state, buffers, _precisions(readers)
+    plan = MergePlan(
+        list(snapshots),
+        list(weights),
+        tensors,
+        shards,
+        skipped,
+        owners,
+        state,
+        buffers,
+        precisions=_precisions(readers),
     )
+    return replace(plan, fold=fold_sizing(plan))
 
 
 def window_dtypes(
@@ -346,6 +372,15 @@ def window_dtypes(
         return dtype
     full = plan_merge(window, [1 / len(window)] * len(window), dtype="same", buffers=buffers)
     return {name: out for name, (_, out) in full.tensors.items()}
+
+
+def fold_sizing(plan: MergePlan) -> FoldSizing:
+    """The fold's workers, buffers and read-ahead for ``plan`` on this process's share of its node."""
+    node = read_node()
+    inputs = max(1, sum(1 for w in plan.weights if w != 0))
+    chunk_read = plan.chunk_elems * inputs * max(i.dtype.itemsize for i, _ in plan.tensors.values())
+    sizing = size_fold(node.cores, node.memory, plan.buffer_bytes, chunk_read, workers_override())
+    return replace(sizing, why=f"{sizing.why}; {node.describe()}")
 
 
 def _kind_dtype(kind: Kind, dtype: str | torch.dtype | None, source: torch.dtype) -> torch.dtype:

@@ -13,7 +13,6 @@ import contextlib
 import gc
 import logging
 import math
-import os
 import queue
 import resource
 import threading
@@ -160,14 +159,20 @@ class _Writer:
     """
 
     def __init__(
-        self, plan: MergePlan, directory: Path, buffer_bytes: int, n_buffers: int, fsync: bool
+        self,
+        plan: MergePlan,
+        directory: Path,
+        buffer_bytes: int,
+        n_buffers: int,
+        fsync: bool,
+        pin: bool = False,
     ) -> None:
         self._plan = plan
         self._directory = directory
         self._fsync = fsync
         self.free: queue.Queue[torch.Tensor] = queue.Queue()
-        for _ in range(n_buffers):
-            self.free.put(torch.empty(buffer_bytes, dtype=torch.uint8))
+        for _ in range(n_buffers):  # pinned: the GPU copies the sums back into them without a staging copy
+            self.free.put(torch.empty(buffer_bytes, dtype=torch.uint8, pin_memory=pin))
         self._todo: queue.Queue[tuple[int, str, torch.Tensor, torch.Tensor | None] | None] = queue.Queue()
         self.files: list[dict[str, Any]] = []
         self._error: BaseException | None = None
@@ -274,18 +279,6 @@ def _find_nonfinite(readers: Sequence[Reader], plan: MergePlan, chunk: _Chunk) -
             )
 
 
-PREFETCH_AHEAD = 4
-"""Chunks ahead of the accumulator whose input ranges the kernel is asked to read (posix_fadvise WILLNEED)."""
-WORKERS = 2
-"""Threads that accumulate chunks side by side (at most the cores this process may run on)."""
-
-
-def _workers(n_buffers: int) -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    # Each worker holds one output buffer and the writer needs one: never more workers than that allows.
-    return max(1, min(WORKERS, cores, n_buffers - 1))
-
-
 def _fold(
     views: Sequence[torch.Tensor],
     weights: Sequence[float],
@@ -354,16 +347,112 @@ def _no_clock() -> float:
     return 0.0
 
 
-def _fold_on(device: str, views: Sequence[torch.Tensor], weights: Sequence[float], out: torch.Tensor) -> bool:
-    """``--device cuda``: the weighted fp32 sum on the accelerator (inputs copied over, the cast sum copied back);
-    whether it is finite. Tested here only with device="cpu" (no GPU on the development machine)."""
-    acc: torch.Tensor | None = None
-    for view, weight in zip(views, weights):
-        values = view.to(device=device, dtype=torch.float32, copy=True)
-        acc = values.mul_(weight) if acc is None else acc.add_(values, alpha=weight)
-    assert acc is not None
-    out.copy_(acc.to(out.dtype))
-    return bool(torch.isfinite(out).all())  # after the cast: fp16 overflows to Inf
+class _Ready:
+    """Stands in for a CUDA event where the staged fold runs on the CPU: everything is done when it is issued."""
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+@dataclass
+class _Slot:
+    """One input chunk's way to the device: a (pinned) host buffer, its device twin, and when each is free."""
+
+    host: torch.Tensor
+    device: torch.Tensor
+    copied: Any
+    """Recorded on the copy stream after the host buffer's bytes went over: the host buffer may be refilled."""
+    folded: Any
+    """Recorded on the fold stream after the device buffer was folded: the device buffer may be overwritten."""
+
+
+class _DeviceFold:
+    """``--device cuda``: the fp32 sum on the accelerator, fed so that reading, copying and folding overlap.
+
+    A worker thread copies each input chunk from the page cache into a pinned, reused host buffer (the only CPU
+    work), queues its copy to the device on a side stream (``non_blocking``), and queues the fold of it on the
+    fold stream behind that copy; meanwhile it fills the next free buffer. Twice as many buffers as workers: a
+    worker always has one to fill while its last one is on its way. The cast sum goes back into the writer's
+    pinned buffer, and the worker waits only for that. On the CPU (tests) the same steps run with plain memory and
+    no streams, so that the logic is checked where there is no GPU.
+    """
+
+    def __init__(self, device: torch.device, slot_bytes: int, out_bytes: int, slots: int) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._out_bytes = out_bytes
+        self._copy = torch.cuda.Stream(device) if self.cuda else None
+        self._fold = torch.cuda.Stream(device) if self.cuda else None
+        self._free: queue.Queue[_Slot] = queue.Queue()
+        for _ in range(slots):
+            host = torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=self.cuda)
+            dev = torch.empty(slot_bytes, dtype=torch.uint8, device=device)
+            self._free.put(_Slot(host, dev, self._event(blocking=True), self._event()))
+        self._local = threading.local()
+
+    def _event(self, blocking: bool = False) -> Any:
+        """A CUDA event; ``blocking``: a thread that waits for it sleeps rather than spins (the cores it would
+        spin on copy other workers' chunks)."""
+        return torch.cuda.Event(blocking=blocking) if self.cuda else _Ready()
+
+    def _on(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    def _worker(self) -> threading.local:
+        """This thread's device accumulator, cast output and NaN/Inf flag (made on first use)."""
+        local = self._local
+        if not hasattr(local, "acc"):
+            if self.cuda:
+                torch.cuda.set_device(self.device)  # the current device is per thread
+            elems = self._out_bytes // 4
+            local.acc = torch.empty(elems, dtype=torch.float32, device=self.device)
+            local.out = torch.empty(self._out_bytes, dtype=torch.uint8, device=self.device)
+            local.flag = torch.empty(1, dtype=torch.bool, pin_memory=self.cuda)
+            local.done = self._event(blocking=True)
+        return local
+
+    def fold(self, views: Sequence[torch.Tensor], weights: Sequence[float], out: torch.Tensor) -> bool:
+        """``out = sum(w * v)`` in fp32 on the device, cast to ``out``'s dtype; whether it is finite."""
+        n = out.numel()
+        if n == 0:
+            return True
+        local = self._worker()
+        acc = local.acc[:n]
+        with self._on(self._fold):
+            acc.zero_()
+        for view, weight in zip(views, weights):
+            self._fold_one(view, weight, acc)
+        with self._on(self._fold):
+            cast = acc if out.dtype == torch.float32 else local.out[: out.nbytes].view(out.dtype).copy_(acc)
+            finite = torch.isfinite(cast).all()  # after the cast: a sum beyond fp16's range is Inf only there
+            local.flag.copy_(finite.reshape(1), non_blocking=True)
+            out.copy_(cast, non_blocking=True)
+            local.done.record()
+        local.done.synchronize()
+        return bool(local.flag.item())
+
+    def _fold_one(self, view: torch.Tensor, weight: float, acc: torch.Tensor) -> None:
+        slot = self._free.get()
+        try:
+            nbytes = view.numel() * view.element_size()
+            slot.copied.synchronize()  # the buffer's last bytes are on the device
+            host = slot.host[:nbytes].view(view.dtype).copy_(view)  # page cache -> pinned: the CPU's share
+            dev = slot.device[:nbytes].view(view.dtype)
+            with self._on(self._copy):
+                if self._copy is not None:
+                    self._copy.wait_event(slot.folded)  # the device buffer's last chunk is folded
+                dev.copy_(host, non_blocking=True)
+                slot.copied.record()
+            with self._on(self._fold):
+                if self._fold is not None:
+                    self._fold.wait_event(slot.copied)
+                acc.add_(dev, alpha=weight)  # in fp32: the accumulator's dtype wins
+                slot.folded.record()
+        finally:
+            self._free.put(slot)
 
 
 def stream_average(
@@ -373,6 +462,7 @@ def stream_average(
     progress: Callable[[int], None] | None,
     fsync: bool,
     device: str = "cpu",
+    staged: bool | None = None,
 ) -> list[dict[str, Any]]:
     """Write every shard of ``plan`` into ``directory``; returns the output files' names, sizes and sha256.
 
@@ -381,9 +471,23 @@ def stream_average(
     buffer, and the chunk is checked for NaN/Inf. This thread asks the kernel to read ahead of the workers and hands
     finished chunks, in order, to the writer thread. Threads of our own rather than torch's intra-op pool: its
     threads wait for each other at every op and stall whenever another process holds a core.
+
+    On another ``device`` (``cuda``) the workers feed the device instead (``_DeviceFold``). ``staged`` runs that
+    path on the CPU too, with plain memory (for tests; default: for every device but the CPU).
     """
+    folder = None
+    if staged or (staged is None and device != "cpu"):
+        folder = _device_fold(plan, readers, torch.device(device))
     with _Clock("wall"):  # the pass, from the writer thread's start to its end
-        return _stream(plan, readers, directory, progress, fsync, device)
+        return _stream(plan, readers, directory, progress, fsync, folder)
+
+
+def _device_fold(plan: MergePlan, readers: Sequence[Reader], device: torch.device) -> _DeviceFold:
+    """Two staging buffers a worker, each a chunk of the widest input dtype."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    widest = max([2] + [i.dtype.itemsize for r in readers for i in r.tensors.values() if is_float(i.dtype)])
+    return _DeviceFold(device, plan.chunk_elems * widest, plan.buffer_bytes, 2 * plan.fold.workers)
 
 
 def _stream(
@@ -392,17 +496,17 @@ def _stream(
     directory: Path,
     progress: Callable[[int], None] | None,
     fsync: bool,
-    device: str,
+    folder: _DeviceFold | None,
 ) -> list[dict[str, Any]]:
     chunks = list(_chunks(plan))
-    itemsize = max([4] + [dtype.itemsize for _, dtype in plan.tensors.values()])
-    writer = _Writer(plan, directory, plan.chunk_elems * itemsize, plan.n_buffers, fsync)
+    pin = folder is not None and folder.cuda
+    writer = _Writer(plan, directory, plan.buffer_bytes, plan.n_buffers, fsync, pin)
     local = threading.local()
 
     def work(chunk: _Chunk, views: list[torch.Tensor], buf: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        return _fold_chunk(plan, chunk, views, buf, device, local)
+        return _fold_chunk(plan, chunk, views, buf, folder, local)
 
-    workers = _workers(plan.n_buffers)
+    workers = plan.fold.workers
     pool = ThreadPoolExecutor(workers, thread_name_prefix="pmakit-fold")
     pending: collections.deque[_Pending] = collections.deque()
 
@@ -416,7 +520,7 @@ def _stream(
     try:
         for i, chunk in enumerate(chunks):
             with _Clock("read"):
-                _prefetch(readers, chunks, i)
+                _prefetch(readers, chunks, i, plan.fold.read_ahead)
             while len(pending) >= workers:
                 hand_over()
             # Reads stay on this thread and in order: a reader may load (not map) and expect to move forward.
@@ -448,9 +552,9 @@ _Pending = tuple[_Chunk, Future[tuple[torch.Tensor, bool]], torch.Tensor | None]
 read)."""
 
 
-def _prefetch(readers: Sequence[Reader], chunks: Sequence[_Chunk], i: int) -> None:
-    """Keep the disk ``PREFETCH_AHEAD`` chunks ahead of the workers (at chunk ``i``: hint the one coming in)."""
-    for ahead in chunks[: 1 + PREFETCH_AHEAD] if i == 0 else chunks[i + PREFETCH_AHEAD :][:1]:
+def _prefetch(readers: Sequence[Reader], chunks: Sequence[_Chunk], i: int, distance: int) -> None:
+    """Keep the disk ``distance`` chunks ahead of the workers (at chunk ``i``: hint the one coming in)."""
+    for ahead in chunks[: 1 + distance] if i == 0 else chunks[i + distance :][:1]:
         for src in ahead.sources:
             readers[src].prefetch(ahead.name, ahead.start, ahead.stop)
 
@@ -460,7 +564,7 @@ def _fold_chunk(
     chunk: _Chunk,
     views: list[torch.Tensor],
     buf: torch.Tensor,
-    device: str,
+    folder: _DeviceFold | None,
     local: threading.local,
 ) -> tuple[torch.Tensor, bool]:
     """A worker's job: the weighted sum of ``chunk``'s input ``views`` into ``buf`` (as the output dtype), and
@@ -470,8 +574,8 @@ def _fold_chunk(
     out_dtype = plan.tensors[chunk.name][1]
     out = buf[: (chunk.stop - chunk.start) * out_dtype.itemsize].view(out_dtype)
     weights = chunk.weights
-    if device != "cpu":
-        return out, _fold_on(device, views, weights, out)
+    if folder is not None:
+        return out, folder.fold(views, weights, out)
     stats = _STATS
     if stats is None:
         return out, _fold(views, weights, out, local.scratch)
