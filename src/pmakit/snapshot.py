@@ -13,7 +13,8 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,7 @@ def read_snapshot(path: str | os.PathLike[str], tokens_per_step: int | None = No
         IncompleteSnapshot: the directory has no weights or no way to learn its token count.
     """
     path = Path(path)
-    if not path.is_dir():
+    if not path.is_dir() and layout_of(path) is None:
         raise PmakitError(f"{path}: no such snapshot directory")
     if is_merge_output(path):
         raise IncompleteSnapshot(path, f"a merged model (has {MERGE_MANIFEST}), not a training snapshot")
@@ -160,6 +161,16 @@ def discover(run_dir: str | os.PathLike[str], tokens_per_step: int | None = None
     return sort_snapshots(complete)
 
 
+def why_incomplete(incomplete: Sequence[IncompleteSnapshot]) -> str:
+    """Why none of a run's checkpoints can be merged, in one line that ends with what to do: the most common
+    reason (a trainer's checkpoints without a token count all say the same)."""
+    reasons = Counter(str(e).removeprefix(f"{e.path}: ") for e in incomplete)
+    reason, _ = reasons.most_common(1)[0]
+    others = f" ({len(reasons) - 1} other reason(s): pmakit inspect lists each)" if len(reasons) > 1 else ""
+    n = len(incomplete)
+    return f"none of its {n} checkpoint{'s' if n > 1 else ''} can be merged{others}: {reason}"
+
+
 def _replica(snapshot: Snapshot) -> int:
     """The model copy a snapshot belongs to (-1: not a copy's own snapshot)."""
     replica = snapshot.meta.get("replica")
@@ -211,13 +222,19 @@ def gather(
             snapshots.append(read_snapshot(p, tokens_per_step))
             continue
         p = study_main_run(p)
-        found = discover(p, tokens_per_step)
-        if not found:
+        found = scan(p, tokens_per_step)
+        complete = [s for s in found if isinstance(s, Snapshot)]
+        incomplete = [e for e in found if isinstance(e, IncompleteSnapshot)]
+        for e in incomplete:
+            log.warning("skipping %s", e)
+        if not complete:
+            if incomplete:
+                raise PmakitError(f"{p}: {why_incomplete(incomplete)}")
             raise PmakitError(
                 f"{p}: no complete snapshots found (a run directory holds snapshot directories, "
                 f"each with weights and {METADATA_FILE}){runs_hint(p)}"
             )
-        snapshots += found
+        snapshots += sort_snapshots(complete)
         from_run = True
     unmatched = skip - {s.path.resolve() for s in snapshots}
     if unmatched:

@@ -21,6 +21,7 @@ from pmakit.snapshot import (
     scan,
     sort_snapshots,
     study_main_run,
+    why_incomplete,
 )
 from pmakit.units import format_bytes, format_tokens
 
@@ -99,7 +100,9 @@ def inspect_inputs(
     if not complete:
         report["compatible"] = False
         hints = "".join(runs_hint(Path(p)) for p in inputs)
-        report["problems"] = [f"no complete snapshots{hints}"]
+        incomplete = [r for r in rows if isinstance(r, IncompleteSnapshot)]
+        why = f" ({why_incomplete(incomplete)})" if incomplete else ""
+        report["problems"] = [f"no complete snapshots{why}{hints}"]
         return report
     if refused:
         report["compatible"] = False

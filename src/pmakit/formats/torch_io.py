@@ -44,7 +44,7 @@ def weight_files(path: Path) -> list[Path]:
     )
 
 
-def _load(file: Path) -> dict[str, Any]:
+def load(file: Path) -> dict[str, Any]:
     try:
         try:
             obj = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
@@ -93,12 +93,13 @@ def _header_sha256(file: Path) -> str:
 class TorchReader(Reader):
     format = "torch"
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, files: list[Path] | None = None) -> None:
+        """``files``: the weight files to read (default: those of the directory ``path``)."""
         super().__init__(path)
         self.tensors = {}
         self.files = []
         self._tensors: dict[str, torch.Tensor] = {}
-        files = weight_files(path)
+        files = weight_files(path) if files is None else files
         if not files:
             raise PmakitError(f"{path}: no torch weight files")
         self._files = files
@@ -107,7 +108,7 @@ class TorchReader(Reader):
             if source is not None:
                 source.fill()
         for i, file in enumerate(files):
-            state = _load(file)
+            state = load(file)
             _check_crc(file)
             for key in WRAPPER_KEYS:
                 if isinstance(state.get(key), dict) and any(

@@ -57,6 +57,7 @@ _BUILTIN = (
     # Framework layouts go here, before the generic ones below.
     "olmo_core",
     "megatron",
+    "lightning",  # .ckpt files
     "torchtitan",
     "torchtitan_hf",  # an output format only (--format safetensors of torchtitan inputs: HF names)
     "hf_trainer",
@@ -82,8 +83,10 @@ def get_layout(name: str) -> Layout:
 
 def layout_of(path: str | os.PathLike[str]) -> Layout | None:
     """The first layout that recognises ``path`` as one of its checkpoints (None for an ignored directory or
-    one no layout knows)."""
+    one no layout knows). A file is a checkpoint only of a ``single_file`` layout (Lightning's ``.ckpt``)."""
     path = Path(path)
+    if path.is_file():
+        return next((x for x in _layouts() if x.single_file and x.is_snapshot(path)), None)
     if not path.is_dir():
         return None
     for layout in _layouts():

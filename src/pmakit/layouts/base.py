@@ -69,6 +69,9 @@ class Layout(ABC):
     own_files: tuple[str, ...] = ()
     """Files that mark a checkpoint of this layout (Megatron's ``metadata.json``): never copied into the output of
     a merge as extras; ``write`` writes them where the output is in this layout."""
+    single_file: bool = False
+    """Each checkpoint is one file (Lightning's ``.ckpt``), not a directory: ``is_snapshot`` and ``read`` are
+    then asked about files, and ``snapshots`` lists files."""
     native_format: str = "safetensors"
     """What ``pmakit merge`` writes by default for inputs of this layout: ``safetensors`` (HF layout, written by
     the merge itself) or this layout's own name (then ``write`` writes it)."""

@@ -39,8 +39,9 @@ class HFTrainerLayout(Layout):
         else:
             raise IncompleteSnapshot(
                 state_file,
-                "no num_input_tokens_seen (set include_num_input_tokens_seen=True "
-                "in TrainingArguments, or pass --tokens-per-step)",
+                "no token count (num_input_tokens_seen is 0): pass --tokens-per-step N (the "
+                "tokens of one optimizer step: sequence length x batch size x gradient accumulation x "
+                "processes), or train with include_num_input_tokens_seen=True in TrainingArguments",
             )
         return Snapshot(
             path,

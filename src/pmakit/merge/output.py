@@ -65,6 +65,8 @@ def copy_extras(source: Path, target: Path) -> list[str]:
     layout that writes itself back writes them), and links that lead out of the snapshot (a ``tokenizer.json``
     linked to a file elsewhere would carry that file into the output): those are named in a warning.
     """
+    if not source.is_dir():
+        return []  # a checkpoint that is one file (Lightning's .ckpt): nothing beside it is its own
     layout = layout_of(source)
     own = layout.own_files if layout is not None else ()
     copied = []
