@@ -1,0 +1,1 @@
+"""Downstream evaluation of merges through lm-evaluation-harness (``pmakit eval``)."""
