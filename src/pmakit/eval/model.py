@@ -173,3 +173,8 @@ def build_path(path: Path) -> Built:
     t0 = time.perf_counter()
     model = load_folder(path)
     return Built(model, load_tokenizer(path), "loaded", time.perf_counter() - t0)
+
+
+def check_config(path: Path) -> None:
+    """That a model can be built from ``path``'s config (before anything is evaluated or written)."""
+    _config_of(Path(path))
