@@ -55,6 +55,8 @@ def require_lm_eval() -> str:
         import lm_eval
     except ImportError:
         raise PmakitError(INSTALL_HINT) from None
+    for name in ("lm_eval", "lm-eval", "datasets"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     return str(lm_eval.__version__)
 
 
@@ -92,8 +94,6 @@ def run_tasks(
     """``simple_evaluate`` of ``tasks`` on ``lm``: ``{task: {metric: MetricScores}}``."""
     import lm_eval
 
-    for name in ("lm_eval", "lm-eval", "datasets"):
-        logging.getLogger(name).setLevel(logging.ERROR)
     try:
         out = lm_eval.simple_evaluate(
             model=lm,

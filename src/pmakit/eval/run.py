@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -271,14 +272,59 @@ def render(summary: Sequence[dict[str, Any]]) -> Any:
     from rich.table import Table
 
     table = Table(title="pmakit eval (s.e. over items; Δ paired on the same items, 95% bootstrap interval)")
-    for col in ("target", "model", "task/metric", "score ± s.e.", "Δ vs latest ± s.e. [95%]", "noise sd (K)"):
-        table.add_column(col, justify="right" if col[0] in "sΔn" else "left")
+    for col in (
+        "target",
+        "model",
+        "task/metric",
+        "score ± s.e.",
+        "Δ vs latest ± s.e.",
+        "95% interval",
+        "noise sd (K)",
+    ):
+        table.add_column(col, justify="right" if col[0] in "sΔn9" else "left")
     for line in summary:
         d = line.get("vs_latest")
-        delta = f"{d['delta']:+.4f} ± {d['se']:.4f} [{d['low']:+.4f}, {d['high']:+.4f}]" if d else ""
+        delta = f"{d['delta']:+.4f} ± {d['se']:.4f}" if d else ""
+        interval = f"[{d['low']:+.4f}, {d['high']:+.4f}]" if d else ""
         band = line["noise"]
         noise = f"{band['sd']:.4f} ({band['k']})" if band else ""
         chance = f" (chance {line['chance']:.2f})" if line.get("chance") else ""
         table.add_row(Path(line["target"]).name, line["recipe"], f"{line['task']}/{line['metric']}{chance}",
-                      f"{line['value']:.4f} ± {line['se']:.4f}", delta, noise)  # fmt: skip
+                      f"{line['value']:.4f} ± {line['se']:.4f}", delta, interval, noise)  # fmt: skip
     return table
+
+
+def default_output(targets: Sequence[str | Path]) -> Path:
+    """RUN/evals.jsonl of the first target that is a run (or study) directory, else ./evals.jsonl."""
+    for target in targets:
+        path = Path(target)
+        if path.is_dir() and ((path / "snapshots").is_dir() or (path / "main").is_dir()):
+            return path / EVALS
+    return Path(EVALS)
+
+
+def command(
+    targets: Sequence[str | Path],
+    recipes: Sequence[str],
+    tasks: Sequence[str],
+    *,
+    output: Path | None,
+    reference: str | None,
+    include: Sequence[Path],
+    **options: Any,
+) -> list[dict[str, Any]]:
+    """``pmakit eval``: evaluate, append to the output, print the table; returns the summary lines."""
+    from rich.console import Console
+
+    out = output or default_output(targets)
+    out = out / EVALS if out.is_dir() else out
+    spec = Spec(tasks=tuple(tasks), include=tuple(include), **options)
+    err = Console(stderr=True)
+    rows = evaluate(
+        targets, recipes, spec, out=out, progress=lambda line: err.print(f"[dim]evaluating {line}[/]")
+    )
+    summary = summarize(rows, reference)
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    console.print(render(summary))
+    console.print(f"models: {', '.join(sorted({r['how'] for r in rows}))}; rows in {out}")
+    return summary
