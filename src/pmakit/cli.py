@@ -1135,6 +1135,55 @@ def tune(run_dir: Path, data: str | None, output: Path, quiet: bool, **options: 
     click.echo(render(record))
 
 
+@cli.command("eval")
+@click.argument("targets", nargs=-1, required=True, type=LOCATION, metavar="RUN|SNAPSHOT|MODEL_DIR...")
+@click.option(
+    "--merge",
+    "recipes",
+    multiple=True,
+    metavar="RECIPE",
+    help="A merge of each run to evaluate (repeatable): latest, back:K, sma:N, wma:N, ema:ALPHA[:N], "
+    "wsm:SHAPE:N (+ :every=V :until=T), or a pmakit tune output [default: latest].",
+)
+@click.option(
+    "--tasks",
+    required=True,
+    help="Comma-separated lm-eval tasks: pmakit_next_line, pmakit_bpb, pmakit_loss (built from the run's held-out "
+    "files), lm-eval's own (data in the local HF cache), or tasks of --include folders.",
+)
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="The first N items of each task.")
+@click.option(
+    "--split",
+    type=click.Choice(["selection", "test"]),
+    default="test",
+    show_default=True,
+    help="Item split of pmakit's tasks: choose on selection, report on test.",
+)
+@click.option(
+    "--noise",
+    type=click.IntRange(min=0),
+    default=4,
+    show_default=True,
+    help="Evaluate the K newest raw snapshots of each run: the noise band a merge's gain is read against.",
+)
+@click.option("--reference", default=None, help="A recipe or target every model is also compared with.")
+@click.option("--include", multiple=True, type=click.Path(path_type=Path), help="A folder of lm-eval task YAMLs.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True, help="lm-eval batch size.")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="evals.jsonl to append to and resume from (a folder: FOLDER/evals.jsonl) [default: RUN/evals.jsonl].",
+)
+def eval_(targets: tuple[Path | str, ...], recipes: tuple[str, ...], tasks: str, **options: Any) -> None:
+    """Evaluate runs' merges (in memory), snapshots or model folders on lm-eval tasks: each score with its s.e.
+    over items, every model's paired difference to the latest snapshot, and the raw snapshots' noise band."""
+    from pmakit.eval.run import command
+
+    command(_local(targets), list(recipes), [t.strip() for t in tasks.split(",") if t.strip()], **options)
+
+
 def main() -> None:
     """Console-script entry point."""
     try:

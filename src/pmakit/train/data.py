@@ -275,16 +275,26 @@ def heldout_of_documents(docs: Sequence[np.ndarray]) -> HeldOut:
         half = len(tokens) // 2
         return HeldOut(tokens[:half], tokens[half:], "contiguous", (0, 0))
     parts: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
-    held = [0, 0]
-    for doc in docs:
-        k = 0 if held[0] <= held[1] else 1  # the lighter split takes the next document
+    sides, held = document_sides([len(doc) for doc in docs])
+    for doc, k in zip(docs, sides):
         parts[k].append(doc)
-        held[k] += len(doc)
     if 3 * min(held) < sum(held):
         return _halves_of_documents(docs, held)
     return HeldOut(
         np.concatenate(parts[0]), np.concatenate(parts[1]), "by-file", (len(parts[0]), len(parts[1]))
     )
+
+
+def document_sides(lengths: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Which split each document goes to (0 selection, 1 test: the lighter split takes the next document), and the
+    tokens each split then holds. ``heldout_of_documents`` halves every document instead when one split would hold
+    under a quarter of the tokens."""
+    sides, held = [], [0, 0]
+    for n in lengths:
+        k = 0 if held[0] <= held[1] else 1
+        sides.append(k)
+        held[k] += n
+    return sides, held
 
 
 def _halves_of_documents(docs: Sequence[np.ndarray], held: Sequence[int]) -> HeldOut:

@@ -1,0 +1,130 @@
+"""The lm-evaluation-harness bridge: an in-memory model through ``lm_eval.simple_evaluate``, per-item scores out.
+
+lm-eval runs offline here (``HF_DATASETS_OFFLINE``/``HF_HUB_OFFLINE`` are set before it is imported): tasks are
+lm-eval's own (``hellaswag``... when their data is in the local HF cache) or local YAML tasks found through
+``TaskManager(include_path=...)``, such as the ones ``pmakit.eval.tasks`` builds. Every task is run with
+``log_samples=True`` and each metric's per-item values are kept: a mean metric's 0/1 or score per item, or a
+(log-likelihood, units) pair for the corpus-level ratios (``bits_per_byte``, ``byte_perplexity``,
+``word_perplexity``), from which ``pmakit.eval.stats`` computes standard errors and paired differences.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pmakit.errors import PmakitError, first_line
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = (
+    'lm-evaluation-harness is not installed: pip install -e ".[eval]" (or pip install "lm-eval[hf]")'
+)
+RATIO_METRICS = ("bits_per_byte", "byte_perplexity", "word_perplexity")
+"""Corpus-level metrics whose per-item values are (log-likelihood, units) pairs."""
+
+
+@dataclass
+class MetricScores:
+    """One metric of one task for one model."""
+
+    value: float
+    """lm-eval's aggregate."""
+    stderr: float | None
+    """lm-eval's own standard error (None where it gives none)."""
+    items: list[Any]
+    """Per item, in lm-eval's doc order: a number, or [log-likelihood, units] for ``RATIO_METRICS``."""
+    doc_ids: list[int]
+
+
+def offline() -> None:
+    """Nothing is downloaded: lm-eval and ``datasets`` read local files and caches only."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def require_lm_eval() -> str:
+    """lm-eval's version; one error line when it is not installed."""
+    offline()
+    try:
+        import lm_eval
+    except ImportError:
+        raise PmakitError(INSTALL_HINT) from None
+    for name in ("lm_eval", "lm-eval", "datasets"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    return str(lm_eval.__version__)
+
+
+def task_manager(include: Sequence[Path] = ()) -> Any:
+    require_lm_eval()
+    from lm_eval.tasks import TaskManager
+
+    paths = [str(p) for p in include]
+    return TaskManager(include_path=paths or None, verbosity="ERROR")
+
+
+def check_tasks(names: Sequence[str], manager: Any) -> None:
+    """An unknown task is one error line, with the nearest names lm-eval knows."""
+    known = set(manager.all_tasks)
+    for name in names:
+        if name not in known:
+            near = difflib.get_close_matches(name, sorted(known), n=3)
+            hint = f"; did you mean {', '.join(near)}?" if near else ""
+            raise PmakitError(f"unknown task {name!r} (not an lm-eval task nor a local task YAML){hint}")
+
+
+def hflm(model: Any, tokenizer: Any, *, batch_size: int = 8) -> Any:
+    """lm-eval's ``HFLM`` around an in-memory model (nothing is loaded from disk)."""
+    require_lm_eval()
+    import torch
+    from lm_eval.models.huggingface import HFLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return HFLM(pretrained=model.to(device), tokenizer=tokenizer, device=device, batch_size=batch_size)
+
+
+def run_tasks(
+    lm: Any, tasks: Sequence[str], manager: Any, *, limit: int | None = None
+) -> dict[str, dict[str, MetricScores]]:
+    """``simple_evaluate`` of ``tasks`` on ``lm``: ``{task: {metric: MetricScores}}``."""
+    import lm_eval
+
+    try:
+        out = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=list(tasks),
+            task_manager=manager,
+            limit=limit,
+            log_samples=True,
+            verbosity="ERROR",
+        )
+    except PmakitError:
+        raise
+    except Exception as exc:  # a task whose data is missing offline, a malformed YAML
+        raise PmakitError(f"lm-eval could not run {', '.join(tasks)}: {first_line(exc)}") from None
+    return {task: scores_of(out, task) for task in tasks if task in out["samples"]}
+
+
+def scores_of(out: Mapping[str, Any], task: str) -> dict[str, MetricScores]:
+    """Per metric of ``task``: lm-eval's aggregate and stderr, and the per-item values of its samples."""
+    results, samples = out["results"][task], out["samples"][task]
+    scores: dict[str, MetricScores] = {}
+    for key, value in results.items():
+        metric, _, filt = key.partition(",")
+        if not filt or metric.endswith("_stderr") or not isinstance(value, (int, float)):
+            continue
+        stderr = results.get(f"{metric}_stderr,{filt}")
+        rows = [s for s in samples if s.get("filter", filt) == filt and metric in s]
+        items = [list(s[metric]) if isinstance(s[metric], (list, tuple)) else float(s[metric]) for s in rows]
+        scores[metric] = MetricScores(
+            float(value),
+            float(stderr) if isinstance(stderr, (int, float)) else None,
+            items,
+            [int(s["doc_id"]) for s in rows],
+        )
+    return scores
