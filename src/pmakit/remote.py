@@ -538,10 +538,14 @@ def output_location(url: str) -> Location:
     bucket, _, key = rest.partition("/")
     parts = key.split("/")
     if ".." in parts:
-        raise PmakitError(f"{url}: '..' in an object key is ambiguous (the store keeps it literally); name the prefix")
+        raise PmakitError(
+            f"{url}: '..' in an object key is ambiguous (the store keeps it literally); name the prefix"
+        )
     where = parse(f"{scheme}://{bucket}/{'/'.join(p for p in parts if p not in ('', '.'))}")
     if not where.key:
-        raise PmakitError(f"{where.url}: a merge goes under a prefix (BUCKET/PREFIX), never at a bucket's root")
+        raise PmakitError(
+            f"{where.url}: a merge goes under a prefix (BUCKET/PREFIX), never at a bucket's root"
+        )
     return where
 
 
@@ -616,7 +620,9 @@ def _private_dir(path: Path) -> Path:
     try:
         info = os.fstat(fd)
         if info.st_uid != os.getuid():
-            raise PmakitError(f"refusing the staging folder {path}: it belongs to another user (uid {info.st_uid})")
+            raise PmakitError(
+                f"refusing the staging folder {path}: it belongs to another user (uid {info.st_uid})"
+            )
         if info.st_mode & 0o077:
             os.fchmod(fd, 0o700)
     finally:
