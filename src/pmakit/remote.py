@@ -13,11 +13,13 @@ of the tensor being merged: independent of the model's size like the local merge
 local merge has page cache, so it grows with N. Records DCP itself must decode (compressed ones) and whole ``torch.save`` files are written into their
 placeholder first (``RemoteFile.fill``) and read from there.
 
-Outputs. A merge into a URL is made in a local staging folder (the local merge, with its resume ledger) and then
-published (``publish``): every file uploaded in parts (multipart, several parts in flight), the merge manifest
-last. A reader of the bucket sees a finished merge only once its manifest is there; publishing first deletes an
-older manifest at that URL, so an interrupted publish leaves nothing that looks complete, and a rerun with
-``--resume`` uploads only what is not there yet (each object carries its sha256).
+Outputs. A merge into a URL is made in a private local staging folder (``staging_dir``: the local merge, with its
+resume ledger) and then published (``publish``): every file uploaded in parts (multipart, several parts in flight),
+the merge manifest last. A reader of the bucket sees a finished merge only once its manifest is there; publishing
+first deletes an older manifest at that URL, then every object under the prefix that is not part of the new merge,
+so an interrupted publish leaves nothing that looks complete, a finished one exactly the new merge, and a rerun
+with ``--resume`` uploads only what is not there yet (each object carries its sha256). ``check_output`` applies a
+folder output's rules first (``pmakit.merge.url`` is the merge's side).
 
 Clients. boto3 for S3 and S3-compatible stores (MinIO, R2, moto), as OLMo-core does; not s3fs, which needs
 aiobotocore, and aiobotocore pins botocore to a narrow range (1.43.x for s3fs 2026.9) that would downgrade the
