@@ -663,9 +663,14 @@ def check_output(
         raise PmakitError(f"{where.url}: holds a finished merge already; pass --force to replace it")
     if resume and len(objects) <= 10_000 and all(s.sha256(o) for o in objects):
         return where
+    what = (
+        "not all uploaded by pmakit"
+        if resume
+        else "files pmakit did not write, or a cut publish (see --resume)"
+    )
     raise PmakitError(
-        f"refusing to write {where.url}: it holds {len(objects)} object(s) and no {manifest}, so pmakit did not "
-        "write them; pass --force to replace everything under it"
+        f"refusing to write {where.url}: it holds {len(objects)} object(s) and no {manifest} ({what}); pass --force "
+        "to replace everything under it"
     )
 
 
