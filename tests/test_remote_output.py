@@ -152,6 +152,11 @@ def test_foreign_objects_need_force_and_force_leaves_only_the_merge(
     assert done.returncode == 0, done.stderr
     assert sorted(bucket.objects("prod/")) == _merge_keys("prod")
 
+    bucket.put("empty/", b"")  # a console's "folder": no content of anyone's
+    done = run_cli("merge", bucket.url("run"), "-o", bucket.url("empty"), "--quiet", env=env)
+    assert done.returncode == 0, done.stderr
+    assert sorted(bucket.objects("empty/")) == _merge_keys("empty")
+
 
 def _merged_locally(run: Path, out: Path, *flags: str) -> dict[str, torch.Tensor]:
     assert run_cli("merge", run, "-o", out, "--quiet", *flags).returncode == 0

@@ -654,8 +654,9 @@ def check_output(
     s.check_bucket(where)
     if force:
         return where
-    objects = [Location(where.scheme, where.bucket, k) for k, _ in s.list(where)]
-    if not objects:
+    listed = s.list(where)
+    objects = [Location(where.scheme, where.bucket, k) for k, n in listed if not (n == 0 and k.endswith("/"))]
+    if not objects:  # nothing, or only the empty "folder" markers consoles create
         return where
     if where.child(manifest) in objects:
         if resume:
