@@ -145,12 +145,17 @@ def test_foreign_objects_need_force_and_force_leaves_only_the_merge(
     env = _env(bucket, tmp_path)
     for flags in ((), ("--resume",)):
         line = _one_line_error(run_cli("merge", bucket.url("run"), "-o", bucket.url("prod"), *flags, env=env))
-        assert "pmakit did not write" in line and "--force" in line
+        assert "no pmakit-merge.json" in line and "--force" in line
     assert bucket.objects("prod/") == foreign
 
     done = run_cli("merge", bucket.url("run"), "-o", bucket.url("prod"), "--force", "--quiet", env=env)
     assert done.returncode == 0, done.stderr
     assert sorted(bucket.objects("prod/")) == _merge_keys("prod")
+
+    bucket.put("empty/", b"")  # a console's "folder": no content of anyone's
+    done = run_cli("merge", bucket.url("run"), "-o", bucket.url("empty"), "--quiet", env=env)
+    assert done.returncode == 0, done.stderr
+    assert sorted(bucket.objects("empty/")) == _merge_keys("empty")
 
 
 def _merged_locally(run: Path, out: Path, *flags: str) -> dict[str, torch.Tensor]:
@@ -365,3 +370,41 @@ def test_the_library_merges_into_a_url_with_the_folder_rules_and_the_device(
     with pytest.raises(PmakitError, match="holds a finished merge already"):
         merge(snaps, weights, bucket.url("lib"))
     assert merge(snaps[-1:], [1.0], bucket.url("lib"), force=True).url == bucket.url("lib")
+
+
+def test_the_library_resumes_a_cut_publish_without_merging_again(
+    s3_server: Any, make_run: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pmakit import remote
+    from pmakit.merge import merge
+    from pmakit.snapshot import discover
+
+    bucket = Bucket("s3", s3_server)
+    bucket.put_tree(make_run(n=2), "run")
+    proxy = FaultProxy(s3_server.port)
+    puts = {"n": 0}
+
+    def fault(method: str, path: str, headers: dict[str, str]) -> str | None:
+        if method == "PUT":
+            puts["n"] += 1
+            return "down" if puts["n"] > 1 else None  # the first file goes up, then the server is gone
+        return None
+
+    for k, v in _env(bucket, tmp_path, AWS_ENDPOINT_URL=proxy.url, AWS_MAX_ATTEMPTS="1").items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(remote, "_STORES", {})
+    try:
+        snaps = discover(remote.localize(bucket.url("run")))
+        proxy.fault = fault
+        with pytest.raises(PmakitError, match="upload"):
+            merge(snaps, [0.5, 0.5], bucket.url("m"), max_shard_size=3000)
+        assert bucket.objects("m/") and f"m/{MERGE_MANIFEST}" not in bucket.objects("m/")
+        with pytest.raises(PmakitError, match="a cut publish"):  # not a merge there yet
+            merge(snaps, [0.5, 0.5], bucket.url("m"), max_shard_size=3000)
+        proxy.fault = lambda *a: None
+        result = merge(snaps, [0.5, 0.5], bucket.url("m"), max_shard_size=3000, resume=True)
+    finally:
+        proxy.stop()
+    assert result.seconds == 0.0  # the staged merge was published as it was, not made again
+    assert f"m/{MERGE_MANIFEST}" in bucket.objects("m/")
+    assert not any((tmp_path / "staging" / f"pmakit-staging-{os.getuid()}").iterdir())

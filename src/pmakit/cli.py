@@ -370,7 +370,9 @@ def _merge(
         )
     alpha = 0.2 if alpha is None else alpha
     if isinstance(output, str):
-        output = _check_url_output(output, inputs, from_previous is not None or keep_fp32, world, force, resume)
+        output = _check_url_output(
+            output, inputs, from_previous is not None or keep_fp32, world, force, resume
+        )
     chosen = _select(inputs, last, every, until, tokens_per_step, exclude)
     weights = get_weights("custom" if custom is not None else method, len(chosen), alpha=alpha, custom=custom)
     terms, term_weights, window = chosen, weights, None
@@ -403,7 +405,12 @@ def _merge(
             window=window,
             buffers=buffers,
         )
-    if keep_fp32 and from_previous is None and not (Path(output) / "pmakit-fp32").is_dir() and world.rank == 0:
+    if (
+        keep_fp32
+        and from_previous is None
+        and not (Path(output) / "pmakit-fp32").is_dir()
+        and world.rank == 0
+    ):
         click.echo(
             f"note: no {Path(output) / 'pmakit-fp32'}: the merge is fp32 already, so --from-previous {output} "
             "updates it exactly as it is",

@@ -13,11 +13,13 @@ of the tensor being merged: independent of the model's size like the local merge
 local merge has page cache, so it grows with N. Records DCP itself must decode (compressed ones) and whole ``torch.save`` files are written into their
 placeholder first (``RemoteFile.fill``) and read from there.
 
-Outputs. A merge into a URL is made in a local staging folder (the local merge, with its resume ledger) and then
-published (``publish``): every file uploaded in parts (multipart, several parts in flight), the merge manifest
-last. A reader of the bucket sees a finished merge only once its manifest is there; publishing first deletes an
-older manifest at that URL, so an interrupted publish leaves nothing that looks complete, and a rerun with
-``--resume`` uploads only what is not there yet (each object carries its sha256).
+Outputs. A merge into a URL is made in a private local staging folder (``staging_dir``: the local merge, with its
+resume ledger) and then published (``publish``): every file uploaded in parts (multipart, several parts in flight),
+the merge manifest last. A reader of the bucket sees a finished merge only once its manifest is there; publishing
+first deletes an older manifest at that URL, then every object under the prefix that is not part of the new merge,
+so an interrupted publish leaves nothing that looks complete, a finished one exactly the new merge, and a rerun
+with ``--resume`` uploads only what is not there yet (each object carries its sha256). ``check_output`` applies a
+folder output's rules first (``pmakit.merge.url`` is the merge's side).
 
 Clients. boto3 for S3 and S3-compatible stores (MinIO, R2, moto), as OLMo-core does; not s3fs, which needs
 aiobotocore, and aiobotocore pins botocore to a narrow range (1.43.x for s3fs 2026.9) that would downgrade the
@@ -794,10 +796,14 @@ def output_location(url: str) -> Location:
     bucket, _, key = rest.partition("/")
     parts = key.split("/")
     if ".." in parts:
-        raise PmakitError(f"{url}: '..' in an object key is ambiguous (the store keeps it literally); name the prefix")
+        raise PmakitError(
+            f"{url}: '..' in an object key is ambiguous (the store keeps it literally); name the prefix"
+        )
     where = parse(f"{scheme}://{bucket}/{'/'.join(p for p in parts if p not in ('', '.'))}")
     if not where.key:
-        raise PmakitError(f"{where.url}: a merge goes under a prefix (BUCKET/PREFIX), never at a bucket's root")
+        raise PmakitError(
+            f"{where.url}: a merge goes under a prefix (BUCKET/PREFIX), never at a bucket's root"
+        )
     return where
 
 
@@ -872,7 +878,9 @@ def _private_dir(path: Path) -> Path:
     try:
         info = os.fstat(fd)
         if info.st_uid != os.getuid():
-            raise PmakitError(f"refusing the staging folder {path}: it belongs to another user (uid {info.st_uid})")
+            raise PmakitError(
+                f"refusing the staging folder {path}: it belongs to another user (uid {info.st_uid})"
+            )
         if info.st_mode & 0o077:
             os.fchmod(fd, 0o700)
     finally:
@@ -902,8 +910,9 @@ def check_output(
     s.check_bucket(where)
     if force:
         return where
-    objects = [Location(where.scheme, where.bucket, k) for k, _ in s.list(where)]
-    if not objects:
+    listed = s.list(where)
+    objects = [Location(where.scheme, where.bucket, k) for k, n in listed if not (n == 0 and k.endswith("/"))]
+    if not objects:  # nothing, or only the empty "folder" markers consoles create
         return where
     if where.child(manifest) in objects:
         if resume:
@@ -911,9 +920,14 @@ def check_output(
         raise PmakitError(f"{where.url}: holds a finished merge already; pass --force to replace it")
     if resume and len(objects) <= 10_000 and all(s.sha256(o) for o in objects):
         return where
+    what = (
+        "not all uploaded by pmakit"
+        if resume
+        else "files pmakit did not write, or a cut publish (see --resume)"
+    )
     raise PmakitError(
-        f"refusing to write {where.url}: it holds {len(objects)} object(s) and no {manifest}, so pmakit did not "
-        "write them; pass --force to replace everything under it"
+        f"refusing to write {where.url}: it holds {len(objects)} object(s) and no {manifest} ({what}); pass --force "
+        "to replace everything under it"
     )
 
 
