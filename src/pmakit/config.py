@@ -101,7 +101,8 @@ class Length:
 def check_fields(obj: Any, section: str) -> None:
     """Every declared bound of the dataclass ``obj`` (the config section ``section``), or one error naming the
     field, what it must be and what it is. A list's items are checked by the bounds on its item type."""
-    for name, hint in _field_hints(type(obj)):
+    cls: type = type(obj)
+    for name, hint in _field_hints(cls):
         value = getattr(obj, name)
         _check_value(value, hint, f"{section}.{name}")
 
