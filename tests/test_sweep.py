@@ -246,6 +246,10 @@ def test_killed_study_resumes_to_the_same_numbers(smoke: Path, tmp_path: Path) -
         ("  points: [0.5, 1.5]\n", "sweep.points must be in (0, 1), got 1.5"),
         ("  batch_sizes: [0, 8]\n", "sweep.batch_sizes must be at least 1, got 0"),
         ("  budget: 0\n", "sweep.budget must be at least 1, got 0"),
+        (
+            "  bootstrap: 1000000000000\n",
+            "sweep.bootstrap 1,000,000,000,000 is over pmakit's limit bootstrap-resamples",
+        ),
         ("  lrs: [1.0e-3]\n  weight_decays: [0.1]\n", "at least 2 candidates"),
         ("  recipes: [{method: nope, fraction: 0.2}]\n", "nope"),
     ],
