@@ -7,10 +7,12 @@ to start your own from. A config file replaces the preset it names (``preset: de
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import typing
 from collections.abc import Mapping
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -24,6 +26,112 @@ Tokens = Annotated[int, TOKENS]
 """A token count: a config file may write it as '4M' (``pmakit.units.parse_tokens``)."""
 
 T = TypeVar("T")
+
+
+# --------------------------------------------------------------------------------------------- the schema
+# A config section is a dataclass; the bounds of each field are declared on its type, beside its docstring
+# (``method_n: Annotated[int, Range(2)] = 8``), and ``check_fields`` checks every one when the section is built
+# (the dataclass's __post_init__ calls it first), so a bad value is one line before anything runs. Only the checks
+# that tie two fields together stay in __post_init__.
+
+
+@dataclass(frozen=True)
+class Range:
+    """A number's bounds: ``lo`` <= value <= ``hi`` (``lo_open``/``hi_open``: that end excluded); ``off`` is also
+    allowed (the value that turns a feature off, e.g. 0 tuner trials)."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    off: float | None = None
+
+    def problem(self, value: Any) -> str | None:
+        if value == self.off or isinstance(value, bool) or not isinstance(value, (int, float)):
+            return None
+        lo, hi = self.lo, self.hi
+        below = lo is not None and (value <= lo if self.lo_open else value < lo)
+        above = hi is not None and (value >= hi if self.hi_open else value > hi)
+        if not (below or above):
+            return None
+        if lo is not None and hi is not None:
+            text = f"in {'(' if self.lo_open else '['}{lo:g}, {hi:g}{')' if self.hi_open else ']'}"
+        elif lo is not None:
+            text = f"above {lo:g}" if self.lo_open else f"at least {lo:g}"
+        else:
+            text = f"below {hi:g}" if self.hi_open else f"at most {hi:g}"
+        return text if self.off is None else f"{self.off:g} (off) or {text}"
+
+
+POSITIVE = Range(0, lo_open=True)
+AT_LEAST_1 = Range(1)
+AT_LEAST_2 = Range(2)
+NON_NEGATIVE = Range(0)
+FRACTION = Range(0, 1, lo_open=True, hi_open=True)
+"""Strictly between 0 and 1."""
+
+
+@dataclass(frozen=True)
+class OneOf:
+    """A string among ``values``."""
+
+    values: tuple[str, ...]
+
+    def problem(self, value: Any) -> str | None:
+        if value is None or value in self.values:
+            return None
+        return ", ".join(self.values[:-1]) + f" or {self.values[-1]}"
+
+
+@dataclass(frozen=True)
+class Length:
+    """A list of at least ``lo`` values (``distinct``: no value twice)."""
+
+    lo: int = 1
+    distinct: bool = False
+
+    def problem(self, value: Any) -> str | None:
+        if len(value) < self.lo:
+            return f"a list of at least {self.lo} value{'s' if self.lo > 1 else ''}"
+        if self.distinct and len(set(value)) != len(value):
+            return "a list of distinct values"
+        return None
+
+
+def check_fields(obj: Any, section: str) -> None:
+    """Every declared bound of the dataclass ``obj`` (the config section ``section``), or one error naming the
+    field, what it must be and what it is. A list's items are checked by the bounds on its item type."""
+    cls: type = type(obj)
+    for name, hint in _field_hints(cls):
+        value = getattr(obj, name)
+        _check_value(value, hint, f"{section}.{name}")
+
+
+def _check_value(value: Any, hint: Any, where: str) -> None:
+    if value is None:
+        return
+    if typing.get_origin(hint) is Annotated:
+        for mark in typing.get_args(hint)[1:]:
+            problem = mark.problem(value) if isinstance(mark, (Range, OneOf, Length)) else None
+            if problem is not None:
+                shown = list(value) if isinstance(value, tuple) else value
+                raise PmakitError(f"{where} must be {problem}, got {shown!r}")
+        hint = typing.get_args(hint)[0]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(options) == 1:
+            _check_value(value, options[0], where)
+    elif typing.get_origin(hint) is tuple and isinstance(value, tuple):
+        args = typing.get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:
+            for item in value:
+                _check_value(item, args[0], where)
+
+
+@functools.cache
+def _field_hints(cls: type) -> tuple[tuple[str, Any], ...]:
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls) if f.init)
 
 
 def from_mapping(cls: type[T], data: Any, section: str) -> T:
@@ -44,6 +152,11 @@ def from_mapping(cls: type[T], data: Any, section: str) -> T:
         )
     hints = typing.get_type_hints(cls, include_extras=True)
     values = {key: _convert(value, hints[key], f"{section}.{key}") for key, value in data.items()}
+    for (
+        key,
+        value,
+    ) in values.items():  # the declared bounds, named by the config's own path (e.g. sweep.recipes)
+        _check_value(value, hints[key], f"{section}.{key}")
     try:
         return cls(**values)
     except TypeError as e:

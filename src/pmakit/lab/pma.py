@@ -29,12 +29,22 @@ import time
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import torch
 
 import pmakit
-from pmakit.config import Tokens, from_mapping
+from pmakit.config import (
+    AT_LEAST_1,
+    AT_LEAST_2,
+    NON_NEGATIVE,
+    Length,
+    OneOf,
+    Range,
+    Tokens,
+    check_fields,
+    from_mapping,
+)
 from pmakit.errors import PmakitError
 from pmakit.evaluate import EvalResult, batch_losses, paired_difference, result_of
 from pmakit.formats import read_state
@@ -53,7 +63,7 @@ from pmakit.runs import (
     run_relative,
     snapshots_dir,
 )
-from pmakit.schedule import WSD
+from pmakit.schedule import DECAY_SHAPES, WSD
 from pmakit.snapshot import Snapshot, discover
 from pmakit.train.loop import TrainConfig, Trainer
 from pmakit.units import format_tokens
@@ -78,60 +88,47 @@ EMA_METHODS = ("ema", "ema-normalized")
 class ExperimentConfig:
     """The study on top of a training run (the ``experiment:`` section of a config)."""
 
-    forks: tuple[Tokens, ...] = (4_000_000, 6_500_000)
+    forks: Annotated[tuple[Annotated[Tokens, AT_LEAST_1], ...], Length(1)] = (4_000_000, 6_500_000)
     """Fork points F (tokens) where an anneal branch starts."""
-    anneal_fraction: float = 0.2
+    anneal_fraction: Annotated[float, Range(0, 1, lo_open=True)] = 0.2
     """Anneal length D as a fraction of F (rounded to whole snapshot intervals)."""
-    anneal_shape: str = "linear"
+    anneal_shape: Annotated[str, OneOf(DECAY_SHAPES)] = "linear"
     """Decay shape of the anneal branches: linear, cosine or 1sqrt."""
-    ns: tuple[int, ...] = (2, 4, 8, 16)
+    ns: Annotated[tuple[Annotated[int, AT_LEAST_1], ...], Length(1)] = (2, 4, 8, 16)
     """Numbers of snapshots N merged."""
-    v_multiples: tuple[int, ...] = (1, 2, 4)
+    v_multiples: Annotated[tuple[Annotated[int, AT_LEAST_1], ...], Length(1)] = (1, 2, 4)
     """Merge spacings V, as multiples of the snapshot interval."""
-    methods: tuple[str, ...] = ("sma", "wma", "ema", "ema-normalized", "wsm-1sqrt")
+    methods: Annotated[tuple[str, ...], Length(1)] = ("sma", "wma", "ema", "ema-normalized", "wsm-1sqrt")
     """Weightings compared at N = method_n, V = 1x."""
-    alphas: tuple[float, ...] = (0.1, 0.2)
+    alphas: Annotated[tuple[Annotated[float, Range(0, 1, lo_open=True)], ...], Length(1)] = (0.1, 0.2)
     """EMA factors tried for the ema weightings."""
-    method_n: int = 8
+    method_n: Annotated[int, AT_LEAST_2] = 8
     """N at which the weightings are compared."""
-    points: int = 6
+    points: Annotated[int, NON_NEGATIVE] = 6
     """Extra points of the stable phase where latest vs SMA(method_n) is evaluated (paper E1)."""
-    eval_batches: int = 32
+    eval_batches: Annotated[int, AT_LEAST_2] = 32
     """Held-out batches per split: the grid is scored on the selection split, the headline on the test split."""
-    tune_evals: int = 0
+    tune_evals: Annotated[int, Range(2, off=0)] = 0
     """Trials of ``pmakit tune``'s search (selection split) for a tuned merge at each fork (0: none)."""
-    tune_learn_steps: int = 20
+    tune_learn_steps: Annotated[int, NON_NEGATIVE] = 20
     """Steps of the tuner's learned weights over its best window (``pmakit.lab.tune.learn_weights``; 0: none)."""
-    plane_grid: int = 0
+    plane_grid: Annotated[int, Range(2, off=0)] = 0
     """Loss plane (E11, E12) at the final fork for the best SMA window: grid points per axis (0: skip it)."""
-    plane_batches: int = 4
+    plane_batches: Annotated[int, AT_LEAST_1] = 4
     """Held-out batches per evaluation of the loss plane."""
     oracle: bool = False
     """Also score every SMA cell of the grid on the test split (role ``oracle``): the best that a choice made on
     the test split itself could reach, for scale only. Nothing is chosen from these rows; the report says how far
     the selection's pick is from them."""
-    compile_eval: str = "off"
+    compile_eval: Annotated[str, OneOf(("off", "on", "auto"))] = "off"
     """Score the grid, the tuner's trials, the headline and the loss plane through ``torch.compile``: ``off``,
     ``on``, or ``auto`` (on where it can build kernels: a C++ compiler on CPU). Compiling once costs ~20 s and makes
     each held-out batch ~0.8x as long: it pays for the hundreds of evaluations of the demo, not for a smoke run."""
 
     def __post_init__(self) -> None:
-        if not self.forks:
-            raise PmakitError("experiment.forks needs at least one fork point")
-        if min(self.forks) < 1:
-            raise PmakitError(f"experiment.forks must be positive token counts, got {list(self.forks)}")
-        if not 0 < self.anneal_fraction <= 1:
-            raise PmakitError(f"experiment.anneal_fraction must be in (0, 1], got {self.anneal_fraction}")
-        if min(self.ns, default=0) < 1 or min(self.v_multiples, default=0) < 1:
-            raise PmakitError("experiment.ns and experiment.v_multiples must be positive integers")
+        check_fields(self, "experiment")  # the bounds declared above
         for m in self.methods:
             get_weights(m, 2)  # an unknown name fails here, listing the known ones
-        if self.tune_evals == 1 or self.tune_evals < 0:
-            raise PmakitError("experiment.tune_evals must be 0 (no tuned merge) or at least 2")
-        if self.plane_grid == 1 or self.plane_grid < 0 or self.plane_batches < 1:
-            raise PmakitError("experiment.plane_grid must be 0 (off) or at least 2, plane_batches at least 1")
-        if self.compile_eval not in ("off", "on", "auto"):
-            raise PmakitError(f"experiment.compile_eval must be off, on or auto, got {self.compile_eval!r}")
 
     @property
     def compiled(self) -> bool:

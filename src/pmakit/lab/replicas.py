@@ -29,12 +29,12 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 
 import pmakit
-from pmakit.config import from_mapping
+from pmakit.config import AT_LEAST_2, check_fields, from_mapping
 from pmakit.errors import PmakitError
 from pmakit.evaluate import EvalResult, evaluate, paired_difference
 from pmakit.runs import atomic_open, atomic_write_text, checkpoint_dir, replica_dir, snapshots_dir
@@ -77,33 +77,39 @@ class Arm:
 class ReplicaStudy:
     """The ``replicas:`` section of the preset."""
 
-    replicas: int = 2
+    replicas: Annotated[int, AT_LEAST_2] = 2
     """R: model copies of the multi-copy arms (processes under torchrun)."""
     arms: tuple[Arm, ...] = field(default_factory=tuple)
     """The arms; ``sync`` (synchronous data parallel) is the reference of the paired differences."""
-    last: int = 4
+    last: Annotated[int, AT_LEAST_2] = 4
     """N of the PMA: the SMA of each arm's last N snapshots."""
-    eval_batches: int = 16
+    eval_batches: Annotated[int, AT_LEAST_2] = 16
     """Held-out batches of the final scores (the same for every arm)."""
 
     def __post_init__(self) -> None:
+        check_fields(self, STUDY)  # the bounds declared above
         names = [a.name for a in self.arms]
         if "sync" not in names or "single" not in names:
             raise PmakitError("the replicas study needs the arms 'sync' (reference) and 'single'")
         if len(set(names)) != len(names):
             raise PmakitError(f"arm names must be unique: {names}")
-        if self.last < 2:
-            raise PmakitError("replicas.last must be at least 2 (a PMA of one snapshot is the latest)")
 
 
 def resolve(data: Mapping[str, Any]) -> tuple[Any, ReplicaStudy]:
     """The train config and the study of a preset's mapping; unknown keys are an error naming them."""
     from pmakit.train.loop import TrainConfig
 
-    section = dict(data.get(STUDY) or {})
-    replicas = int(section.get("replicas", ReplicaStudy.replicas))
+    section = data.get(STUDY) or {}
+    if not isinstance(section, Mapping):
+        raise PmakitError(f"the {STUDY} config must be a mapping of keys to values, got {section!r}")
+    section = dict(section)
+    replicas = section.get("replicas", ReplicaStudy.replicas)
+    if isinstance(replicas, bool) or not isinstance(replicas, int):
+        raise PmakitError(f"{STUDY}.replicas: expected a whole number, got {replicas!r}")
     arms = []
     for item in section.pop("arms", None) or ():
+        if not isinstance(item, Mapping):
+            raise PmakitError(f"{STUDY}.arms: each arm is a mapping with a name, got {item!r}")
         options = dict(item)
         name = str(options.pop("name", ""))
         sync = from_mapping(ReplicaConfig, options, f"{STUDY}.arms.{name}") if name != "single" else None

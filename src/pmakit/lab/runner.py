@@ -33,6 +33,7 @@ def run_experiment(
     """
     if seeds < 1:
         raise PmakitError(f"--seeds must be at least 1, got {seeds}")
+    validate(data)
     check_study_dir(Path(run_dir), data.get("study"))
     if seeds > 1:
         return _run_seeds(data, Path(run_dir), seeds, fresh=fresh, progress=progress)
@@ -60,6 +61,35 @@ def run_experiment(
     from pmakit.lab.pma import run_pma_study
 
     return run_pma_study(data, run_dir, fresh=fresh, progress=progress)
+
+
+def validate(data: Mapping[str, Any]) -> None:
+    """Every value of the config ``data``, checked before anything is written or trained: the sections of the
+    study it asks for, built as the study builds them (each section's bounds are declared on its dataclass's
+    fields, ``pmakit.config.check_fields``; the checks that tie fields together run after them)."""
+    study = data.get("study")
+    if study == "replicas":
+        from pmakit.lab.replicas import resolve as resolve_replicas
+
+        resolve_replicas(data)
+    elif study == "scaling":
+        from pmakit.lab.scaling import resolve as resolve_scaling
+
+        resolve_scaling(data)
+    elif study == "sweep":
+        from pmakit.lab.sweep import resolve as resolve_sweep
+
+        resolve_sweep(data)
+    elif study and study != "moe":  # spike, init; an unknown study is named here
+        from pmakit.lab.recovery import resolve_study
+
+        resolve_study(data)
+    else:
+        from pmakit.lab.pma import resolve
+
+        found = resolve(data)
+        if study == "moe" and not found.train.model.moe:
+            raise PmakitError("the moe study needs a mixture-of-experts model: set train.model.experts")
 
 
 OTHER_RUNS = (

@@ -34,15 +34,27 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 
 import pmakit
-from pmakit.config import Tokens, from_mapping
+from pmakit.config import (
+    AT_LEAST_1,
+    AT_LEAST_2,
+    FRACTION,
+    POSITIVE,
+    Length,
+    OneOf,
+    Range,
+    Tokens,
+    check_fields,
+    from_mapping,
+)
 from pmakit.errors import PmakitError
 from pmakit.evaluate import EvalResult, evaluate
 from pmakit.lab.results import Clock, check_same_config, jsonable, remove_run, trained_tokens
+from pmakit.limits import BOOTSTRAP_RESAMPLES
 from pmakit.runs import (
     RESULTS,
     RESULTS_CSV,
@@ -55,7 +67,7 @@ from pmakit.runs import (
     read_jsonl,
     snapshots_dir,
 )
-from pmakit.schedule import WSD
+from pmakit.schedule import DECAY_SHAPES, WSD
 from pmakit.train.loop import TrainConfig, Trainer
 from pmakit.train.model import ModelConfig
 from pmakit.units import format_tokens
@@ -76,8 +88,11 @@ class Recipe:
 
     method: str = "sma"
     """Weighting (sma, wma, ema, wsm-1sqrt, ...)."""
-    fraction: float = 0.2
+    fraction: Annotated[float, FRACTION] = 0.2
     """Window length as a fraction of the budget D (WSM: the merge's duration matters most)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "recipe")
 
     @property
     def label(self) -> str:
@@ -90,58 +105,57 @@ class Size:
 
     name: str
     """Directory name and label."""
-    layers: int
+    layers: Annotated[int, AT_LEAST_1]
     """Transformer blocks."""
-    hidden: int
+    hidden: Annotated[int, AT_LEAST_1]
     """Width."""
-    heads: int
+    heads: Annotated[int, AT_LEAST_1]
     """Attention heads."""
-    lr: float | None = None
+    lr: Annotated[float | None, POSITIVE] = None
     """Stable-phase LR of this size (default: ``train.lr``)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, f"{STUDY}.sizes")
 
 
 @dataclass(frozen=True)
 class ScalingConfig:
     """The ``scaling:`` section."""
 
-    sizes: tuple[Size, ...] = ()
+    sizes: Annotated[tuple[Size, ...], Length(2)] = ()
     """Model sizes, smallest first; the last one is held out of the fits and predicted."""
-    budgets: tuple[Tokens, ...] = ()
+    budgets: Annotated[tuple[Annotated[Tokens, AT_LEAST_1], ...], Length(2, distinct=True)] = ()
     """Token budgets D (the same for every size), aligned to the largest size's V."""
-    every_tokens_largest: Tokens = 16_384
+    every_tokens_largest: Annotated[Tokens, AT_LEAST_1] = 16_384
     """V of the largest size; a size with k times fewer non-embedding parameters snapshots every V / k (rounded to
     a power-of-two fraction, at least one step), so that V grows with the size as the paper's intervals do."""
-    anneal_fraction: float = 0.2
+    anneal_fraction: Annotated[float, FRACTION] = 0.2
     """The anneal branches off at (1 - f) D and decays the LR to 0 over the last f D."""
-    anneal_shape: str = "1sqrt"
+    anneal_shape: Annotated[str, OneOf(DECAY_SHAPES)] = "1sqrt"
     """Decay shape of the anneals: 1sqrt, linear or cosine."""
-    recipes: tuple[Recipe, ...] = (Recipe("sma", 0.1), Recipe("sma", 0.2), Recipe("sma", 0.4))
+    recipes: tuple[Recipe, ...] = (
+        Recipe("sma", 0.1),
+        Recipe("sma", 0.2),
+        Recipe("sma", 0.4),
+    )
     """Merge candidates; the one with the least mean selection-split loss over the fitted sizes is reported."""
-    max_merged: int = 16
+    max_merged: Annotated[int, AT_LEAST_2] = 16
     """At most this many snapshots in a merge (a long window takes every k-th snapshot)."""
-    selection_batches: int = 12
+    selection_batches: Annotated[int, AT_LEAST_2] = 12
     """Held-out batches the recipe is chosen on."""
-    test_batches: int = 24
+    test_batches: Annotated[int, AT_LEAST_2] = 24
     """Held-out batches every reported loss is measured on (disjoint from the selection batches)."""
-    holdout: str = "largest"
+    holdout: Annotated[str, OneOf(("largest", "none"))] = "largest"
     """largest: fit without the largest size and predict it; none: fit every size."""
-    bootstrap: int = 400
+    bootstrap: Annotated[int, Range(0, BOOTSTRAP_RESAMPLES.value)] = 400
     """Bootstrap refits of the report's 95% intervals."""
 
     def __post_init__(self) -> None:
-        if len(self.sizes) < 2 or len(self.budgets) < 2:
-            raise PmakitError("scaling needs at least 2 sizes and 2 budgets (4 of each for a meaningful law)")
+        check_fields(self, STUDY)  # the bounds declared above
         if len({s.name for s in self.sizes}) != len(self.sizes):
             raise PmakitError("scaling.sizes need distinct names")
-        if not 0 < self.anneal_fraction < 1 or not self.recipes:
-            raise PmakitError("scaling.anneal_fraction must be in (0, 1) and recipes non-empty")
         for r in self.recipes:
             get_weights(r.method, 2)  # an unknown weighting fails here, naming the known ones
-            if not 0 < r.fraction < 1:
-                raise PmakitError(f"recipe fraction must be in (0, 1), got {r.fraction}")
-        if self.holdout not in ("largest", "none") or min(self.selection_batches, self.test_batches) < 2:
-            raise PmakitError("scaling.holdout must be largest or none; selection/test batches at least 2")
-        WSD(1.0, decay_start=0, decay_end=1, shape=self.anneal_shape)  # a bad shape fails here
 
 
 def _section(data: Mapping[str, Any]) -> ScalingConfig:
@@ -149,6 +163,14 @@ def _section(data: Mapping[str, Any]) -> ScalingConfig:
     if not raw.get("recipes", True):
         del raw["recipes"]  # null or []: the default candidates
     return from_mapping(ScalingConfig, raw, STUDY)
+
+
+def resolve(data: Mapping[str, Any]) -> tuple[TrainConfig, ScalingConfig]:
+    """The config ``data`` checked whole: the base train config and the study."""
+    study = _section(data)
+    # every_tokens is set per size (plans); the base takes the largest size's, so that it validates
+    base = TrainConfig.from_dict({"every_tokens": study.every_tokens_largest, **(data.get("train") or {})})
+    return base, study
 
 
 # --------------------------------------------------------------------------------------------------- plan
@@ -436,9 +458,7 @@ def run_scaling_study(
     from pmakit.train.data import val_batches
     from pmakit.train.loop import load_corpus
 
-    study = _section(data)
-    # every_tokens is set per size (plans); the base takes the largest size's, so that it validates
-    base = TrainConfig.from_dict({"every_tokens": study.every_tokens_largest, **(data.get("train") or {})})
+    base, study = resolve(data)
     run_dir = Path(run_dir)
     if fresh and run_dir.exists():
         remove_run(run_dir)

@@ -34,12 +34,23 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 
 import pmakit
-from pmakit.config import Tokens, from_mapping
+from pmakit.config import (
+    AT_LEAST_1,
+    AT_LEAST_2,
+    FRACTION,
+    NON_NEGATIVE,
+    POSITIVE,
+    Length,
+    OneOf,
+    Tokens,
+    check_fields,
+    from_mapping,
+)
 from pmakit.errors import PmakitError
 from pmakit.evaluate import EvalResult, evaluate
 from pmakit.lab.results import Clock, check_same_config, jsonable, remove_run
@@ -54,7 +65,7 @@ from pmakit.runs import (
     read_jsonl,
     snapshots_dir,
 )
-from pmakit.schedule import WSD
+from pmakit.schedule import DECAY_SHAPES
 from pmakit.train.loop import TrainConfig
 from pmakit.units import format_tokens
 from pmakit.weights import get_weights
@@ -74,55 +85,44 @@ RESULT_COLUMNS = ("candidate", "lr", "weight_decay", "batch_size", "tokens", "ki
 class SweepConfig:
     """The ``sweep:`` section."""
 
-    lrs: tuple[float, ...] = ()
+    lrs: Annotated[tuple[Annotated[float, POSITIVE], ...], Length(1)] = ()
     """Peak (stable-phase) LRs swept (about a decade is what a user sweeps)."""
-    weight_decays: tuple[float, ...] = ()
+    weight_decays: tuple[Annotated[float, NON_NEGATIVE], ...] = ()
     """AdamW weight decays swept (default: ``train.weight_decay`` only)."""
-    batch_sizes: tuple[int, ...] = ()
+    batch_sizes: tuple[Annotated[int, AT_LEAST_1], ...] = ()
     """Sequences per step swept (default: ``train.batch_size`` only); V must be a multiple of each one's step."""
-    budget: Tokens = 2_000_000
+    budget: Annotated[Tokens, AT_LEAST_1] = 2_000_000
     """The full budget D: the truth is every candidate annealed to D."""
-    points: tuple[float, ...] = (0.1, 0.25, 0.5)
+    points: Annotated[tuple[Annotated[float, FRACTION], ...], Length(1)] = (0.1, 0.25, 0.5)
     """The early points, as fractions of D, where the candidates are ranked by each estimate."""
-    every_tokens: Tokens = 16_384
+    every_tokens: Annotated[Tokens, AT_LEAST_1] = 16_384
     """Snapshot interval V (the same for every candidate)."""
-    anneal_fraction: float = 0.2
+    anneal_fraction: Annotated[float, FRACTION] = 0.2
     """Every anneal (the truth and the short ones) branches off at (1 - f) b and decays the LR to 0 by b."""
-    anneal_shape: str = "1sqrt"
+    anneal_shape: Annotated[str, OneOf(DECAY_SHAPES)] = "1sqrt"
     """Decay shape of the anneals: 1sqrt, linear or cosine."""
-    fixed_n: int = 10
+    fixed_n: Annotated[int, AT_LEAST_2] = 10
     """N of the fixed recipe: SMA of the last N snapshots (the paper's default)."""
     recipes: tuple[Recipe, ...] = (Recipe("sma", 0.1), Recipe("sma", 0.2), Recipe("sma", 0.4),
                                    Recipe("wsm-1sqrt", 0.4))  # fmt: skip
     """Merge candidates of the tuned merge (window as a fraction of the point b), chosen on the selection split."""
-    max_merged: int = 16
+    max_merged: Annotated[int, AT_LEAST_2] = 16
     """At most this many snapshots in a merge (a long window takes every k-th snapshot)."""
-    selection_batches: int = 8
+    selection_batches: Annotated[int, AT_LEAST_2] = 8
     """Held-out batches the tuned recipe is chosen on."""
-    test_batches: int = 24
+    test_batches: Annotated[int, AT_LEAST_2] = 24
     """Held-out batches every reported loss is measured on (disjoint from the selection batches)."""
-    bootstrap: int = 1000
+    bootstrap: Annotated[int, NON_NEGATIVE] = 1000
     """Bootstrap resamples of the test batches behind the report's 95% intervals."""
 
     def __post_init__(self) -> None:
-        if (
-            not self.lrs
-            or len(self.lrs) * max(1, len(self.weight_decays)) * max(1, len(self.batch_sizes)) < 2
-        ):
+        check_fields(self, STUDY)  # the bounds declared above
+        if len(self.lrs) * max(1, len(self.weight_decays)) * max(1, len(self.batch_sizes)) < 2:
             raise PmakitError("sweep needs lrs and at least 2 candidates (lrs x weight_decays x batch_sizes)")
-        if any(not 0 < p < 1 for p in self.points) or not self.points:
-            raise PmakitError(f"sweep.points are fractions of the budget in (0, 1), got {list(self.points)}")
-        if not 0 < self.anneal_fraction < 1 or self.fixed_n < 2 or self.max_merged < 2:
-            raise PmakitError("sweep.anneal_fraction must be in (0, 1); fixed_n and max_merged at least 2")
         for r in self.recipes:
             get_weights(r.method, 2)  # an unknown weighting fails here, naming the known ones
-            if not 0 < r.fraction < 1:
-                raise PmakitError(f"sweep recipe fraction must be in (0, 1), got {r.fraction}")
-        if min(self.selection_batches, self.test_batches) < 2 or self.bootstrap < 0:
-            raise PmakitError("sweep.selection_batches and test_batches at least 2; bootstrap 0 or more")
         if self.bootstrap > BOOTSTRAP_RESAMPLES.value:
             raise refuse(BOOTSTRAP_RESAMPLES, f"sweep.bootstrap {self.bootstrap:,}")
-        WSD(1.0, decay_start=0, decay_end=1, shape=self.anneal_shape)  # a bad shape fails here
 
 
 def _section(data: Mapping[str, Any]) -> SweepConfig:
@@ -130,6 +130,14 @@ def _section(data: Mapping[str, Any]) -> SweepConfig:
     if not raw.get("recipes", True):
         del raw["recipes"]  # null or []: the default candidates
     return from_mapping(SweepConfig, raw, STUDY)
+
+
+def resolve(data: Mapping[str, Any]) -> tuple[TrainConfig, SweepConfig, list[Plan]]:
+    """The config ``data`` checked whole (every section's values, then the grid): the base train config, the
+    study and every candidate's plan."""
+    study = _section(data)
+    base = TrainConfig.from_dict({"every_tokens": study.every_tokens, **(data.get("train") or {})})
+    return base, study, plans(base, study)
 
 
 # --------------------------------------------------------------------------------------------------- plan
@@ -343,9 +351,7 @@ def run_sweep_study(
     from pmakit.train.data import val_batches
     from pmakit.train.loop import load_corpus
 
-    study = _section(data)
-    base = TrainConfig.from_dict({"every_tokens": study.every_tokens, **(data.get("train") or {})})
-    all_plans = plans(base, study)  # a bad grid fails before anything is written
+    base, study, all_plans = resolve(data)  # a bad value or grid fails before anything is written
     run_dir = Path(run_dir)
     if fresh and run_dir.exists():
         remove_run(run_dir)

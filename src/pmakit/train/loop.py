@@ -25,11 +25,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 
-from pmakit.config import Tokens, from_mapping
+from pmakit.config import OneOf, Tokens, check_fields, from_mapping
 from pmakit.errors import PmakitError, first_line
 from pmakit.evaluate import EvalResult, batch_loss, can_compile, evaluate
 from pmakit.metrics import MetricsLog
@@ -43,11 +43,12 @@ from pmakit.runs import (
     trainer_state,
 )
 from pmakit.saver import SnapshotSaver
-from pmakit.schedule import WSD
+from pmakit.schedule import DECAY_SHAPES, WSD
 from pmakit.train.averaging import Averaging
 from pmakit.train.callbacks import Callback, StopTraining
 from pmakit.train.model import ModelConfig, active_parameters, balance_experts, build_model, count_parameters
 from pmakit.train.replicas import SingleCopy
+from pmakit.weights import WEIGHTINGS
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class TrainConfig:
     """Linear warmup length."""
     decay_tokens: Tokens = 0
     """Length of the LR decay at the end of the run (0: constant LR to the end, the PMA setting)."""
-    decay_shape: str = "linear"
+    decay_shape: Annotated[str, OneOf(DECAY_SHAPES)] = "linear"
     """Decay shape: linear, cosine or 1sqrt."""
     min_lr_ratio: float = 0.0
     """LR at the end of the decay, as a fraction of the peak."""
@@ -99,7 +100,7 @@ class TrainConfig:
     """Keep only the last K snapshots (None: all)."""
     average_last: int = 8
     """N of the online merge evaluated while training."""
-    average_method: str = "sma"
+    average_method: Annotated[str, OneOf(tuple(WEIGHTINGS))] = "sma"
     """Weighting of the online merge."""
     average_alpha: float = 0.2
     """EMA factor for ema weightings."""
@@ -136,6 +137,7 @@ class TrainConfig:
     bit for bit; the presets leave it off."""
 
     def __post_init__(self) -> None:
+        check_fields(self, "train")  # the bounds declared on the fields; the ranges below are older
         if self.total_tokens <= 0 or self.every_tokens <= 0 or self.batch_size <= 0:
             raise PmakitError("total_tokens, every_tokens and batch_size must be positive")
         if self.every_tokens % self.tokens_per_step:
