@@ -1218,8 +1218,18 @@ def tune(run_dir: Path, data: str | None, output: Path, quiet: bool, **options: 
     help="Evaluate the K newest raw snapshots of each run: the noise band a merge's gain is read against.",
 )
 @click.option("--reference", default=None, help="A recipe or target every model is also compared with.")
-@click.option("--include", multiple=True, type=click.Path(path_type=Path), help="A folder of lm-eval task YAMLs.")
-@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True, help="lm-eval batch size.")
+@click.option(
+    "--include", multiple=True, type=click.Path(path_type=Path), help="A folder of lm-eval task YAMLs."
+)
+@click.option(
+    "--corpus-of",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="The run whose held-out files pmakit's tasks are built from [default: the first run among TARGETS].",
+)
+@click.option(
+    "--batch-size", type=click.IntRange(min=1), default=8, show_default=True, help="lm-eval batch size."
+)
 @click.option(
     "-o",
     "--output",
