@@ -1168,6 +1168,13 @@ def analyze(
     "seen, one-sided p < 0.001, looked at after 1/4, 1/2 and 3/4 of them, from 4 batches on). --no-race: "
     "every trial on every batch.",
 )
+@click.option(
+    "--metric",
+    default=None,
+    metavar="TASK/METRIC",
+    help="Choose by a downstream metric of the run's held-out tasks through lm-eval (pmakit_next_line/acc, "
+    "pmakit_bpb/bits_per_byte) instead of the held-out loss: selection items choose, test items report.",
+)
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it is a merge pmakit wrote.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def tune(run_dir: Path, data: str | None, output: Path, quiet: bool, **options: Any) -> None:
