@@ -1046,6 +1046,13 @@ def scaling_fit(
     help="Resamples of the batches for P(best), ranks.",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the resampling and file order.")
+@click.option(
+    "--metric",
+    default=None,
+    metavar="TASK/METRIC",
+    help="Rank by a downstream metric of the first run's held-out tasks through lm-eval (pmakit_next_line/acc), "
+    "per test item, instead of the held-out loss.",
+)
 def sweep_rank(runs: tuple[Path, ...], **options: Any) -> None:
     """Rank the runs of a hyper-parameter sweep early, by merges instead of anneals.
 
