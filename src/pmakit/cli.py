@@ -1002,6 +1002,13 @@ def scaling_fit(
     help="Resamples of the batches for P(best), ranks.",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the resampling and file order.")
+@click.option(
+    "--metric",
+    default=None,
+    metavar="TASK/METRIC",
+    help="Rank by a downstream metric of the first run's held-out tasks through lm-eval (pmakit_next_line/acc), "
+    "per test item, instead of the held-out loss.",
+)
 def sweep_rank(runs: tuple[Path, ...], **options: Any) -> None:
     """Rank the runs of a hyper-parameter sweep early, by merges instead of anneals.
 
@@ -1124,6 +1131,13 @@ def analyze(
     "seen, one-sided p < 0.001, looked at after 1/4, 1/2 and 3/4 of them, from 4 batches on). --no-race: "
     "every trial on every batch.",
 )
+@click.option(
+    "--metric",
+    default=None,
+    metavar="TASK/METRIC",
+    help="Choose by a downstream metric of the run's held-out tasks through lm-eval (pmakit_next_line/acc, "
+    "pmakit_bpb/bits_per_byte) instead of the held-out loss: selection items choose, test items report.",
+)
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it is a merge pmakit wrote.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def tune(run_dir: Path, data: str | None, output: Path, quiet: bool, **options: Any) -> None:
@@ -1174,8 +1188,18 @@ def tune(run_dir: Path, data: str | None, output: Path, quiet: bool, **options: 
     help="Evaluate the K newest raw snapshots of each run: the noise band a merge's gain is read against.",
 )
 @click.option("--reference", default=None, help="A recipe or target every model is also compared with.")
-@click.option("--include", multiple=True, type=click.Path(path_type=Path), help="A folder of lm-eval task YAMLs.")
-@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True, help="lm-eval batch size.")
+@click.option(
+    "--include", multiple=True, type=click.Path(path_type=Path), help="A folder of lm-eval task YAMLs."
+)
+@click.option(
+    "--corpus-of",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="The run whose held-out files pmakit's tasks are built from [default: the first run among TARGETS].",
+)
+@click.option(
+    "--batch-size", type=click.IntRange(min=1), default=8, show_default=True, help="lm-eval batch size."
+)
 @click.option(
     "-o",
     "--output",

@@ -24,7 +24,7 @@ from pmakit.eval.recipe import parse_recipe, resolve
 
 
 @register_model("pmakit")
-class PmakitLM(HFLM):  # type: ignore[misc]
+class PmakitLM(HFLM):
     """lm-eval's ``HFLM`` on a pmakit merge built in memory (``pmakit.eval.model.build``)."""
 
     def __init__(

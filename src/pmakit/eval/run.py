@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -129,6 +130,10 @@ def corpus_entry(targets: Sequence[str | Path]) -> Path:
 
     for target in targets:
         path = study_main_run(Path(target))
+        manifest = path / "pmakit-merge.json"
+        if manifest.is_file():  # a merge: the run of its newest input
+            inputs = json.loads(manifest.read_text()).get("inputs") or [{}]
+            path = Path(inputs[-1].get("path") or path)
         for run in (path, path.parent, path.parent.parent):
             config = saved_config(run)
             if config is not None:
@@ -227,7 +232,7 @@ def _finished(rows: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]
     """The (model, task)s of ``rows`` with every metric present (a row lists its task's metrics)."""
     groups: dict[str, dict[str, dict[str, Any]]] = {}
     for row in rows:
-        groups.setdefault(_row_key(row), {})[row.get("metric")] = row
+        groups.setdefault(_row_key(row), {})[str(row.get("metric"))] = row
     return {
         k: [group[m] for m in sorted(group)]
         for k, group in groups.items()
@@ -238,8 +243,14 @@ def _finished(rows: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]
 def _append(path: Path, rows: Sequence[dict[str, Any]]) -> None:
     """All of one (model, task)'s rows in one write (a kill tears at most these; they are then redone)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    torn = False
+    if path.is_file() and path.stat().st_size > 0:
+        with open(path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            torn = f.read(1) != b"\n"
     with open(path, "a", encoding="utf-8") as f:
-        f.write("".join(json.dumps(r) + "\n" for r in rows))
+        # after a line torn by a kill, a new line: the first row must not be glued to the torn one
+        f.write(("\n" if torn else "") + "".join(json.dumps(r) + "\n" for r in rows))
         f.flush()
 
 
@@ -311,6 +322,7 @@ def command(
     output: Path | None,
     reference: str | None,
     include: Sequence[Path],
+    corpus_of: Path | None = None,
     **options: Any,
 ) -> list[dict[str, Any]]:
     """``pmakit eval``: evaluate, append to the output, print the table; returns the summary lines."""
@@ -320,8 +332,9 @@ def command(
     out = out / EVALS if out.is_dir() else out
     spec = Spec(tasks=tuple(tasks), include=tuple(include), **options)
     err = Console(stderr=True)
+    corpus = corpus_entry([corpus_of]) if corpus_of and any(t in TASKS for t in tasks) else None
     rows = evaluate(
-        targets, recipes, spec, out=out, progress=lambda line: err.print(f"[dim]evaluating {line}[/]")
+        targets, recipes, spec, out=out, corpus=corpus, progress=lambda line: err.print(f"evaluating {line}")
     )
     summary = summarize(rows, reference)
     console = Console(width=None if sys.stdout.isatty() else 200)

@@ -120,3 +120,10 @@ def noise_band(values: Sequence[float]) -> dict[str, float | int]:
     xs = [float(v) for v in values]
     sd = float(np.std(xs, ddof=1)) if len(xs) > 1 else math.nan
     return {"sd": sd, "min": min(xs), "max": max(xs), "k": len(xs)}
+
+
+def item_values(metric: str, items: Sequence[Any]) -> list[float]:
+    """Per-item values whose mean is the metric (f(R) + each item's linearised influence): what a search that
+    averages per-item scores (``pmakit tune --metric``) can race and choose on."""
+    value, influence = _linearised(metric, items)
+    return [value + float(x) for x in influence]

@@ -99,12 +99,11 @@ def build_tasks(entry: Path, *, items: int = 500, seed: int = 0) -> TaskSet:
     texts, sides = held_out_documents(entry)
     tmp = entry.parent / f".tmp-eval-tasks-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        meta = {"version": VERSION, "corpus": str(entry), "seed": seed, "splits": {}}
+        splits: dict[str, Any] = {}
+        meta = {"version": VERSION, "corpus": str(entry), "seed": seed, "splits": splits}
         for k, split in enumerate(SPLITS):
             docs = [t for t, s in zip(texts, sides) if s == k]
-            meta["splits"][split] = _write_split(
-                tmp / split, root / split, docs, entry, items=items, seed=seed
-            )
+            splits[split] = _write_split(tmp / split, root / split, docs, entry, items=items, seed=seed)
         (tmp / "tasks.json").write_text(json.dumps(meta, indent=1) + "\n")
         try:
             tmp.rename(root)
@@ -208,7 +207,7 @@ def next_line_items(docs: Sequence[str], *, items: int, seed: int) -> list[dict[
 
 def text_pieces(docs: Sequence[str], *, items: int) -> list[dict[str, Any]]:
     """Up to ``items`` pieces of whole lines (at most ``PIECE_CHARS`` each), spread evenly over the documents."""
-    pieces = []
+    pieces: list[dict[str, Any]] = []
     for k, doc in enumerate(docs):
         piece = ""
         for line in doc.splitlines(keepends=True):
@@ -250,22 +249,30 @@ def uniform_scores(choice: Sequence[dict[str, Any]], tokenizer: Any, *, vocab: i
     return {"uniform_acc": acc / len(choice), "uniform_acc_norm": norm / len(choice)}
 
 
+_HEAD = "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {path}\ntest_split: test\n"
+
+
+def choice_task_yaml(name: str, data: Path) -> str:
+    """An lm-eval multiple-choice task over a JSONL of {context, choices, label}: the choice follows the context
+    directly (no delimiter), scored by ``acc`` and ``acc_norm`` (log-likelihood per character)."""
+    return (
+        f"task: {name}\n{_HEAD.format(path=data)}output_type: multiple_choice\n"
+        'doc_to_text: "{{context}}"\ntarget_delimiter: ""\ndoc_to_choice: "{{choices}}"\ndoc_to_target: label\n'
+        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
+        "  - metric: acc_norm\n    aggregation: mean\n    higher_is_better: true\nmetadata:\n  version: 1\n"
+    )
+
+
 def _yamls(folder: Path) -> dict[str, str]:
-    data = {"next_line": folder / "next_line.jsonl", "pieces": folder / "pieces.jsonl"}
-    head = "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {path}\ntest_split: test\n"
+    pieces = _HEAD.format(path=folder / "pieces.jsonl")
+    rolling = 'output_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: "{{text}}"\n'
     return {
-        "pmakit_next_line": f"task: pmakit_next_line\n{head.format(path=data['next_line'])}"
-        'output_type: multiple_choice\ndoc_to_text: "{{context}}"\ntarget_delimiter: ""\n'
-        'doc_to_choice: "{{choices}}"\ndoc_to_target: label\nmetric_list:\n'
-        "  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
-        "  - metric: acc_norm\n    aggregation: mean\n    higher_is_better: true\nmetadata:\n  version: 1\n",
-        "pmakit_bpb": f"task: pmakit_bpb\n{head.format(path=data['pieces'])}"
-        'output_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: "{{text}}"\nmetric_list:\n'
+        "pmakit_next_line": choice_task_yaml("pmakit_next_line", folder / "next_line.jsonl"),
+        "pmakit_bpb": f"task: pmakit_bpb\n{pieces}{rolling}metric_list:\n"
         "  - metric: bits_per_byte\n    aggregation: bits_per_byte\n    higher_is_better: false\n"
         "  - metric: byte_perplexity\n    aggregation: weighted_perplexity\n    higher_is_better: false\n"
         "metadata:\n  version: 1\n",
-        "pmakit_loss": f"task: pmakit_loss\n{head.format(path=data['pieces'])}"
-        'output_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: "{{text}}"\n'
+        "pmakit_loss": f"task: pmakit_loss\n{pieces}{rolling}"
         "process_results: !function pmakit_eval_utils.process_results\nmetric_list:\n"
         "  - metric: loss\n    aggregation: !function pmakit_eval_utils.loss\n    higher_is_better: false\n"
         "metadata:\n  version: 1\n",

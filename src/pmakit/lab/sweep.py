@@ -532,8 +532,27 @@ def _merge_losses(window: Sequence[Any], batches: Sequence[Any]) -> list[float]:
     return losses
 
 
+def _downstream_losses(
+    windows: Mapping[str, Sequence[Any]], run: Path, metric: str
+) -> dict[str, list[float]]:
+    """Per-item test losses of each window's SMA on a downstream metric of ``run``'s held-out tasks (lm-eval)."""
+    from pmakit.eval.objective import Downstream
+    from pmakit.eval.run import corpus_entry
+    from pmakit.merge import average_states
+    from pmakit.recover import read_finite_state
+
+    objective = Downstream(metric, next(iter(windows.values()))[-1].path, corpus_entry([run]))
+    return {
+        name: objective.losses(
+            average_states((read_finite_state(s) for s in w), get_weights("sma", len(w))), "test"
+        )
+        for name, w in windows.items()
+    }
+
+
 def rank_runs(runs: Sequence[Path], *, at: int | None = None, n: int = 10, data: str | None = None,
-              batches: int = 16, bootstrap: int = 1000, seed: int = 0) -> dict[str, Any]:  # fmt: skip
+              batches: int = 16, bootstrap: int = 1000, seed: int = 0, metric: str | None = None
+              ) -> dict[str, Any]:  # fmt: skip
     """``pmakit sweep-rank``: each run's fixed-recipe merge (SMA of its last ``n`` snapshots at or before ``at``;
     default: the newest token count every run has reached) scored on the same held-out test batches, ranked with
     bootstrap uncertainty over the batches (``pmakit.report.sweep.rank_table``)."""
@@ -551,6 +570,14 @@ def rank_runs(runs: Sequence[Path], *, at: int | None = None, n: int = 10, data:
         at = min(_window_at(r, None, 1)[-1].tokens for r in runs)
     windows = {str(r): _window_at(r, at, n) for r in runs}
     _check_one_tokenizer(windows)
+    if metric is not None:  # items of a downstream task instead of batches of held-out text
+        losses = _downstream_losses(windows, runs[0], metric)
+        return {
+            "at": at, "n": n, "data": f"{metric} per item (lm-eval; metrics where higher is better negated)", "batches":
+            len(next(iter(losses.values()))), "batch_size": 1, "seq_len": "item", "bootstrap": bootstrap,
+            "metric": metric, "windows": {k: [s.tokens for s in w] for k, w in windows.items()},
+            "ranking": rank_table(losses, bootstrap=bootstrap, seed=seed),
+        }  # fmt: skip
     first = windows[str(runs[0])][-1]
     found = load_eval_data(data, runs[0], first, TuneConfig(batches=batches, seed=seed))
     test = heldout_batches(
@@ -571,7 +598,10 @@ def render_ranking(record: Mapping[str, Any]) -> str:
     lines = [
         f"Runs ranked at {format_tokens(record['at'])} tokens by the SMA of each run's last {record['n']} snapshots "
         f"at or before it; {record['data']}, test split: {record['batches']} batches of {record['batch_size']} x "
-        f"{record['seq_len']} tokens; uncertainty from {record['bootstrap']} resamples of those batches.",
+        f"{record['seq_len']} tokens; uncertainty from {record['bootstrap']} resamples of those batches."
+        if not record.get("metric")
+        else f"at or before it; {record['data']}, {record['batches']} test items; uncertainty from "
+        f"{record['bootstrap']} resamples of those items.",
         f"{'rank':>4}  {'run':<{width}}  {'merged':>18}  {'loss ± s.e.':>17}  {'− best ± paired s.e.':>20}  {'P(best)':>7}"
         f"  {'rank 95%':>8}",
     ]

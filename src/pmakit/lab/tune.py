@@ -94,6 +94,10 @@ class TuneConfig:
     """Stop a trial once it is clearly worse than the best so far (``Scorer.race``); False: every trial in full."""
     compile: bool = False
     """Evaluate in memory through ``torch.compile`` (compiled once, ~20 s; each batch then ~0.8x as long on CPU)."""
+    metric: str | None = None
+    """Choose by a downstream metric, TASK/METRIC of pmakit's held-out tasks through lm-eval
+    (``pmakit_next_line/acc``), instead of the held-out loss: each item's value is a "batch" (negated where higher
+    is better), selection items to choose, test items to report."""
 
     def __post_init__(self) -> None:
         if self.budget_evals is None and self.budget_seconds is None:
@@ -119,6 +123,8 @@ class TuneConfig:
         unknown = sorted(set(self.families) - set(FAMILIES))
         if unknown or not self.families:
             raise PmakitError(f"unknown weighting families {unknown}; known: {', '.join(FAMILIES)}")
+        if self.metric is not None and self.eval_cmd is not None:
+            raise PmakitError("--metric evaluates in memory through lm-eval; it does not go with --eval-cmd")
         if self.eval_cmd is not None and "{model}" not in self.eval_cmd:
             raise PmakitError("--eval-cmd must contain {model} (the merged model directory to evaluate)")
 
@@ -575,6 +581,8 @@ def _evaluator(
         scratch = out.parent / f".{out.name}.tune-scratch"
         scratch.mkdir(parents=True, exist_ok=True)
         return Command(config.eval_cmd, scratch), {"eval_cmd": config.eval_cmd}, scratch
+    if config.metric is not None:
+        return _downstream(run, newest, config)
     found = load_eval_data(data, run, newest, config)
     batches = split_batches(
         found.held, batch_size=found.batch_size, seq_len=found.seq_len, max_batches=config.batches
@@ -588,6 +596,27 @@ def _evaluator(
     }
     _check_memory(snapshots)
     return InMemory(newest.path, batches, compiled=config.compile), source, None
+
+
+def _downstream(run: Path, newest: Snapshot, config: TuneConfig) -> tuple[Losses, dict[str, Any], None]:
+    """Per-item losses of a downstream metric (``pmakit.eval.objective``) on the run's held-out tasks."""
+    from pmakit.eval.objective import Downstream, describe
+    from pmakit.eval.run import corpus_entry
+    from pmakit.formats import read_state
+    from pmakit.merge import average_states
+
+    assert config.metric is not None
+    objective = Downstream(config.metric, newest.path, corpus_entry([run]))
+    states: dict[int, dict[str, torch.Tensor]] = {}
+
+    def losses(candidate: Candidate, split: str) -> Generator[float, None, None]:
+        for s in candidate.snapshots:
+            if s.tokens not in states:
+                states[s.tokens] = read_state(s.path)
+        merged = average_states([states[s.tokens] for s in candidate.snapshots], list(candidate.weights))
+        yield from objective.losses(merged, split)
+
+    return losses, {"source": "the run's held-out tasks (lm-eval)", **describe(objective)}, None
 
 
 def _check_memory(snapshots: Sequence[Snapshot]) -> None:
@@ -847,6 +876,10 @@ def render(record: Mapping[str, Any]) -> str:
         lines.append(
             f"  held-out loss: mean over {batches.get('selection')} selection and {batches.get('test')} test "
             f"batches of {data.get('source')} ({data.get('batch_size')} x {data.get('seq_len')} tokens each)"
+        )
+    if data.get("metric"):
+        lines.append(
+            f"  chosen by {data['metric']} per item (loss: {data['loss']}), selection items; test items below"
         )
     for name, label in (
         ("tuned", "tuned"),
