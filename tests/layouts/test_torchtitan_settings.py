@@ -10,6 +10,7 @@ import json
 import math
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import run_cli
+from layouts.conftest import SRC
 from layouts.test_torchtitan import model_weights
 
 QWEN3_BIAS = "layers.0.moe.expert_bias_E"
@@ -262,3 +264,24 @@ def test_a_conversion_that_would_lose_tensors_fails_in_one_line(tmp_path: Path) 
         )
     with pytest.raises(PmakitError, match="1 of 2 tensors have no HF name"):
         names.check_complete({"x": names.Route("extra", ("h",), ((4, 2),))}, shapes)
+
+
+def test_last_save_in_hf_without_torchtitan_installed_is_refused_in_one_line(
+    torchtitan_settings_runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """The HF names map back only through torchtitan's adapter: without torchtitan, one line, nothing written."""
+    code = (
+        "import sys; sys.modules['torchtitan'] = None\n"  # any import of torchtitan now fails
+        "from pmakit.cli import main; sys.argv = ['pmakit', *sys.argv[1:]]; main()\n"
+    )
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "merge", str(torchtitan_settings_runs["l3"]), "-o", str(out), "-q"],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(SRC), "OMP_WAIT_POLICY": "PASSIVE"},
+        timeout=1800,
+    )
+    assert proc.returncode == 1 and not out.exists() and "Traceback" not in proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("Error:") and "step-3" in line and "--checkpoint.last_save_in_hf" in line

@@ -12,7 +12,11 @@
   in the checkpoint, so such counts are low by that factor (the same for every checkpoint: the merge weights do not
   change). The model-only last save (``last_save_model_only``, the default) has no ``train_state``: its tokens are
   step x the tokens per step of the other checkpoints of the folder when they all agree (else
-  ``--tokens-per-step``).
+  ``--tokens-per-step``). That last save may be in ``--checkpoint.export_dtype`` (fp16 in torchtitan's qwen3
+  configs): the merge sums in fp32 and writes the widest input precision (``merge.plan``). With
+  ``--checkpoint.last_save_in_hf`` it is HF safetensors (no ``.metadata``), read back under torchtitan's names
+  through torchtitan's adapter (``torchtitan_hf.LastSaveReader``: needs torchtitan and the job config) and merged
+  with the DCP saves, or refused in one line when it lacks any of their tensors.
 - Model weights: the tensor entries at the top level of the checkpoint, named as torchtitan's model names them
   (``tok_embeddings.weight``, ``layers.0.attention.qkv_linear.wq.weight``: canonical names, fused parameters already
   split by torchtitan's state-dict hooks). ``optimizer.*``, ``lr_scheduler.*``, ``dataloader.*`` and

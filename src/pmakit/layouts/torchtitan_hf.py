@@ -9,6 +9,11 @@ registry flavor), looked for in the dump folder (two levels above ``checkpoint/s
 file, or an adapter for the model, ``--format safetensors`` writes torchtitan's own names (a warning says why);
 ``--format torchtitan-hf`` asks for HF names explicitly and fails instead.
 
+What the adapter drops (gpt_oss's routed experts, qwen3's and gpt_oss's ``expert_bias_E``) is routed by
+``torchtitan_names``; the conversion is checked complete before writing and the written header read back (names,
+count, bytes): a conversion that would lose a tensor fails in one line. ``LastSaveReader`` reads torchtitan's own
+last save in HF format (``--checkpoint.last_save_in_hf``) back under torchtitan's names along the same routes.
+
 Memory: tensors are converted and written one at a time (``to_hf`` on a one-entry state dict), so at most one
 converted tensor is held. Under torchrun each rank writes its own file (``model-hf-R-of-N.safetensors``, no
 index: torchtitan's HF reader reads every ``*.safetensors`` file of the directory).

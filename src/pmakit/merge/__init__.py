@@ -294,9 +294,7 @@ def _fp32_pass(
     shard_size = job.max_shard_size
 
     def cast_plan() -> MergePlan:  # a stage of its own: it reads what rank 0 just wrote
-        casting = plan_merge(
-            [state], [1.0], dtype=dtypes, max_shard_size=shard_size, ranks=world.size
-        )
+        casting = plan_merge([state], [1.0], dtype=dtypes, max_shard_size=shard_size, ranks=world.size)
         if casting.shards != job.plan.shards:
             raise RuntimeError("the cast pass planned other shards than the merge")
         return casting
