@@ -115,9 +115,17 @@ def test_found_in_a_folder_and_one_by_one(runs: dict[str, Path]) -> None:
     assert not (runs["root"] / "never").exists()
 
 
-def test_tokens_recorded_by_the_pmakit_callback(runs: dict[str, Path]) -> None:
+def test_tokens_recorded_by_the_pmakit_callback(runs: dict[str, Path], tmp_path: Path) -> None:
     rows = inspect_json(runs["pma"])["snapshots"]
     assert [(r["step"], r["tokens"]) for r in rows] == [(s, s * TOKENS_PER_BATCH) for s in (4, 8, 12)]
+    # No flags at all: the folder (all 3), and two files named one by one (both used).
+    files = [runs["pma"] / f"epoch=0-step={s}.ckpt" for s in (4, 8, 12)]
+    for name, inputs, used in (("all", [runs["pma"]], files), ("two", files[1:], files[1:])):
+        r = invoke("merge", *inputs, "-o", tmp_path / name)
+        assert r.exit_code == 0, r.output
+        merged = torch.load(tmp_path / name / "model.ckpt", weights_only=True)["state_dict"]
+        for k, v in hand_average(used).items():
+            torch.testing.assert_close(merged[k], v, rtol=0, atol=1e-6)
 
 
 def hand_average(files: list[Path]) -> dict[str, torch.Tensor]:
