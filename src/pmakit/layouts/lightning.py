@@ -128,7 +128,7 @@ class LightningLayout(Layout):
     def open(self, path: Path) -> Reader:
         if not self.is_snapshot(path):
             raise PmakitError(f"{path}: not a Lightning {SUFFIX} file")
-        return TorchReader(path, files=[path])
+        return TorchReader(path, files=[path], wrappers=("state_dict",))  # never a "model" entry a hook added
 
     def write(
         self,
