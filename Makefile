@@ -25,14 +25,17 @@ $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml constraints.txt
 	$(PIP) install -q $(TORCH) -c constraints.txt -e ".[test]"
 	touch $@
 
-# megatron-core 0.19 (what users run today) beside the pinned 0.16.1: its wheel is for Python 3.12, its code runs on
-# 3.11 (the only compiled part, the dataset helpers, is unused), so the tests run its own save and load code from
-# this folder, first on PYTHONPATH (tests/layouts/conftest.py). pip download checks the wheel's hash.
+# megatron-core 0.17 to 0.19 (what users run today) beside the pinned 0.16.1: their wheels are for Python 3.12, their
+# code runs on 3.11 (the only compiled part, the dataset helpers, is unused), so the tests run their own save and load
+# code from these folders, first on PYTHONPATH (tests/layouts/conftest.py). pip download checks the wheel's hash.
+MCORE_RELEASES := 0.17.1 0.18.2 0.19.2
 MCORE19 := $(VENV)/mcore-0.19
-$(MCORE19)/.unpacked: | $(VENV)/.torch
-	rm -rf $(MCORE19) && mkdir -p $(MCORE19)/wheel
-	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 -d $(MCORE19)/wheel megatron-core==0.19.2
-	$(PY) -m zipfile -e $(MCORE19)/wheel/megatron_core-0.19.2-*.whl $(MCORE19)
+MCORE_DIRS := $(foreach v,$(MCORE_RELEASES),$(VENV)/mcore-$(basename $(v)))
+$(VENV)/mcore-%/.unpacked: | $(VENV)/.torch
+	rm -rf $(VENV)/mcore-$* && mkdir -p $(VENV)/mcore-$*/wheel
+	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 -d $(VENV)/mcore-$*/wheel \
+		megatron-core==$(filter $*.%,$(MCORE_RELEASES))
+	$(PY) -m zipfile -e $(VENV)/mcore-$*/wheel/megatron_core-$(filter $*.%,$(MCORE_RELEASES))-*.whl $(VENV)/mcore-$*
 	touch $@
 
 install: $(VENV)/.installed
@@ -56,7 +59,7 @@ demo: install
 
 # Both cores: pytest-xdist, with the tests that share a session- or module-scoped fixture (a framework's training
 # run, the study's smoke run) kept on one worker (tests/conftest.py gives them an xdist_group).
-test: $(VENV)/.installed-test $(VENV)/.chromium $(MCORE19)/.unpacked
+test: $(VENV)/.installed-test $(VENV)/.chromium $(addsuffix /.unpacked,$(MCORE_DIRS))
 	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=25
 
 check: install

@@ -161,7 +161,8 @@ def selection_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             "--tokens-per-step",
             type=click.IntRange(min=1),
             default=None,
-            help="Tokens per step, for snapshots without token metadata (HF checkpoint-N, step-N dirs).",
+            help="Tokens per step, for snapshots without token metadata (HF checkpoint-N, step-N dirs, "
+            "Lightning .ckpt files).",
         ),
         click.option(
             "--exclude",

@@ -151,7 +151,7 @@ def _summary(rows: list[dict[str, Any]]) -> str:
     other."""
     done = [r for r in rows if r["complete"]]
     if not done:
-        return f"{len(rows)} snapshot directories, none complete"
+        return f"{len(rows)} checkpoints, none complete"
     tokens = [r["tokens"] for r in done]
     gaps = sorted(b - a for a, b in zip(tokens, tokens[1:]))
     spacing = f", every ~{format_tokens(gaps[len(gaps) // 2])}" if gaps else ""

@@ -18,6 +18,13 @@ SRC = HERE.parents[1] / "src"
 MCORE19 = Path(os.environ.get("PMAKIT_MCORE19", HERE.parents[1] / ".venv" / "mcore-0.19"))
 """megatron-core 0.19.2's code, unpacked by ``make test`` (see the Makefile): put first on PYTHONPATH, it is the
 release the framework scripts import instead of the pinned 0.16.1."""
+MCORE = {
+    v: Path(os.environ.get(f"PMAKIT_MCORE{v[2:]}", HERE.parents[1] / ".venv" / f"mcore-{v}"))
+    for v in ("0.17", "0.18")
+}
+"""megatron-core 0.17.1 and 0.18.2's code, unpacked beside 0.19 by ``make test``: their ``common.pt`` layout (0.19
+keeps the common state inside the DCP files)."""
+MCORE["0.19"] = MCORE19
 
 
 def run_framework(
@@ -172,23 +179,25 @@ def megatron19_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
     return {**p, "root": root}
 
 
-@pytest.fixture(scope="session", params=["0.16", "0.19"])
+@pytest.fixture(scope="session", params=["0.16", "0.17", "0.18", "0.19"])
 def megatron_moe_runs(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Path]:
-    """megatron-core MoE (4 SequentialMLP experts, ``router.expert_bias``), by 0.16.1 (``common.pt``) and by 0.19.2
-    (the common state inside the DCP files), at expert parallelism EP=2 over 2 ranks (``moe-train``/``moe-pma-init``
-    in ``megatron_run.py``), in 2 framework processes each:
+    """megatron-core MoE (4 SequentialMLP experts, ``router.expert_bias`` moved every step by Megatron's own bias
+    update), by 0.16.1, 0.17.1 and 0.18.2 (``common.pt``) and by 0.19.2 (the common state inside the DCP files), at
+    expert parallelism EP=2 over 2 ranks (``moe-train``/``moe-pma-init`` in ``megatron_run.py``), in 2 framework
+    processes each:
 
     - ``ws1``: 3 iterations, a checkpoint every iteration; ``merged``: ``pmakit merge ws1 -o merged`` (no flags);
     - ``loaded-ep2``, ``loaded-ep1``: what ``dist_checkpointing.load`` loaded from ``merged`` at EP=2, then at
       EP=1 (2 data-parallel replicas), saved again; each then trained a step (``root/loaded-epN.json``).
     """
     path: tuple[Path, ...] = ()
-    if request.param == "0.19":
-        if not (MCORE19 / "megatron" / "core").is_dir():
-            pytest.skip(f"megatron-core 0.19 is not unpacked at {MCORE19} (make test does it)")
-        path = (MCORE19,)
+    if request.param in MCORE:
+        code = MCORE[request.param]
+        if not (code / "megatron" / "core").is_dir():
+            pytest.skip(f"megatron-core {request.param} is not unpacked at {code} (make test does it)")
+        path = (code,)
     for module in ("megatron", "psutil"):
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"{module} is not installed")

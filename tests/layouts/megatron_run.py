@@ -14,10 +14,11 @@ Modes (several, separated by ``+``, run in one process one after the other):
   pma-init CKPT DUMP [TP]  a model at TP (default: the world size; TP=1 on 2 ranks is 2 data-parallel replicas)
                      loaded from CKPT by ``dist_checkpointing.load`` with its default strictness, saved again to
                      DUMP (model only, megatron's writer), then one training step; prints one JSON line
-                     {"tp": ..., "loss": ..., "moved": ...}
+                     {"tp": ..., "ep": ..., "loss": ..., "moved": ..., "version": megatron-core's}
   moe-train, moe-pma-init  the same with a MoE model (4 SequentialMLP experts, top-2 sigmoid router with
-                     ``router.expert_bias``) at TP=1 and expert parallelism EP = the world size (or pma-init's last
-                     argument: EP=1 on 2 ranks is 2 data-parallel replicas)
+                     ``router.expert_bias``, moved every step by Megatron's own update) at TP=1 and expert
+                     parallelism EP = the world size (or pma-init's last argument: EP=1 on 2 ranks is 2
+                     data-parallel replicas)
   lm-train SAVE STEPS  (megatron-core 0.19's wheel, which ships Megatron-LM's ``megatron.training``) Megatron-LM's
                      own ``save_checkpoint`` every iteration: its args from its own parser, Megatron's FP32Optimizer
                      over the torch Adam, its OptimizerParamScheduler; its layout, common state and tracker file
@@ -145,9 +146,24 @@ def train_step(model: Any, optimizer: Any, step: int) -> float:
     causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
     loss = model(tokens[:, :-1], positions, causal, labels=tokens[:, 1:]).mean()
     loss.backward()
+    if EXPERTS:
+        update_expert_bias(model)
     optimizer.step()
     optimizer.zero_grad()
     return float(loss)
+
+
+def update_expert_bias(model: Any) -> None:
+    """Megatron's own aux-loss-free load balancing, as its ``finalize_model_grads`` ends every step: the router's
+    ``expert_bias`` moves by ``moe_router_bias_update_rate`` towards the experts that got fewer tokens (counts
+    all-reduced over the TPxDPxCP group), then the counts are reset. (The driver has no DDP wrapper, whose grad
+    sync is the rest of ``finalize_model_grads``.)"""
+    import importlib
+
+    # The module, not the function of the same name that megatron.core.distributed exports.
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    finalize._update_router_expert_bias([model], model.config)
+    finalize.reset_model_temporary_tensors(model.config, [model])
 
 
 def sharded_state(model: Any, optimizer: Any, common: dict[str, Any]) -> dict[str, Any]:
@@ -249,10 +265,17 @@ def pma_init(checkpoint: Path, dump: Path) -> None:
     loss = train_step(model, optimizer, 10**6)
     moved = all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
     if torch.distributed.get_rank() == 0:
-        from megatron.core import parallel_state
+        from megatron.core import package_info, parallel_state
 
         ep = parallel_state.get_expert_model_parallel_world_size()
-        print(json.dumps({"tp": tp_size(), "ep": ep, "loss": loss, "moved": moved}))
+        record = {
+            "tp": tp_size(),
+            "ep": ep,
+            "loss": loss,
+            "moved": moved,
+            "version": package_info.__version__,
+        }
+        print(json.dumps(record))
 
 
 def megatron_lm_args(save_dir: Path) -> Any:

@@ -63,6 +63,9 @@ def test_defaults_need_tokens_per_step_and_say_so(trainer_output: Path, tmp_path
     assert last.startswith("Error: ") and "pass --tokens-per-step N" in last, r.stderr
     assert "include_num_input_tokens_seen=True" in last and "pmakit.json" not in last, last
     assert not (tmp_path / "out").exists()
+    r = CliRunner().invoke(cli, ["inspect", str(trainer_output)])
+    last = r.stderr.splitlines()[-1]
+    assert r.exit_code == 1 and "pass --tokens-per-step N" in last and "pmakit.json" not in last, r.stderr
 
     r = CliRunner().invoke(
         cli,

@@ -115,9 +115,17 @@ def test_found_in_a_folder_and_one_by_one(runs: dict[str, Path]) -> None:
     assert not (runs["root"] / "never").exists()
 
 
-def test_tokens_recorded_by_the_pmakit_callback(runs: dict[str, Path]) -> None:
+def test_tokens_recorded_by_the_pmakit_callback(runs: dict[str, Path], tmp_path: Path) -> None:
     rows = inspect_json(runs["pma"])["snapshots"]
     assert [(r["step"], r["tokens"]) for r in rows] == [(s, s * TOKENS_PER_BATCH) for s in (4, 8, 12)]
+    # No flags at all: the folder (all 3), and two files named one by one (both used).
+    files = [runs["pma"] / f"epoch=0-step={s}.ckpt" for s in (4, 8, 12)]
+    for name, inputs, used in (("all", [runs["pma"]], files), ("two", files[1:], files[1:])):
+        r = invoke("merge", *inputs, "-o", tmp_path / name)
+        assert r.exit_code == 0, r.output
+        merged = torch.load(tmp_path / name / "model.ckpt", weights_only=True)["state_dict"]
+        for k, v in hand_average(used).items():
+            torch.testing.assert_close(merged[k], v, rtol=0, atol=1e-6)
 
 
 def hand_average(files: list[Path]) -> dict[str, torch.Tensor]:
@@ -190,3 +198,27 @@ def test_arbitrary_pickles_are_refused_unrun(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
     with pytest.raises(pickle.UnpicklingError):
         torch.load(bad, weights_only=True)
+
+
+def test_format_lightning_needs_a_lightning_newest_input(runs: dict[str, Path], tmp_path: Path) -> None:
+    """The .ckpt written is the newest input's with the merged weights: other inputs are refused before any work."""
+    from conftest import state, write_snapshot
+
+    other = write_snapshot(tmp_path / "step-10", state(1), step=10, tokens=100)
+    r = invoke("merge", other, "-o", tmp_path / "out", "--format", "lightning")
+    assert r.exit_code == 1 and not (tmp_path / "out").exists()
+    (line,) = [x for x in r.stderr.splitlines() if not x.startswith("info: ")]
+    assert line.startswith("Error: --format lightning rewrites the newest input's Lightning .ckpt") and (
+        "use --format safetensors" in line
+    ), line
+    # --format safetensors of Lightning inputs: HF safetensors under the LightningModule's names.
+    r = invoke("merge", runs["pma"], "-o", tmp_path / "st", "--format", "safetensors")
+    assert r.exit_code == 0, r.output
+    from safetensors.torch import load_file
+
+    got = load_file(tmp_path / "st" / "model.safetensors")
+    files = [runs["pma"] / f"epoch=0-step={s}.ckpt" for s in (4, 8, 12)]
+    want = hand_average(files)
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=1e-6)

@@ -412,10 +412,11 @@ def test_megatron_lm_save_checkpoint_folders_merge_and_load_checkpoint_loads_the
 
 
 def test_megatron_moe_at_ep2_merges_to_the_hand_average_and_loads_at_ep1_and_ep2(
-    megatron_moe_runs: dict[str, Path],
+    megatron_moe_runs: dict[str, Path], tmp_path: Path
 ) -> None:
     ws1, out = megatron_moe_runs["ws1"], megatron_moe_runs["merged"]
     iters = [f"iter_{i:07d}" for i in range(1, 4)]
+    check_router_bias_rules(ws1, out, [ws1 / n for n in iters], tmp_path / "latest")
     snaps = discover(ws1)
     assert [(s.step, s.tokens, s.lr) for s in snaps] == [(i, TOKENS_PER_ITER * i, 0.01) for i in (1, 2, 3)]
     want, got = hand_average([ws1 / n for n in iters]), dcp_tensors(out)
@@ -427,10 +428,10 @@ def test_megatron_moe_at_ep2_merges_to_the_hand_average_and_loads_at_ep1_and_ep2
     assert got["decoder.layers.mlp.router.expert_bias"].dtype == torch.float32
     manifest = json.loads((out / "pmakit-merge.json").read_text())
     assert "decoder.layers.mlp.router.expert_bias" in json.dumps(manifest)  # listed as a router bias
-    # written back in the inputs' own layout: 0.16's common.pt, or 0.19's common state entry
+    # written back in the inputs' own layout: common.pt up to 0.18, or 0.19's common state entry
     version = megatron_moe_runs["root"].name.split("-")[2][:4]  # megatron-moe-0.19N
-    assert (ws1 / iters[-1] / "common.pt").exists() == (version == "0.16")
-    assert (out / "common.pt").exists() == (version == "0.16")
+    assert (ws1 / iters[-1] / "common.pt").exists() == (version != "0.19")
+    assert (out / "common.pt").exists() == (version != "0.19")
     for ep in (1, 2):
         loaded = dcp_tensors(megatron_moe_runs[f"loaded-ep{ep}"])
         assert loaded.keys() == got.keys()
@@ -438,3 +439,27 @@ def test_megatron_moe_at_ep2_merges_to_the_hand_average_and_loads_at_ep1_and_ep2
             assert torch.equal(loaded[name], value), (ep, name)
         step = json.loads((megatron_moe_runs["root"] / f"loaded-ep{ep}.json").read_text())
         assert step["ep"] == ep and math.isfinite(step["loss"]) and step["moved"], step
+        assert step["version"].startswith(f"{version}."), step  # the release this run is named after
+
+
+ROUTER_BIAS = "decoder.layers.mlp.router.expert_bias"
+
+
+def check_router_bias_rules(ws1: Path, merged: Path, checkpoints: list[Path], latest: Path) -> None:
+    """Megatron's own bias update moved the router's ``expert_bias`` every step, so the two rules differ: the
+    default averages it (the hand average), ``--buffers latest`` takes the newest exactly."""
+    states = [model_weights(c) for c in checkpoints]
+    biases = [s[ROUTER_BIAS] for s in states]
+    assert all(not torch.equal(a, b) for a, b in zip(biases, biases[1:])), biases
+    averaged = dcp_tensors(merged)[ROUTER_BIAS]
+    torch.testing.assert_close(averaged, torch.stack(biases).mean(0), rtol=0, atol=1e-7)
+    assert (averaged - biases[-1]).abs().max() > 1e-4  # the rules can be told apart
+    r = CliRunner().invoke(cli, ["merge", str(ws1), "-o", str(latest), "-q", "--buffers", "latest"])
+    assert r.exit_code == 0, r.output
+    got, want = dcp_tensors(latest), hand_average(checkpoints)
+    assert torch.equal(got[ROUTER_BIAS], biases[-1])
+    for name, value in want.items():
+        if name != ROUTER_BIAS:
+            torch.testing.assert_close(got[name], value, msg=name)
+    kinds = json.loads((latest / "pmakit-merge.json").read_text())["tensor_kinds"]
+    assert kinds["router_bias"]["rule"] == "latest" and kinds["router_bias"]["names"] == [ROUTER_BIAS]

@@ -93,8 +93,11 @@ def _header_sha256(file: Path) -> str:
 class TorchReader(Reader):
     format = "torch"
 
-    def __init__(self, path: Path, files: list[Path] | None = None) -> None:
-        """``files``: the weight files to read (default: those of the directory ``path``)."""
+    def __init__(
+        self, path: Path, files: list[Path] | None = None, wrappers: tuple[str, ...] = WRAPPER_KEYS
+    ) -> None:
+        """``files``: the weight files to read (default: those of the directory ``path``); ``wrappers``: the
+        entries that may hold the weights (the first that holds tensors does)."""
         super().__init__(path)
         self.tensors = {}
         self.files = []
@@ -110,7 +113,7 @@ class TorchReader(Reader):
         for i, file in enumerate(files):
             state = load(file)
             _check_crc(file)
-            for key in WRAPPER_KEYS:
+            for key in wrappers:
                 if isinstance(state.get(key), dict) and any(
                     isinstance(v, torch.Tensor) for v in state[key].values()
                 ):

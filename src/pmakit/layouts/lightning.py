@@ -128,7 +128,16 @@ class LightningLayout(Layout):
     def open(self, path: Path) -> Reader:
         if not self.is_snapshot(path):
             raise PmakitError(f"{path}: not a Lightning {SUFFIX} file")
-        return TorchReader(path, files=[path])
+        return TorchReader(path, files=[path], wrappers=("state_dict",))  # never a "model" entry a hook added
+
+    def check_inputs(self, newest: Snapshot) -> None:
+        """Before any work: the output is the newest input's Lightning checkpoint with the merged weights, so the
+        newest input must be one."""
+        if newest.layout != self.name:
+            raise PmakitError(
+                f"--format {self.name} rewrites the newest input's Lightning {SUFFIX} with the merged weights, "
+                f"but the newest input ({newest.path}) is a {newest.layout} checkpoint; use --format safetensors"
+            )
 
     def write(
         self,

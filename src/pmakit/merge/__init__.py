@@ -217,7 +217,11 @@ def _output_format(plan: MergePlan, out_format: str | None) -> str:
     if out_format == "safetensors":  # HF names where the trainer ships a converter (torchtitan's adapter)
         out_format = safetensors_format(plan.snapshots[-1])
     if out_format != "safetensors":
-        writer(out_format)
+        check = getattr(
+            writer(out_format), "check_inputs", None
+        )  # a writer that needs inputs of its own kind
+        if callable(check):
+            check(plan.snapshots[-1])
     return out_format
 
 
