@@ -6,7 +6,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 TORCH := torch==2.13.0
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: demo test check bench bench-olmo bench-scale bench-train bench-flops bench-s3 install clean
+.PHONY: demo test check bench bench-olmo bench-scale bench-train bench-flops bench-s3 bench-ownloop install clean
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -89,6 +89,10 @@ bench-train: install
 # The demo's training FLOP/s against this machine's measured matmul peak (fp32; bf16 beside it)
 bench-flops: install
 	$(PY) benchmarks/bench_flops.py
+
+# A user's own loop (docs/training.md) with torch imported before pmakit vs after, busy processes spinning beside it
+bench-ownloop: install
+	$(PY) benchmarks/bench_ownloop.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

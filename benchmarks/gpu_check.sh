@@ -76,7 +76,7 @@ step tests 240 "$out/tests.log" "$py" -m pytest -p no:cacheprovider -q -ra --dur
   "tests/test_saver.py::test_snapshot_of_a_gpu_model_is_its_weights" tests/test_merge_stream.py \
   tests/test_resources.py
 
-step make-inputs 150 "$out/bench.log" "$py" benchmarks/bench_merge.py --full --make-only --data "$data"
+step make-inputs 240 "$out/bench.log" "$py" benchmarks/bench_merge.py --full --make-only --data "$data"
 
 run="$data/L15-H2048-I5632-V32000"
 step plan 90 "$out/plan.txt" bash -c "$py -m pmakit inspect --plan $run --last 8 && \

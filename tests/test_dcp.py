@@ -196,7 +196,10 @@ def test_plan_counts_the_saved_chunks_dcp_inputs_hold(runs: dict[str, Path]) -> 
 
     snaps = discover(runs["dcp1"])
     report = plan_report(snaps, None, disk_bandwidth=1e9, accumulate_bandwidth=1e9)
-    buffers = 1024 * 4 * (merge_mod.plan.N_BUFFERS + 2)  # the largest tensor (64 x 16) is the chunk
+    # The largest tensor (64 x 16) is the chunk; a buffer holds a chunk of the widest output dtype (the int64
+    # step counter: 8 bytes), one a worker and two for the writer.
+    fold = report["fold"]
+    buffers = 1024 * 8 * fold["buffers"] + merge_mod.resources.SCRATCH_BYTES * fold["workers"]
     # The saved chunks are mapped from the .distcp files (formats.torch_record): the inputs hold no memory.
     assert report["max_memory_bytes"] == buffers
 

@@ -182,18 +182,19 @@ def test_two_ranks_merge_fail_and_resume(runs: dict[str, Path], tmp_path: Path) 
 
 def test_device_fold_matches_the_cpu_fold() -> None:
     """The --device cuda accumulation, run on the CPU (no GPU here): same values as the CPU path."""
-    from pmakit.merge.stream import BLOCK_ELEMS, _fold, _fold_on
+    from pmakit.merge.stream import BLOCK_ELEMS, _DeviceFold, _fold
 
     g = torch.Generator().manual_seed(0)
     views = [torch.randn(1000, generator=g).bfloat16() for _ in range(3)] + [torch.randn(1000, generator=g)]
     weights = [0.1, 0.2, 0.3, 0.4]
     keep = [v.clone() for v in views]
     a, b = torch.empty(1000, dtype=torch.bfloat16), torch.empty(1000, dtype=torch.bfloat16)
-    assert _fold_on("cpu", views, weights, a)
+    device = _DeviceFold(torch.device("cpu"), slot_bytes=4000, out_bytes=4000, slots=2)  # fewer slots than inputs
+    assert device.fold(views, weights, a)
     _fold(views, weights, b, (torch.empty(BLOCK_ELEMS), torch.empty(BLOCK_ELEMS)))
     assert torch.equal(a, b) and all(torch.equal(v, k) for v, k in zip(views, keep))  # inputs untouched
     views[0][3] = float("nan")
-    assert not _fold_on("cpu", views, weights, a)
+    assert not device.fold(views, weights, a)
 
 
 def test_a_lost_rank_is_one_line_and_an_interruption_not_a_failure(monkeypatch: pytest.MonkeyPatch) -> None:

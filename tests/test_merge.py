@@ -89,7 +89,7 @@ def test_large_tensor_is_streamed_in_chunks(
     make_run: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(merge_mod.plan, "CHUNK_ELEMS", 100)  # embed.weight (1024 elements) -> 11 chunks
-    monkeypatch.setattr(merge_mod.plan, "N_BUFFERS", 2)
+    monkeypatch.setenv("PMAKIT_FOLD_WORKERS", "1")  # one worker, three buffers: the tightest pipeline
     run = make_run(3)
     snaps = discover(run)
     plan = plan_merge(snaps, [1 / 3] * 3)

@@ -313,8 +313,8 @@ RECIPES: dict[str, Recipe] = {
     "from torchtitan.config import ConfigManager": Recipe(
         skip="torchtitan's own Trainer runs this recipe in tests/layouts/test_torchtitan.py (torchtitan_run.py online)"
     ),
-    "from pmakit.online import OnlineAverager": Recipe(),
-    'from pmakit.integrations.hf import PMACallback          # pip install -e ".[hf]"': Recipe(),
+    "from pmakit.online import OnlineAverager                            # pmakit before torch: see below": Recipe(),
+    'from pmakit.integrations.hf import PMACallback          # pip install -e ".[hf]"; before torch, as above': Recipe(),
     "pmakit train --preset replicas-smoke -o runs/copies --replicas 2 --sync-every 4                  # local SGD, H = 4": (
         Recipe()
     ),
