@@ -189,7 +189,9 @@ def test_device_fold_matches_the_cpu_fold() -> None:
     weights = [0.1, 0.2, 0.3, 0.4]
     keep = [v.clone() for v in views]
     a, b = torch.empty(1000, dtype=torch.bfloat16), torch.empty(1000, dtype=torch.bfloat16)
-    device = _DeviceFold(torch.device("cpu"), slot_bytes=4000, out_bytes=4000, slots=2)  # fewer slots than inputs
+    device = _DeviceFold(
+        torch.device("cpu"), slot_bytes=4000, out_bytes=4000, slots=2
+    )  # fewer slots than inputs
     assert device.fold(views, weights, a)
     _fold(views, weights, b, (torch.empty(BLOCK_ELEMS), torch.empty(BLOCK_ELEMS)))
     assert torch.equal(a, b) and all(torch.equal(v, k) for v, k in zip(views, keep))  # inputs untouched

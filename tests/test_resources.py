@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from conftest import run_cli
 from pmakit.cli import cli
 from pmakit.errors import PmakitError
-from pmakit.merge import plan_merge
+from pmakit.merge import plan_merge, resources
 from pmakit.merge.capacity import Bandwidth, more_ranks
 from pmakit.merge.resources import (
     MAX_WORKERS,
@@ -140,3 +140,54 @@ def test_inspect_plan_states_the_workers_and_why(make_run: Callable[..., Path]) 
     line = next(x for x in r.output.splitlines() if x.startswith("fold per rank"))
     assert "3 worker thread(s), 5 output buffers" in line and "PMAKIT_FOLD_WORKERS=3" in line
     assert "usable core" in line and "bound by" in r.output
+
+
+def _files(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+def test_read_node_takes_the_tightest_cgroup_limits_v2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A job's group allows 2 GiB (1 GiB of it anonymous already) and no CPU quota; its task's group 1.5 cores.
+    _files(tmp_path, {
+        "cg/cgroup.controllers": "cpu memory",
+        "cg/job/cpu.max": "max 100000\n",
+        "cg/job/memory.max": "2147483648\n",
+        "cg/job/memory.stat": "anon 1073741824\nfile 999999999\n",
+        "cg/job/task/cpu.max": "150000 100000\n",
+        "cg/job/task/memory.max": "max\n",
+        "proc-cgroup": "0::/job/task\n",
+        "meminfo": "MemTotal: 67108864 kB\nMemAvailable:    8388608 kB\n",
+    })  # fmt: skip
+    monkeypatch.setattr(resources, "CGROUP_ROOT", tmp_path / "cg")
+    monkeypatch.setattr(resources, "PROC_CGROUP", tmp_path / "proc-cgroup")
+    monkeypatch.setattr(resources, "MEMINFO", tmp_path / "meminfo")
+    node = read_node({})
+    assert node.quota == 1.5 and node.cores == min(node.affinity, 2)
+    assert (node.memory, node.memory_limit) == (GiB, "cgroup")  # the limit less the anonymous use
+    (tmp_path / "cg/job/memory.max").write_text("max\n")
+    node = read_node({"LOCAL_WORLD_SIZE": "2"})
+    assert (node.memory, node.memory_limit) == (8 * GiB, "MemAvailable") and node.local_ranks == 2
+
+
+def test_read_node_under_cgroup_v1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _files(tmp_path, {
+        "cg/cpu,cpuacct/x/cpu.cfs_quota_us": "400000\n",
+        "cg/cpu,cpuacct/x/cpu.cfs_period_us": "100000\n",
+        "cg/memory/x/memory.limit_in_bytes": "4294967296\n",
+        "cg/memory/x/memory.stat": "cache 5\nrss 7\ntotal_rss 1073741824\n",
+        "cg/memory/memory.limit_in_bytes": "9223372036854771712\n",  # the root: no limit
+        "proc-cgroup": "12:memory:/x\n3:cpu,cpuacct:/x\n0::/\n",
+        "meminfo": "MemAvailable:    8388608 kB\n",
+    })  # fmt: skip
+    monkeypatch.setattr(resources, "CGROUP_ROOT", tmp_path / "cg")
+    monkeypatch.setattr(resources, "PROC_CGROUP", tmp_path / "proc-cgroup")
+    monkeypatch.setattr(resources, "MEMINFO", tmp_path / "meminfo")
+    node = read_node({})
+    assert node.quota == 4.0 and (node.memory, node.memory_limit) == (3 * GiB, "cgroup")
+    (tmp_path / "proc-cgroup").write_text("garbage\n")  # nothing understood: no limits, never a crash
+    node = read_node({})
+    assert node.quota is None and node.memory_limit == "MemAvailable"

@@ -31,6 +31,8 @@ the inputs ahead and to stage the output."""
 WORKERS_ENV = "PMAKIT_FOLD_WORKERS"
 """Set to a number: that many fold workers, whatever the cores (still bounded by memory)."""
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_CGROUP = Path("/proc/self/cgroup")
+MEMINFO = Path("/proc/meminfo")
 
 
 @dataclass(frozen=True)
@@ -167,7 +169,7 @@ def read_node(environ: dict[str, str] | None = None) -> Node:
 
 def _meminfo_available() -> int:
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
+        for line in MEMINFO.read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     except OSError:
@@ -179,10 +181,12 @@ def _cgroup_dirs(controller: str) -> list[Path]:
     """This process's cgroup directories for ``controller``, innermost first up to the hierarchy's root (cgroup v2,
     or the v1 hierarchy that holds the controller)."""
     try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        lines = PROC_CGROUP.read_text().splitlines()
     except OSError:
         return []
     for line in lines:
+        if line.count(":") < 2:
+            continue
         _, controllers, path = line.split(":", 2)
         if controllers == "":
             root = CGROUP_ROOT if (CGROUP_ROOT / "cgroup.controllers").exists() else CGROUP_ROOT / "unified"
