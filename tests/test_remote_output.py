@@ -151,6 +151,13 @@ def test_foreign_objects_need_force_and_force_leaves_only_the_merge(
     done = run_cli("merge", bucket.url("run"), "-o", bucket.url("prod"), "--force", "--quiet", env=env)
     assert done.returncode == 0, done.stderr
     assert sorted(bucket.objects("prod/")) == _merge_keys("prod")
+    finished = bucket.objects("prod/")
+    line = _one_line_error(
+        run_cli("merge", bucket.url("run"), "--last", "1", "-o", bucket.url("prod"), "--resume", env=env)
+    )
+    assert (
+        "holds a finished merge already" in line and bucket.objects("prod/") == finished
+    )  # as a folder's --resume
 
     bucket.put("empty/", b"")  # a console's "folder": no content of anyone's
     done = run_cli("merge", bucket.url("run"), "-o", bucket.url("empty"), "--quiet", env=env)
