@@ -151,6 +151,13 @@ def test_foreign_objects_need_force_and_force_leaves_only_the_merge(
     done = run_cli("merge", bucket.url("run"), "-o", bucket.url("prod"), "--force", "--quiet", env=env)
     assert done.returncode == 0, done.stderr
     assert sorted(bucket.objects("prod/")) == _merge_keys("prod")
+    finished = bucket.objects("prod/")
+    line = _one_line_error(
+        run_cli("merge", bucket.url("run"), "--last", "1", "-o", bucket.url("prod"), "--resume", env=env)
+    )
+    assert (
+        "holds a finished merge already" in line and bucket.objects("prod/") == finished
+    )  # as a folder's --resume
 
     bucket.put("empty/", b"")  # a console's "folder": no content of anyone's
     done = run_cli("merge", bucket.url("run"), "-o", bucket.url("empty"), "--quiet", env=env)
@@ -408,3 +415,22 @@ def test_the_library_resumes_a_cut_publish_without_merging_again(
     assert result.seconds == 0.0  # the staged merge was published as it was, not made again
     assert f"m/{MERGE_MANIFEST}" in bucket.objects("m/")
     assert not any((tmp_path / "staging" / f"pmakit-staging-{os.getuid()}").iterdir())
+
+
+def test_a_killed_staging_merge_is_continued_by_the_same_command(
+    s3_server: Any, make_run: Callable[..., Path], tmp_path: Path
+) -> None:
+    run = make_run(n=2)
+    bucket = Bucket("s3", s3_server)
+    bucket.put_tree(run, "run")
+    args = ("merge", bucket.url("run"), "-o", bucket.url("m"), "--max-shard-size", "2KB", "--quiet")
+    killed = run_cli(*args, env=_env(bucket, tmp_path, PMAKIT_TEST_KILL="after-shard:1"))
+    assert killed.returncode == -9 and not bucket.objects(
+        "m/"
+    )  # killed in the staging merge: nothing published
+    again = run_cli(*args, env=_env(bucket, tmp_path))
+    assert again.returncode == 0, again.stderr
+    assert "continuing the interrupted merge" in again.stderr  # as a folder's merge: not started over
+    got = read_state(bucket.download("m", tmp_path / "down"))
+    want = _merged_locally(run, tmp_path / "local", "--max-shard-size", "2KB")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

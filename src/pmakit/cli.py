@@ -406,14 +406,9 @@ def _merge(
             window=window,
             buffers=buffers,
         )
-    if (
-        keep_fp32
-        and from_previous is None
-        and not (Path(output) / "pmakit-fp32").is_dir()
-        and world.rank == 0
-    ):
+    if keep_fp32 and from_previous is None and not Path(output, "pmakit-fp32").is_dir() and world.rank == 0:
         click.echo(
-            f"note: no {Path(output) / 'pmakit-fp32'}: the merge is fp32 already, so --from-previous {output} "
+            f"note: no {Path(output, 'pmakit-fp32')}: the merge is fp32 already, so --from-previous {output} "
             "updates it exactly as it is",
             err=True,
         )

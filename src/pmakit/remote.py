@@ -900,8 +900,8 @@ def check_output(
 ) -> Location:
     """Before merging hours into ``url`` (returned normalised, see ``output_location``): it does not overlap an
     input URL, the bucket is there and usable, and what is under the prefix may be replaced: a finished merge (its
-    ``manifest``) only with ``force`` (or continued with ``resume``), anything pmakit did not write only with
-    ``force`` (``resume`` continues a cut publish: objects that all carry pmakit's sha256)."""
+    ``manifest``) only with ``force``, anything pmakit did not write only with ``force`` (``resume`` continues a
+    cut publish: objects that all carry pmakit's sha256)."""
     where = output_location(url)
     why = overlap(where.url, inputs)
     if why is not None:
@@ -914,9 +914,7 @@ def check_output(
     objects = [Location(where.scheme, where.bucket, k) for k, n in listed if not (n == 0 and k.endswith("/"))]
     if not objects:  # nothing, or only the empty "folder" markers consoles create
         return where
-    if where.child(manifest) in objects:
-        if resume:
-            return where
+    if where.child(manifest) in objects:  # finished: nothing to resume (a cut publish deletes it first)
         raise PmakitError(f"{where.url}: holds a finished merge already; pass --force to replace it")
     if resume and len(objects) <= 10_000 and all(s.sha256(o) for o in objects):
         return where

@@ -88,8 +88,9 @@ def merge_to_url(merge: Callable[..., MergeResult], args: dict[str, Any]) -> Mer
             options = {k: args[k] for k in ("dtype", "max_shard_size", "buffers")}
             plan = plan_merge(snapshots, weights, **options)
             result = MergeResult(staged, plan, 0.0, json.loads((staged / MERGE_MANIFEST).read_text()))
-        else:  # force: the staging folder is this merge's own
-            result = merge(**{**args, "out": staged, "force": True, "manifest_extra": extra})
+        else:  # an interrupted staging merge is continued as a folder's is, unless forced; a finished one replaced
+            restart = args["force"] or staged.exists()
+            result = merge(**{**args, "out": staged, "force": restart, "manifest_extra": extra})
         remote.publish(staged, url, MERGE_MANIFEST, args["resume"])
     remote.remove_staging(folder)
     return dataclasses.replace(result, url=url)
