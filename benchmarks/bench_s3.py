@@ -1,18 +1,21 @@
-"""Merging from object storage vs the same files on disk: wall time (ratio), peak memory and the requests sent.
+"""Merging from object storage vs the GET floor of the same bytes, measured in the same run: wall time (ratio),
+peak memory, and where the remote merge's time goes.
 
-    python benchmarks/bench_s3.py              # `make bench-s3`: 4 x 0.44 GB bf16 snapshots, 3 interleaved repeats
-    python benchmarks/bench_s3.py --layers 8 --n 8 --repeats 1
+    python benchmarks/bench_s3.py              # `make bench-s3`: 10 bf16 snapshots of 0.18 GB, merged at N=4 and 10
+    python benchmarks/bench_s3.py --n 4 --layers 8 --hidden 2048 --intermediate 5632 --repeats 3
 
 A real S3 API server (moto's server mode, the one the tests use) runs on localhost; the snapshots (bench_merge's
-Llama-shaped bf16 layout) are written on disk and uploaded to it. Each repeat runs, in turn, the real CLI:
-``pmakit merge RUN -o OUT`` (disk to disk), ``pmakit merge s3://.../RUN -o OUT`` (ranged GETs in, disk out) and
-``pmakit merge s3://... -o s3://...`` (also staged and uploaded, manifest last). The table gives the median wall
-time and its ratio to the disk merge, and the peak resident memory of the pmakit process (ru_maxrss from wait4: it
-counts the disk merge's mapped input pages, which are page cache; the remote merge's chunks are process memory).
-``GET floor``: every input byte fetched from the server in 16 MiB ranges, 32 in flight, and dropped: what this
-server can serve at all. The requests are counted once per mode at an HTTP proxy in front of the server (not in
-the timed runs). moto serves the objects from one Python process over loopback, on the cores the merge uses: the
-floor beside the merges separates what the server can serve from what pmakit adds; neither is a cloud's bandwidth.
+Llama-shaped bf16 layout) are written on disk and uploaded to it. For each N, in turn: ``GET floor`` (every byte of
+the N newest snapshots' weights fetched from the server in 16 MiB ranges, 32 in flight, and dropped: what this
+server can serve at all), then the real CLI: ``pmakit merge RUN -o OUT --last N`` (disk to disk),
+``pmakit merge s3://.../RUN -o OUT --last N`` (ranged GETs in, disk out), and with ``--s3-out`` also into
+``s3://`` (staged and uploaded, manifest last). Each row gives the median wall time over the repeats, its ratio to
+the floor of the same repeats, and the peak resident memory of the pmakit process (ru_maxrss from wait4: it counts
+the disk merge's mapped input pages, which are page cache; the remote merge's blocks are process memory). One more
+remote merge runs with the engine's timers on and prints where its time goes: the import, the mirror (listing,
+headers, small files), the streaming pass (the reading thread waiting on GETs, on the fold, on buffers; the fold
+workers; the writer) and the GETs themselves (count, size, how many in flight on average). moto serves the objects
+from one Python process over loopback, on the cores the merge uses: neither number is a cloud's bandwidth.
 """
 
 from __future__ import annotations
@@ -198,9 +201,7 @@ def main() -> None:
         upload_tree(client, run, "bench", "run")
         env = {**server.env(), "PMAKIT_STAGING": str(args.data / "staging")}
         out = args.data / "out"
-        print(
-            f"{'N':>3} {'mode':<14} {'wall s (median)':>16} {'/ floor':>8} {'peak RSS':>10} {'requests':>9}"
-        )
+        print(f"{'N':>3} {'mode':<14} {'wall s (median)':>16} {'/ floor':>8} {'peak RSS':>10}")
         for n in ns:
             steps = [p.name for p in snaps[-n:]]
             last = ["--last", str(n)]

@@ -320,3 +320,42 @@ def test_a_dcp_record_is_one_ranged_get_and_no_file_is_fetched(
             assert torch.equal(reader.read(name, 0, info.numel).reshape(info.shape), state(1)[name]), name
     assert remote.request_count() - before == len(reader.tensors)  # one GET per saved record
     assert data.stat().st_blocks == 0 and not remote._FILLED  # nothing was written into the placeholder
+
+
+def test_a_large_input_is_read_in_aligned_blocks(s3_server: Any, tmp_path: Path) -> None:
+    """A file bigger than a block: its bytes come in aligned 16 MiB ranged GETs (chunks spanning two blocks are
+    joined), the merge byte-equal to the merge of the same files on disk."""
+    from pmakit.remote import BLOCK_BYTES, HEAD_BYTES
+
+    shapes = {"big.weight": (4096, 4200), "norm.weight": (4096,), "small.weight": (300, 7)}
+    root = tmp_path / "run"
+    for k in (1, 2):
+        write_snapshot(root / f"step-{k}", state(k, shapes=shapes), step=k, tokens=k * 10)
+    size = (root / "step-1" / "model.safetensors").stat().st_size
+    assert size > 2 * BLOCK_BYTES
+    bucket = _bucket(s3_server)
+    upload_tree(s3_server.client(), root, bucket, "r")
+    proxy = FaultProxy(s3_server.port)
+    ranges: dict[str, list[tuple[int, int]]] = {"step-1": [], "step-2": []}
+
+    def record(method: str, path: str, headers: dict[str, str]) -> None:
+        key = path.split("?")[0]
+        if method == "GET" and key.endswith("model.safetensors") and "Range" in headers:
+            a, _, b = headers["Range"].removeprefix("bytes=").partition("-")
+            ranges[key.split("/")[-2]].append((int(a), int(b)))
+
+    proxy.fault = record
+    try:
+        proc = run_cli(
+            "merge", f"s3://{bucket}/r", "-o", tmp_path / "out", "--quiet", env=s3_server.env(proxy.url)
+        )
+    finally:
+        proxy.stop()
+    assert proc.returncode == 0, proc.stderr
+    assert run_cli("merge", root, "-o", tmp_path / "local", "--quiet").returncode == 0
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (
+        tmp_path / "local" / "model.safetensors"
+    ).read_bytes()
+    blocks = [(a, min(size, a + BLOCK_BYTES) - 1) for a in range(0, size, BLOCK_BYTES)]
+    for got in ranges.values():
+        assert sorted(got) == sorted([(0, HEAD_BYTES - 1), *blocks]), got  # the header, then each block once

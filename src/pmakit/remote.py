@@ -40,6 +40,7 @@ import logging
 import os
 import shutil
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -507,7 +508,22 @@ def request_count() -> int:
 
 @functools.cache
 def _pool() -> ThreadPoolExecutor:
+    _return_big_buffers()
     return ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="pmakit-get")
+
+
+def _return_big_buffers() -> None:
+    """Have glibc give every freed buffer of 1 MiB or more back to the system at once. Its default threshold moves
+    up to 32 MiB after the first large frees, and then 16 MiB responses, received on 32 threads with an arena each,
+    are freed into the arenas and kept there: the process holds several times the blocks it uses."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, 2**20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -560,7 +576,7 @@ attention's 2 MiB projections) would otherwise each be a request, and a store's 
 class Sequential:
     """Reads of one remote file that move front to back (a merge reads each input in its on-disk order), served
     from aligned blocks of ``BLOCK_BYTES`` fetched ahead on the pool: the GETs of the GET floor, the same size and as
-    many in flight. The streams being read keep about ``IN_FLIGHT`` blocks in flight together (at least two each); a
+    many in flight. The streams being read keep ``AHEAD_BLOCKS`` blocks ahead together (at least two each); a
     block is dropped once a read starts past it. A read far ahead moves the stream there; a read behind the blocks
     held is a GET of its own."""
 
@@ -576,14 +592,15 @@ class Sequential:
     def hint(self, start: int, stop: int) -> None:
         """``read(start, stop)`` comes soon: start the blocks up to there, and the stream's share ahead."""
         with self._lock:
-            self._advance(start, stop)
+            if self._next == -1 or start // BLOCK_BYTES <= self._next + 2:  # a hint never moves the stream
+                self._advance(start, stop)
 
     def read(self, start: int, stop: int) -> memoryview | bytes:
         first, last = start // BLOCK_BYTES, (stop - 1) // BLOCK_BYTES
         with self._lock:
             for i in [i for i in self._blocks if i < first]:
                 del self._blocks[i]
-            if first not in self._blocks and not self._advance(start, stop):
+            if not self._advance(start, stop):
                 return self.remote.read(start, stop)
             futures = [self._blocks[i] for i in range(first, last + 1)]
         began = time.perf_counter()
@@ -599,9 +616,7 @@ class Sequential:
         """Start the blocks ``[start, stop)`` needs and the stream's share ahead of it; False (nothing started) for a
         range behind the blocks held: the caller GETs it on its own."""
         first = start // BLOCK_BYTES
-        if (
-            self._next == -1 or first > self._next + 2
-        ):  # the first read, or a jump past unread bytes: start there
+        if self._next == -1 or first > self._next + 2:  # the first read, or past unread bytes: start there
             for future in self._blocks.values():
                 future.cancel()
             self._blocks.clear()
@@ -610,7 +625,7 @@ class Sequential:
             return False
         with _STREAMS_LOCK:
             _STREAMS.add(self)
-            share = max(2, IN_FLIGHT // len(_STREAMS))
+            share = max(2, AHEAD_BLOCKS // len(_STREAMS))
         end = min(self.remote.size, max(stop, start + share * BLOCK_BYTES))
         while self._next * BLOCK_BYTES < end:
             a = self._next * BLOCK_BYTES
@@ -630,6 +645,9 @@ class Sequential:
             _STREAMS.discard(self)
 
 
+AHEAD_BLOCKS = IN_FLIGHT * 3 // 2
+"""Blocks fetched ahead over all streams: in flight or fetched and not yet read. More than the pool's ``IN_FLIGHT``
+GETs, so that blocks fetched early (a stream waits for the slowest of the N) do not leave the pool idle."""
 _STREAMS: set[Sequential] = set()
 _STREAMS_LOCK = threading.Lock()
 
