@@ -109,7 +109,7 @@ def test_a_yaml_alias_bomb_is_refused_on_its_node_count(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("train", "message"),
     [
-        ({"model": {"heads": 0}}, "model sizes must be positive"),
+        ({"model": {"heads": 0}}, "train.model.heads must be at least 1, got 0"),
         ({"log_every": 0}, "train.log_every must be at least 1"),
         ({"vocab_size": "abc"}, "train.vocab_size: expected a whole number, got 'abc'"),
         (
@@ -119,7 +119,7 @@ def test_a_yaml_alias_bomb_is_refused_on_its_node_count(tmp_path: Path) -> None:
         ({"seed": 1e40}, "train.seed: expected a whole number"),
         ({"seed": -1}, r"train.seed must be in 0 .. 2\^63 - 1"),
         ({"betas": [2, -1]}, r"train.betas must be two numbers in \[0, 1\)"),
-        ({"model": {"intermediate": -64}}, "model.intermediate must be positive"),
+        ({"model": {"intermediate": -64}}, "train.model.intermediate must be at least 1, got -64"),
         (
             {"model": {"kv_heads": 3, "heads": 2, "hidden": 64}},
             r"model.kv_heads \(3\) must be a positive divisor",

@@ -171,7 +171,7 @@ def test_bad_config_is_one_error(corpus_dir: Path, tmp_path: Path) -> None:
         TrainConfig.from_dict({"lr_max": 1})
     with pytest.raises(PmakitError, match="unknown train.model config keys: hiden; known: .*heads, hidden"):
         TrainConfig.from_dict({"model": {"hiden": 32}})
-    with pytest.raises(PmakitError, match="unknown precision 'fp16'; use fp32, bf16 or auto"):
+    with pytest.raises(PmakitError, match="train.precision must be fp32, bf16 or auto, got 'fp16'"):
         tiny(corpus_dir, precision="fp16")
     # The averaging hook reads the window back from disk: the trainer may not delete it first.
     with pytest.raises(PmakitError, match="keep_last=2 < last=3"):

@@ -51,12 +51,23 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import torch
 
 import pmakit
-from pmakit.config import Tokens, from_mapping
+from pmakit.config import (
+    AT_LEAST_1,
+    AT_LEAST_2,
+    NON_NEGATIVE,
+    POSITIVE,
+    Length,
+    OneOf,
+    Range,
+    Tokens,
+    check_fields,
+    from_mapping,
+)
 from pmakit.errors import PmakitError
 from pmakit.evaluate import EvalResult, paired_difference
 from pmakit.merge import average_states
@@ -109,24 +120,24 @@ NO_INTERVENTION = "no-intervention"
 class SpikeStudyConfig:
     """The ``spike:`` section: the induced instability, the detector, the arms and how they resume."""
 
-    seeds: tuple[int, ...] = (0, 1, 2)
+    seeds: Annotated[tuple[Annotated[int, NON_NEGATIVE], ...], Length(1, distinct=True)] = (0, 1, 2)
     """Training seeds (initialisation and data order); one full set of arms per seed."""
-    push_at: Tokens = 409_600
+    push_at: Annotated[Tokens, AT_LEAST_1] = 409_600
     """Tokens at which the LR push (the induced instability) starts."""
-    push_factor: float = 40.0
+    push_factor: Annotated[float, POSITIVE] = 40.0
     """The LR is multiplied by this during the push."""
-    push_tokens: Tokens = 61_440
+    push_tokens: Annotated[Tokens, AT_LEAST_1] = 61_440
     """Length of the push; after it the no-intervention run goes back to the stable-phase LR."""
-    last: int = 3
+    last: Annotated[int, AT_LEAST_2] = 3
     """K: the merge arm averages the last K snapshots before the spike's boundary."""
     method: str = "sma"
     """Weighting of the K snapshots."""
-    optimizers: tuple[str, ...] = ("reset", "keep")
+    optimizers: Annotated[tuple[Annotated[str, OneOf(("reset", "keep"))], ...], Length(1)] = ("reset", "keep")
     """Optimizer policies of the resumed arms: reset (fresh AdamW) and keep (the state saved at the resume point)."""
-    resume_lr: str = "base"
+    resume_lr: Annotated[str, OneOf(("base", "pushed"))] = "base"
     """LR of the resumed arms: base (the stable-phase LR from the resume point on) or pushed (the run's own
     schedule, the rest of the push included)."""
-    resume_lr_factor: float = 1.0
+    resume_lr_factor: Annotated[float, POSITIVE] = 1.0
     """The resumed arms' LR is further multiplied by this."""
     detector: dict[str, Any] = field(default_factory=dict)
     """``pmakit.recover.SpikeConfig`` fields (window, threshold, patience, ...); warmup_tokens defaults to the
@@ -135,19 +146,7 @@ class SpikeStudyConfig:
     def __post_init__(self) -> None:
         from pmakit.weights import get_weights
 
-        if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
-            raise PmakitError("spike.seeds must be distinct non-negative integers")
-        if self.push_factor <= 0 or self.push_tokens <= 0 or self.push_at <= 0:
-            raise PmakitError("spike.push_at, push_factor and push_tokens must be positive")
-        bad = sorted(set(self.optimizers) - {"reset", "keep"})
-        if bad or not self.optimizers:
-            raise PmakitError(f"spike.optimizers must be among reset, keep; got {list(self.optimizers)}")
-        if self.resume_lr not in ("base", "pushed"):
-            raise PmakitError(f"spike.resume_lr must be base or pushed, got {self.resume_lr!r}")
-        if not (self.resume_lr_factor > 0 and math.isfinite(self.resume_lr_factor)):
-            raise PmakitError("spike.resume_lr_factor must be a positive number")
-        if self.last < 2:
-            raise PmakitError("spike.last must be at least 2 (a merge of one snapshot is the latest arm)")
+        check_fields(self, "spike")  # the bounds declared above
         get_weights(self.method, self.last)
         self.spike_config(0)  # a bad detector key fails here
 
@@ -165,42 +164,33 @@ class SpikeStudyConfig:
 class InitStudyConfig:
     """The ``init:`` section: continued training from a merge vs from the latest snapshot."""
 
-    seeds: tuple[int, ...] = (0, 1, 2)
+    seeds: Annotated[tuple[Annotated[int, NON_NEGATIVE], ...], Length(1, distinct=True)] = (0, 1, 2)
     """Training seeds (initialisation and data order)."""
-    init_at: Tokens = 614_400
+    init_at: Annotated[Tokens, AT_LEAST_1] = 614_400
     """Tokens of the constant-LR run at which continued training starts (a snapshot time)."""
-    n: int = 8
+    n: Annotated[int, AT_LEAST_2] = 8
     """N: the merge arm starts from the SMA (``method``) of the last N snapshots up to ``init_at``."""
     method: str = "sma"
     """Weighting of the N snapshots."""
-    continue_tokens: Tokens = 307_200
+    continue_tokens: Annotated[Tokens, AT_LEAST_1] = 307_200
     """Length of the continued training."""
-    warmup_tokens: Tokens = 20_480
+    warmup_tokens: Annotated[Tokens, NON_NEGATIVE] = 20_480
     """Linear warmup of the new schedule (from 0 to the peak)."""
-    peak_lr_factor: float = 1.0
+    peak_lr_factor: Annotated[float, POSITIVE] = 1.0
     """Peak LR of the new schedule, as a multiple of the stable-phase ``train.lr``."""
-    shape: str = "cosine"
+    shape: Annotated[str, OneOf(("cosine", "linear", "1sqrt"))] = "cosine"
     """Decay after the warmup, to ``min_lr_ratio`` x peak at the end: cosine, linear or 1sqrt."""
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: Annotated[float, Range(0, 1)] = 0.0
     """LR at the end of the continued training, as a fraction of the peak."""
-    early_tokens: Tokens = 40_960
+    early_tokens: Annotated[Tokens, AT_LEAST_1] = 40_960
     """"Early" = the first this many tokens of the continued training (early loss, gradient-norm roughness)."""
 
     def __post_init__(self) -> None:
         from pmakit.weights import get_weights
 
-        if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
-            raise PmakitError("init.seeds must be distinct non-negative integers")
-        if self.n < 2:
-            raise PmakitError("init.n must be at least 2")
-        if min(self.init_at, self.continue_tokens, self.early_tokens) <= 0 or self.warmup_tokens < 0:
-            raise PmakitError("init.init_at, continue_tokens and early_tokens must be positive")
+        check_fields(self, "init")  # the bounds declared above
         if self.early_tokens > self.continue_tokens or self.warmup_tokens >= self.continue_tokens:
             raise PmakitError("init.early_tokens and init.warmup_tokens must be shorter than continue_tokens")
-        if self.shape not in ("cosine", "linear", "1sqrt"):
-            raise PmakitError(f"init.shape must be cosine, linear or 1sqrt, got {self.shape!r}")
-        if not self.peak_lr_factor > 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise PmakitError("init.peak_lr_factor must be positive and min_lr_ratio in [0, 1]")
         get_weights(self.method, self.n)
 
     @property

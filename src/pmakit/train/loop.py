@@ -29,7 +29,17 @@ from typing import Annotated, Any
 
 import torch
 
-from pmakit.config import OneOf, Tokens, check_fields, from_mapping
+from pmakit.config import (
+    AT_LEAST_1,
+    FRACTION,
+    NON_NEGATIVE,
+    POSITIVE,
+    OneOf,
+    Range,
+    Tokens,
+    check_fields,
+    from_mapping,
+)
 from pmakit.errors import PmakitError, first_line
 from pmakit.evaluate import EvalResult, batch_loss, can_compile, evaluate
 from pmakit.metrics import MetricsLog
@@ -64,71 +74,71 @@ class TrainConfig:
 
     corpus: str | None = None
     """Text file, directory, glob or pre-tokenized .npy/.bin; None = the installed torch package's .py files (the same on every machine); "stdlib" = this Python's standard library."""
-    max_corpus_bytes: int | None = 16_000_000
+    max_corpus_bytes: Annotated[int | None, AT_LEAST_1] = 16_000_000
     """Read at most this many bytes of text (None: all)."""
-    vocab_size: int = 2048
+    vocab_size: Annotated[int, AT_LEAST_1] = 2048
     """Byte-level BPE vocabulary trained on the corpus."""
-    val_fraction: float = 0.05
+    val_fraction: Annotated[float, FRACTION] = 0.05
     """Share of the corpus text (in whole files) held out for validation."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Model size."""
-    batch_size: int = 16
+    batch_size: Annotated[int, AT_LEAST_1] = 16
     """Sequences per step (tokens per step = batch_size x model.seq_len)."""
-    total_tokens: Tokens = 8_000_000
+    total_tokens: Annotated[Tokens, AT_LEAST_1] = 8_000_000
     """Train until this many tokens."""
-    lr: float = 3e-3
+    lr: Annotated[float, POSITIVE] = 3e-3
     """Peak (stable-phase) learning rate."""
-    warmup_tokens: Tokens = 400_000
+    warmup_tokens: Annotated[Tokens, NON_NEGATIVE] = 400_000
     """Linear warmup length."""
-    decay_tokens: Tokens = 0
+    decay_tokens: Annotated[Tokens, NON_NEGATIVE] = 0
     """Length of the LR decay at the end of the run (0: constant LR to the end, the PMA setting)."""
     decay_shape: Annotated[str, OneOf(DECAY_SHAPES)] = "linear"
     """Decay shape: linear, cosine or 1sqrt."""
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: Annotated[float, Range(0, 1)] = 0.0
     """LR at the end of the decay, as a fraction of the peak."""
-    optimizer: str = "adamw"
+    optimizer: Annotated[str, OneOf(("adamw", "sgd"))] = "adamw"
     """``adamw``, or ``sgd`` (plain SGD, no momentum: the reference for model-copy tests)."""
-    weight_decay: float = 0.1
+    weight_decay: Annotated[float, NON_NEGATIVE] = 0.1
     """AdamW weight decay (not applied to norms and biases)."""
     betas: tuple[float, float] = (0.9, 0.95)
     """AdamW betas."""
-    grad_clip: float = 1.0
+    grad_clip: Annotated[float, NON_NEGATIVE] = 1.0
     """Clip the gradient norm to this (0: no clipping)."""
-    every_tokens: Tokens = 200_000
+    every_tokens: Annotated[Tokens, AT_LEAST_1] = 200_000
     """Snapshot interval V."""
-    keep_last: int | None = None
+    keep_last: Annotated[int | None, AT_LEAST_1] = None
     """Keep only the last K snapshots (None: all)."""
-    average_last: int = 8
+    average_last: Annotated[int, AT_LEAST_1] = 8
     """N of the online merge evaluated while training."""
     average_method: Annotated[str, OneOf(tuple(WEIGHTINGS))] = "sma"
     """Weighting of the online merge."""
-    average_alpha: float = 0.2
+    average_alpha: Annotated[float, Range(0, 1, lo_open=True)] = 0.2
     """EMA factor for ema weightings."""
-    eval_every: int = 1
+    eval_every: Annotated[int, NON_NEGATIVE] = 1
     """Evaluate latest and merged weights every this many snapshots (0: never)."""
-    eval_batches: int = 16
+    eval_batches: Annotated[int, AT_LEAST_1] = 16
     """Held-out batches per evaluation (fixed for the whole run)."""
-    checkpoint_every_tokens: Tokens | None = None
+    checkpoint_every_tokens: Annotated[Tokens | None, AT_LEAST_1] = None
     """Write the full resume state this often (default: at every snapshot)."""
     keep_checkpoints_at: tuple[Tokens, ...] = ()
     """Token counts at which a full state is kept under RUN/checkpoints/ (fork points)."""
-    log_every: int = 10
+    log_every: Annotated[int, AT_LEAST_1] = 10
     """Log a train record every this many steps."""
     seed: int = 0
     """Seed of the initialisation and the data order."""
-    threads: int | None = None
+    threads: Annotated[int | None, AT_LEAST_1] = None
     """Torch intra-op threads (default: the cores available)."""
-    router_aux_coef: float = 0.0
+    router_aux_coef: Annotated[float, NON_NEGATIVE] = 0.0
     """MoE only: weight of HF's router load-balancing loss (``output_router_logits``; Switch-style, over every
     layer) added to the training loss. 0: none."""
-    router_bias_rate: float = 0.0
+    router_bias_rate: Annotated[float, NON_NEGATIVE] = 0.0
     """MoE only: auxiliary-loss-free balancing, the step u of ``bias += u * sign(mean load - load)`` after every
     optimizer step (``pmakit.train.model.balance_experts``). 0: the bias stays zero."""
-    precision: str = "fp32"
+    precision: Annotated[str, OneOf(("fp32", "bf16", "auto"))] = "fp32"
     """Training step's forward and backward: ``fp32``; ``bf16`` (autocast to bfloat16 on CPU or GPU; weights,
     optimizer state, snapshots and every evaluation stay fp32); ``auto``: bf16 where the hardware multiplies bf16
     natively (AVX512-BF16 or AMX CPUs, bf16 GPUs), else fp32. ``make bench-flops`` prints the step time both ways."""
-    compile: str = "off"
+    compile: Annotated[str, OneOf(("off", "on", "auto"))] = "off"
     """The training step's forward and loss through ``torch.compile`` (its backward with them): ``off``, ``on``, or
     ``auto`` (on where it can build kernels, a C++ compiler on CPU or triton on CUDA, for a run with at least
     ``AUTO_COMPILE_STEPS`` steps left). The demo's model: 0.77x the step time after a ~15 s compile (~4 s from
@@ -137,9 +147,7 @@ class TrainConfig:
     bit for bit; the presets leave it off."""
 
     def __post_init__(self) -> None:
-        check_fields(self, "train")  # the bounds declared on the fields; the ranges below are older
-        if self.total_tokens <= 0 or self.every_tokens <= 0 or self.batch_size <= 0:
-            raise PmakitError("total_tokens, every_tokens and batch_size must be positive")
+        check_fields(self, "train")  # the bounds declared on the fields above
         if self.every_tokens % self.tokens_per_step:
             raise PmakitError(
                 f"every_tokens ({self.every_tokens}) must be a multiple of the tokens per step "
@@ -147,47 +155,14 @@ class TrainConfig:
             )
         if self.decay_tokens > self.total_tokens:
             raise PmakitError("decay_tokens is longer than the run")
-        if self.average_last < 1:
-            raise PmakitError("average_last must be at least 1")
-        if self.optimizer not in ("adamw", "sgd"):
-            raise PmakitError(f"unknown optimizer {self.optimizer!r}; use adamw or sgd")
-        if self.precision not in ("fp32", "bf16", "auto"):
-            raise PmakitError(f"unknown precision {self.precision!r}; use fp32, bf16 or auto")
-        if self.compile not in ("off", "on", "auto"):
-            raise PmakitError(f"train.compile must be off, on or auto, got {self.compile!r}")
-        if min(self.router_aux_coef, self.router_bias_rate) < 0:
-            raise PmakitError("train.router_aux_coef and train.router_bias_rate must be at least 0")
         if (self.router_aux_coef or self.router_bias_rate) and not self.model.moe:
             raise PmakitError(
                 "train.router_aux_coef and train.router_bias_rate need a MoE model (model.experts)"
             )
-        self._check_ranges()
-
-    def _check_ranges(self) -> None:
-        """The fields that would otherwise fail deep in a run (a division by zero, torch's own errors) or be
-        silently meaningless (a NaN clip), each named."""
-        for name in ("log_every", "eval_batches", "vocab_size"):
-            if getattr(self, name) < 1:
-                raise PmakitError(f"train.{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("eval_every", "warmup_tokens", "decay_tokens", "weight_decay", "grad_clip"):
-            if getattr(self, name) < 0:
-                raise PmakitError(f"train.{name} must be 0 or more, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise PmakitError(f"train.lr must be positive, got {self.lr}")
-        if not 0 < self.val_fraction < 1:
-            raise PmakitError(f"train.val_fraction must be between 0 and 1, got {self.val_fraction}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise PmakitError(f"train.min_lr_ratio must be between 0 and 1, got {self.min_lr_ratio}")
-        if not 0 < self.average_alpha <= 1:
-            raise PmakitError(f"train.average_alpha must be in (0, 1], got {self.average_alpha}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise PmakitError(f"train.betas must be two numbers in [0, 1), got {list(self.betas)}")
         if not 0 <= self.seed < 2**63:
             raise PmakitError(f"train.seed must be in 0 .. 2^63 - 1, got {self.seed}")
-        for name in ("threads", "keep_last", "max_corpus_bytes", "checkpoint_every_tokens"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise PmakitError(f"train.{name} must be at least 1 (or null), got {value}")
 
     @property
     def tokens_per_step(self) -> int:

@@ -17,11 +17,12 @@ as trained, build the model with ``build_model`` and load the state into it.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any
 
 import torch
 
+from pmakit.config import AT_LEAST_1, NON_NEGATIVE, check_fields
 from pmakit.errors import PmakitError
 
 
@@ -29,35 +30,30 @@ from pmakit.errors import PmakitError
 class ModelConfig:
     """Size of a Llama-style decoder."""
 
-    layers: int = 4
+    layers: Annotated[int, AT_LEAST_1] = 4
     """Transformer blocks."""
-    hidden: int = 192
+    hidden: Annotated[int, AT_LEAST_1] = 192
     """Model width."""
-    heads: int = 6
+    heads: Annotated[int, AT_LEAST_1] = 6
     """Attention heads (head size = hidden / heads)."""
-    kv_heads: int | None = None
+    kv_heads: Annotated[int | None, AT_LEAST_1] = None
     """Key/value heads for grouped-query attention (default: heads)."""
-    intermediate: int | None = None
+    intermediate: Annotated[int | None, AT_LEAST_1] = None
     """MLP width (default: about 8/3 x hidden, rounded to a multiple of 32)."""
-    seq_len: int = 256
+    seq_len: Annotated[int, AT_LEAST_1] = 256
     """Context length in tokens."""
     tie_embeddings: bool = True
     """Share the input embedding and the output head (saves parameters at small sizes)."""
-    experts: int = 0
+    experts: Annotated[int, NON_NEGATIVE] = 0
     """Experts per MLP: 0 is the dense Llama; more is an OLMoE mixture of experts with a biased top-k router."""
-    top_k: int = 2
+    top_k: Annotated[int, AT_LEAST_1] = 2
     """Experts each token is routed to (MoE only)."""
-    expert_width: int | None = None
+    expert_width: Annotated[int | None, AT_LEAST_1] = None
     """Each expert's MLP width (MoE only; default: hidden, so top-2 is about the dense MLP's active width)."""
 
     def __post_init__(self) -> None:
-        if min(self.layers, self.hidden, self.heads, self.seq_len) < 1:
-            raise PmakitError(f"model sizes must be positive: {asdict(self)}")
-        if self.intermediate is not None and self.intermediate < 1:
-            raise PmakitError(
-                f"model.intermediate must be positive (or null: ~8/3 x hidden), got {self.intermediate}"
-            )
-        if self.kv_heads is not None and (self.kv_heads < 1 or self.heads % self.kv_heads):
+        check_fields(self, "model")  # the bounds declared on the fields above
+        if self.kv_heads is not None and self.heads % self.kv_heads:
             raise PmakitError(
                 f"model.kv_heads ({self.kv_heads}) must be a positive divisor of model.heads ({self.heads})"
             )
