@@ -393,3 +393,24 @@ def test_the_hf_callback_logs_the_merge_on_downstream_tasks(tiny: dict[str, Path
     model.train()
     tasks.scores(model)
     assert model.training  # scoring leaves the model in the mode the trainer had it in
+
+
+def test_tune_by_a_metric_chooses_on_selection_items_and_reports_on_test_items(tiny: dict[str, Path]) -> None:
+    """Two trials (the baselines): each loss is minus the accuracy pmakit eval measures on that split's items."""
+    proc = run_cli("tune", tiny["run"], "-o", tiny["root"] / "tuned", "--metric", "pmakit_next_line/acc",
+                   "--budget-evals", "2", "-q", env=tiny["env"], timeout=1200)  # type: ignore[arg-type]  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads((tiny["root"] / "tuned" / "tune.json").read_text())
+    assert (
+        record["data"]["metric"] == "pmakit_next_line/acc" and "chosen by pmakit_next_line/acc" in proc.stdout
+    )
+    last = record["models"]["last"]
+    for split in ("selection", "test"):
+        out = tiny["root"] / f"acc-{split}.jsonl"
+        done = _eval(
+            tiny, tiny["run"], "--tasks", "pmakit_next_line", "--split", split, "--noise", "0", "-o", out
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert last[f"{split}_loss"] == pytest.approx(
+            -_value(_rows(out), "latest", "pmakit_next_line", "acc"), abs=1e-12
+        )
