@@ -346,3 +346,71 @@ def test_bad_inputs_are_one_error_line_and_write_nothing(
                      env={**tiny["env"], "PYTHONPATH": f"{fake}{os.pathsep}{SRC}"})  # type: ignore[dict-item]  # fmt: skip
     _one_error(hidden, 'pip install -e ".[eval]"')
     assert not out.exists()
+
+
+# --- in the training loop
+
+
+def test_the_hf_callback_logs_the_merge_on_downstream_tasks(tiny: dict[str, Path], monkeypatch: Any) -> None:
+    """The HF Trainer evaluates at steps 6 and 12; the callback scores the online merge on pmakit_next_line there:
+    in the logs and metrics.jsonl, equal to the same tasks run on the averager's final merge."""
+    import transformers
+
+    from pmakit.eval.harness import LoopTasks
+    from pmakit.eval.model import model_from_state
+    from pmakit.eval.run import corpus_entry
+    from pmakit.eval.tasks import build_tasks
+    from pmakit.integrations.hf import PMACallback
+    from pmakit.metrics import read_metrics
+
+    monkeypatch.setenv("PMAKIT_CACHE", tiny["env"]["PMAKIT_CACHE"])  # type: ignore[index]
+    for k, v in OFFLINE.items():
+        monkeypatch.setenv(k, v)
+    newest = gather([tiny["run"]])[0][-1].path
+    include = build_tasks(corpus_entry([tiny["run"]])).include("test")
+    ids = torch.randint(0, 300, (48, 32), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": x, "labels": x} for x in ids]
+    args = transformers.TrainingArguments(
+        output_dir=str(tiny["root"] / "hf"), max_steps=12, per_device_train_batch_size=4, learning_rate=3e-3,
+        eval_strategy="steps", eval_steps=6, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
+        include_num_input_tokens_seen=True, seed=0,
+    )  # fmt: skip
+    tasks = LoopTasks(["pmakit_next_line"], newest, limit=8, include=[include])
+    callback = PMACallback(tiny["root"] / "hf-snaps", 128, last=3, downstream=tasks)
+    model = transformers.AutoModelForCausalLM.from_pretrained(newest)
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=data, eval_dataset=data[:8], callbacks=[callback]
+    )
+    trainer.train()
+    history = [h for h in trainer.state.log_history if "eval_merged/pmakit_next_line/acc" in h]
+    assert [h["step"] for h in history] == [6, 12] and all("eval_merged_loss" in h for h in history)
+    merged = [r for r in read_metrics(tiny["root"] / "hf-snaps") if r.get("model", "").startswith("merged")]
+    assert [r["eval_merged/pmakit_next_line/acc_norm"] for r in merged] == [
+        h["eval_merged/pmakit_next_line/acc_norm"] for h in history
+    ]
+    again = tasks.scores(model_from_state(newest, callback.averager.average()))
+    assert again["eval_merged/pmakit_next_line/acc"] == history[-1]["eval_merged/pmakit_next_line/acc"]
+    model.train()
+    tasks.scores(model)
+    assert model.training  # scoring leaves the model in the mode the trainer had it in
+
+
+def test_tune_by_a_metric_chooses_on_selection_items_and_reports_on_test_items(tiny: dict[str, Path]) -> None:
+    """Two trials (the baselines): each loss is minus the accuracy pmakit eval measures on that split's items."""
+    proc = run_cli("tune", tiny["run"], "-o", tiny["root"] / "tuned", "--metric", "pmakit_next_line/acc",
+                   "--budget-evals", "2", "-q", env=tiny["env"], timeout=1200)  # type: ignore[arg-type]  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads((tiny["root"] / "tuned" / "tune.json").read_text())
+    assert (
+        record["data"]["metric"] == "pmakit_next_line/acc" and "chosen by pmakit_next_line/acc" in proc.stdout
+    )
+    last = record["models"]["last"]
+    for split in ("selection", "test"):
+        out = tiny["root"] / f"acc-{split}.jsonl"
+        done = _eval(
+            tiny, tiny["run"], "--tasks", "pmakit_next_line", "--split", split, "--noise", "0", "-o", out
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert last[f"{split}_loss"] == pytest.approx(
+            -_value(_rows(out), "latest", "pmakit_next_line", "acc"), abs=1e-12
+        )

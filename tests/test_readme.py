@@ -292,6 +292,7 @@ LONG = "a study of several minutes; its smoke preset runs in tests/test_studies.
 SWEEP_BLOCK = (
     "pmakit experiment --preset sweep-smoke -o runs/sweep-smoke    # 4 toy candidates, under a minute"
 )
+EVAL = "pmakit eval, tune/sweep-rank --metric and model=\"pmakit\" run on a tiny trained run in tests/test_eval.py"
 RECIPES: dict[str, Recipe] = {
     "make demo    # the main job: train a small model on real text, merge its snapshots, write a report": Recipe(
         skip="set-up commands: `make test` is this suite, `make demo` the main job (its own target)"
@@ -334,6 +335,13 @@ RECIPES: dict[str, Recipe] = {
     ),
     "pmakit tune runs/demo -o tuned/ --budget-evals 12                      # the run's own held-out split (corpus cache)": (
         Recipe()
+    ),
+    'pip install -e ".[eval]"                                        # lm-eval[hf]==0.4.13 (make test installs it)': (
+        Recipe(skip=EVAL)
+    ),
+    "import lm_eval": Recipe(skip=EVAL),
+    "┃ target ┃ model  ┃ task/metric                        ┃    score ± s.e. ┃ Δ vs latest ± s.e. ┃       95% interval ┃ noise sd (K) ┃": (
+        Recipe(skip="a table pmakit eval prints, not a command")
     ),
     "pmakit inspect s3://bucket/runs/olmo-7b                        # layout, step, tokens of every checkpoint there": (
         Recipe(

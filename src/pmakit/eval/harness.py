@@ -65,7 +65,7 @@ def task_manager(include: Sequence[Path] = ()) -> Any:
     from lm_eval.tasks import TaskManager
 
     paths = [str(p) for p in include]
-    return TaskManager(include_path=paths or None, verbosity="ERROR")
+    return TaskManager(include_path=paths or None)
 
 
 def check_tasks(names: Sequence[str], manager: Any) -> None:
@@ -128,3 +128,52 @@ def scores_of(out: Mapping[str, Any], task: str) -> dict[str, MetricScores]:
             [int(s["doc_id"]) for s in rows],
         )
     return scores
+
+
+@dataclass
+class LoopTasks:
+    """lm-eval tasks a training callback scores the online merge on when the trainer evaluates.
+
+    The scores go into the merged ``eval`` record of metrics.jsonl and the trainer's logs as
+    ``eval_merged/<task>/<metric>``. The model must be an HF causal LM (the HF Trainer's, or the one inside a
+    LightningModule).
+    """
+
+    tasks: Sequence[str]
+    """lm-eval task names (a built ``pmakit.eval.tasks`` split folder in ``include`` gives pmakit's own)."""
+    tokenizer: Any
+    """The model's tokenizer, or a folder ``AutoTokenizer`` loads it from."""
+    limit: int | None = 100
+    """Items per task (the first N)."""
+    every: int = 1
+    """Score at every ``every``-th evaluation of the merge."""
+    include: Sequence[Path] = ()
+    """Folders of task YAMLs."""
+    batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        if not self.tasks or self.every < 1 or (self.limit is not None and self.limit < 1):
+            raise PmakitError("LoopTasks needs tasks, every >= 1 and limit >= 1 (or None)")
+        self._manager: Any = None
+        self._calls = 0
+
+    def due(self) -> bool:
+        self._calls += 1
+        return self._calls % self.every == 0
+
+    def scores(self, model: Any) -> dict[str, float]:
+        """``{"eval_merged/<task>/<metric>": value}`` of ``model`` as it is (its training mode restored)."""
+        if self._manager is None:
+            self._manager = task_manager(self.include)
+            check_tasks(self.tasks, self._manager)
+            if isinstance(self.tokenizer, (str, os.PathLike)):
+                from transformers import AutoTokenizer
+
+                self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer)
+        training = model.training
+        try:
+            lm = hflm(model, self.tokenizer, batch_size=self.batch_size)
+            found = run_tasks(lm, self.tasks, self._manager, limit=self.limit)
+        finally:
+            model.train(training)
+        return {f"eval_merged/{t}/{m}": s.value for t, scores in found.items() for m, s in scores.items()}

@@ -29,19 +29,8 @@ from pmakit.runs import read_jsonl
 log = logging.getLogger(__name__)
 
 EVALS = "evals.jsonl"
-KEY_FIELDS = (
-    "target",
-    "recipe",
-    "window",
-    "v",
-    "n",
-    "weights_sha",
-    "task",
-    "metric",
-    "limit",
-    "split",
-    "lm_eval",
-)
+KEY_FIELDS = ("target", "recipe", "window", "v", "n", "weights_sha", "task", "metric", "limit", "split", "build",
+              "lm_eval")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -192,7 +181,11 @@ def evaluate(
                 "weights_sha": m.key.get("weights_sha"), "raw_back": m.raw_back, "limit": spec.limit,
                 "lm_eval": version}  # fmt: skip
         for task in spec.tasks:
-            key = {**base, "task": task, "split": spec.split if task in TASKS else None}
+            own = (
+                taskset is not None and task in TASKS
+            )  # the build (corpus, items) is part of an item's identity
+            build = taskset.root.name if own and taskset is not None else None
+            key = {**base, "task": task, "split": spec.split if own else None, "build": build}
             if _row_key(key) in done:
                 rows += done[_row_key(key)]
                 continue
@@ -336,6 +329,8 @@ def command(
     rows = evaluate(
         targets, recipes, spec, out=out, corpus=corpus, progress=lambda line: err.print(f"evaluating {line}")
     )
+    if reference is not None and Path(reference).exists():
+        reference = str(Path(reference).resolve())  # rows name targets by their resolved path
     summary = summarize(rows, reference)
     console = Console(width=None if sys.stdout.isatty() else 200)
     console.print(render(summary))

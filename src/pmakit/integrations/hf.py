@@ -114,9 +114,11 @@ class PMACallback(TrainerCallback):
         record = {"kind": "eval", "model": "latest", "tokens": tokens, "step": state.global_step}
         self.core.write({**record, "val_loss": logs[f"{prefix}_loss"]})
         logs[f"{prefix}_merged_loss"] = merged  # also the dict Trainer.evaluate returns
+        logs.update(self.core.last_downstream)  # eval_merged/<task>/<metric>, when downstream tasks are given
         entry = state.log_history[-1] if state.log_history else None
         if entry is not None and entry.get(f"{prefix}_loss") == logs[f"{prefix}_loss"]:
             entry[f"{prefix}_merged_loss"] = merged  # the Trainer copied logs into its history just before
+            entry.update(self.core.last_downstream)
             entry["merged"] = self.averager.label
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -93,6 +93,8 @@ class PMACallback(pl.Callback):
         )
         if self._merged is not None:
             pl_module.log("val_merged_loss", self._merged, rank_zero_only=True)
+            for name, value in self.core.last_downstream.items():
+                pl_module.log(name, value, rank_zero_only=True)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         latest = trainer.callback_metrics.get("val_loss")

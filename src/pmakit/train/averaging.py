@@ -57,6 +57,8 @@ class Averaging:
             opened at the first record and again after ``close`` (a trainer may evaluate after training).
         upload_to: an ``s3://`` / ``gs://`` URL every complete snapshot is also uploaded to, off the training
             thread (``SnapshotSaver``'s ``upload_to``); the callbacks pass it through.
+        downstream: lm-eval tasks the merge is also scored on when it is evaluated (``pmakit.eval.harness.
+            LoopTasks``: tasks, limit, every); the scores land in the merged record and ``last_downstream``.
     """
 
     def __init__(
@@ -74,7 +76,11 @@ class Averaging:
         dtype: torch.dtype | None = None,
         metrics: MetricsLog | None = None,
         upload_to: str | None = None,
+        downstream: Any = None,
     ) -> None:
+        self.downstream = downstream
+        self.last_downstream: dict[str, float] = {}
+        """``eval_merged/<task>/<metric>`` of the latest merged evaluation that scored them (else empty)."""
         if eval_every < 0:
             raise PmakitError(f"eval_every must be >= 0 (0: never evaluate the merge), got {eval_every}")
         if keep_last is not None and keep_last < last and not hold_in_memory:
@@ -254,7 +260,9 @@ class Averaging:
             return None
         with self.swapped_in(model):
             loss = float(loss_fn())
-        self.write(self.merged_record(tokens, step, {"val_loss": loss}))
+            due = self.downstream is not None and self.downstream.due()
+            self.last_downstream = self.downstream.scores(model) if due else {}
+        self.write(self.merged_record(tokens, step, {"val_loss": loss, **self.last_downstream}))
         return loss
 
     # -- records and the end ------------------------------------------------------------------------------------
