@@ -385,7 +385,7 @@ def _merge(
         keep_fp32 = True
     plan = _plan(terms, term_weights, dtype, max_shard_size, world, window, buffers)
     if (dry_run and world.rank == 0) or not quiet:
-        _print_plan(plan)
+        _print_plan(plan, incremental=window is not None)
     if dry_run:
         return
     extra.update(_merge_record(inputs, method, alpha, custom, last, every, until))
@@ -505,7 +505,7 @@ def _print_result(plan: Any, result: Any, output: Path | str) -> None:
     )
 
 
-def _print_plan(plan: Any) -> None:
+def _print_plan(plan: Any, incremental: bool = False) -> None:
     from pmakit.remote import origin
 
     for snap, w in zip(plan.snapshots, plan.weights):
@@ -518,6 +518,8 @@ def _print_plan(plan: Any) -> None:
         f"({plan.fold.workers} fold worker(s): {plan.fold.why})"
     )
     _print_state(listing(plan.kinds, plan.buffers))
+    if plan.precisions and not incremental:  # an update's terms mix the fp32 sums with snapshots
+        click.echo(f"precision: {plan.precision()['why']}")
 
 
 def _print_state(state: dict[str, Any]) -> None:

@@ -114,7 +114,11 @@ def inspect_inputs(
         report["compatible"] = False
         report["problems"] = str(e).split("\n  ")[1:] or [str(e)]
         return report
-    dtypes = Counter(str(info.dtype).replace("torch.", "") for info, _ in every_plan.tensors.values())
+    # Inputs that differ in float precision: the dtypes the merge writes (see "precision"), not the newest's.
+    dtypes = Counter(
+        str(out if every_plan.precisions else info.dtype).replace("torch.", "")
+        for info, out in every_plan.tensors.values()
+    )
     report["compatible"] = True
     report["model"] = {
         "tensors": len(every_plan.tensors),

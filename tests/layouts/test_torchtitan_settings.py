@@ -172,9 +172,14 @@ def transformers_load(converted: Path, config: Any, cls_name: str, tmp_path: Pat
     assert not info["missing_keys"] and not info["mismatched_keys"]
     # Only the tensors HF's model has no slot for, kept under their documented torchtitan.* names.
     assert info["unexpected_keys"] == {f"torchtitan.layers.{i}.moe.expert_bias_E" for i in (0, 1)}
-    logits = model(torch.randint(0, 2048, (1, 16))).logits
-    assert logits.isfinite().all()
-    return model.state_dict()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    # ... and trains a step from it.
+    ids = torch.randint(0, 2048, (2, 16), generator=torch.Generator().manual_seed(0))
+    loss = model(input_ids=ids, labels=ids).loss
+    assert math.isfinite(loss.item())
+    loss.backward()
+    torch.optim.SGD(model.parameters(), lr=1e-3).step()
+    return state
 
 
 def test_qwen3_moe_safetensors_keeps_every_tensor_and_loads_in_transformers_and_torchtitan(

@@ -58,6 +58,8 @@ STEP_DIR = re.compile(r"step-(\d+)")
 """torchtitan's ``CheckpointManager._create_checkpoint_id``: ``step-{N}``."""
 TRAIN_STATE = ("train_state.step", "train_state.ntokens_seen")
 DP_DEGREE = "dataloader.world_size"
+EXPORT_NOTE = "a model-only last save: torchtitan's --checkpoint.export_dtype"
+"""Why a model-only last save may be in another float precision than the run's checkpoints."""
 _MARKER = b"train_state.ntokens_seen"
 """The entry name as it appears in the pickled ``.metadata``: a byte search, so recognising a checkpoint never
 unpickles anything."""
@@ -162,7 +164,7 @@ class TorchtitanLayout(Layout):
         step = int(path.name[5:])
         if tokens_per_step:
             snap = from_name(path, tokens_per_step, self.name)
-            snap.meta.update(model_only=True, hf=hf)
+            snap.meta.update(model_only=True, hf=hf, precision_note=EXPORT_NOTE)
             return snap
         rates = set()
         for sibling in _siblings(path):
@@ -181,6 +183,7 @@ class TorchtitanLayout(Layout):
             )
         rate = int(next(iter(rates)))
         meta = {"step": step, "tokens": step * rate, "tokens_per_step": rate, "model_only": True, "hf": hf}
+        meta["precision_note"] = EXPORT_NOTE
         return Snapshot(path, tokens=step * rate, step=step, source=self.name, meta=meta, layout=self.name)
 
     def safetensors_format(self, snapshot: Snapshot) -> str:

@@ -338,6 +338,7 @@ def _manifest_of(
                 ledger.recorded(f"{FP32_DIR}/{s.file}") for s in job.sums.shards
             ]
         if window is not None:
+            record.pop("precision", None)  # of the terms (the fp32 sums among them), not of the window
             record["terms"] = record["inputs"]
             record["inputs"] = window_inputs(*window)
             record["weights"] = list(window[1])

@@ -149,12 +149,8 @@ def precision_reason(snapshots: Sequence[Snapshot], precisions: Sequence[str], o
     """One sentence: the inputs' float precisions, how they were merged and why the output has its dtype."""
     groups: dict[str, list[str]] = {}
     for snap, p in zip(snapshots, precisions):
-        export = (
-            " (a model-only last save: torchtitan's --checkpoint.export_dtype)"
-            if snap.meta.get("model_only")
-            else ""
-        )
-        groups.setdefault(p, []).append(snap.path.name + export)
+        note = snap.meta.get("precision_note")  # a layout's word on why (torchtitan: its export_dtype)
+        groups.setdefault(p, []).append(snap.path.name + (f" ({note})" if isinstance(note, str) else ""))
     said = "; ".join(f"{p} {', '.join(names)}" for p, names in groups.items())
     return (
         f"the snapshots differ only in float precision ({said}): one run, accumulated in fp32 and written in "
