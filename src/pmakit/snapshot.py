@@ -68,8 +68,21 @@ def write_metadata(
 
 
 def looks_like_snapshot(path: Path) -> bool:
-    """True if some run layout recognises ``path`` as one of its checkpoints (complete or not)."""
-    return layout_of(path) is not None
+    """True if some run layout recognises ``path`` as one of its checkpoints (complete or not).
+
+    A directory that only a generic layout claims (weights at its top level, no trainer metadata) but that holds
+    checkpoints is their save folder: the HF Trainer's ``output_dir`` after ``save_model()``, the final model beside
+    ``checkpoint-N`` (the Trainer's last checkpoint holds the same weights, with its step)."""
+    layout = layout_of(path)
+    if layout is None:
+        return False
+    if layout.generic and path.is_dir() and not is_merge_output(path) and candidates(path, depth=1):
+        log.info(
+            "%s holds checkpoints and a model with no token count at its top level: merging the checkpoints",
+            path,
+        )
+        return False
+    return True
 
 
 def read_snapshot(path: str | os.PathLike[str], tokens_per_step: int | None = None) -> Snapshot:

@@ -50,6 +50,7 @@ def trainer_output(tmp_path_factory: pytest.TempPathFactory) -> Path:
         train_dataset=[{"input_ids": x, "labels": x} for x in ids],
     )
     trainer.train()
+    trainer.save_model()  # as the Trainer's examples end: the final model beside the checkpoints
     assert trainer.state.num_input_tokens_seen == 0  # what the defaults leave
     return out
 
@@ -57,6 +58,11 @@ def trainer_output(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_defaults_need_tokens_per_step_and_say_so(trainer_output: Path, tmp_path: Path) -> None:
     names = sorted(p.name for p in trainer_output.iterdir() if p.name.startswith("checkpoint-"))
     assert names == [f"checkpoint-{s}" for s in (2, 4, 6)]
+    # The final model at the top level is the last checkpoint's weights (the Trainer saves at the last step): the
+    # folder is the checkpoints' save folder, not one model.
+    assert (trainer_output / "model.safetensors").is_file()
+    final, last = load_dir(trainer_output), load_dir(trainer_output / names[-1])
+    assert all(torch.equal(final[k], last[k]) for k in last)
     r = CliRunner().invoke(cli, ["merge", str(trainer_output), "-o", str(tmp_path / "out")])
     assert r.exit_code == 1
     last = r.stderr.splitlines()[-1]

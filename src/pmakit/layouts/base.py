@@ -69,6 +69,9 @@ class Layout(ABC):
     own_files: tuple[str, ...] = ()
     """Files that mark a checkpoint of this layout (Megatron's ``metadata.json``): never copied into the output of
     a merge as extras; ``write`` writes them where the output is in this layout."""
+    generic: bool = False
+    """Claims any directory with weights at its top level (plain model or DCP dirs, no trainer metadata): a folder
+    it claims that also holds checkpoints is a save folder, not one checkpoint."""
     single_file: bool = False
     """Each checkpoint is one file (Lightning's ``.ckpt``), not a directory: ``is_snapshot`` and ``read`` are
     then asked about files, and ``snapshots`` lists files."""

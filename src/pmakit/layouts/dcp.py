@@ -16,6 +16,7 @@ from pmakit.layouts.base import Layout, Snapshot, from_name
 
 class DCPLayout(Layout):
     name = "dcp"
+    generic = True
 
     def is_snapshot(self, path: Path) -> bool:
         return (path / dcp_io.METADATA_FILE).is_file()

@@ -11,6 +11,7 @@ from pmakit.layouts.base import Layout, Snapshot, from_name
 
 class HFModelLayout(Layout):
     name = "hf-model"
+    generic = True
 
     def is_snapshot(self, path: Path) -> bool:
         return detect_format(path) is not None

@@ -112,7 +112,11 @@ class LightningLayout(Layout):
             raise IncompleteSnapshot(path, str(e)) from None
         tokens, source = _tokens_recorded(ckpt, path), self.name
         if tokens is None:
-            if step is None or not tokens_per_step:
+            if step is None:
+                raise IncompleteSnapshot(
+                    path, "no global_step and no token count: not a Lightning checkpoint"
+                )
+            if not tokens_per_step:
                 raise IncompleteSnapshot(
                     path,
                     "no token count: pass --tokens-per-step N (tokens per optimizer step), "
