@@ -217,9 +217,8 @@ def _output_format(plan: MergePlan, out_format: str | None) -> str:
     if out_format == "safetensors":  # HF names where the trainer ships a converter (torchtitan's adapter)
         out_format = safetensors_format(plan.snapshots[-1])
     if out_format != "safetensors":
-        check = getattr(
-            writer(out_format), "check_inputs", None
-        )  # a writer that needs inputs of its own kind
+        # A writer that needs inputs of its own kind (Lightning's rewrites the newest .ckpt) says so now.
+        check = getattr(writer(out_format), "check_inputs", None)
         if callable(check):
             check(plan.snapshots[-1])
     return out_format
