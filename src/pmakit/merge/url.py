@@ -64,11 +64,8 @@ def url_outputs(merge: Callable[P, MergeResult]) -> Callable[P, MergeResult]:
 def merge_to_url(merge: Callable[..., MergeResult], args: dict[str, Any]) -> MergeResult:
     """The local ``merge`` with ``args`` (every argument, by name) into a private staging folder, then published
     at ``args["out"]``."""
-    if (
-        args["keep_fp32"]
-        or args["window"] is not None
-        or (args["world"] is not None and args["world"].size > 1)
-    ):
+    ranks = args["world"].size if args["world"] is not None else 1
+    if args["keep_fp32"] or args["window"] is not None or ranks > 1:
         raise PmakitError(
             f"{args['out']}: fp32 sums, incremental updates and several ranks merge into folders only"
         )
@@ -77,13 +74,10 @@ def merge_to_url(merge: Callable[..., MergeResult], args: dict[str, Any]) -> Mer
     url = check_url_output(args["out"], force=args["force"], resume=args["resume"], inputs=paths)
     extra = {**(args["manifest_extra"] or {}), "output_url": redact(url)}
     keyed = {k: str(v) for k, v in args.items() if k not in ("snapshots", "out", *UNKEYED)}
-    folder = remote.staging_dir(
-        url, json.dumps([[remote.origin(p) for p in paths], keyed, extra], default=str)
-    )
+    folder = remote.staging_dir(url, json.dumps([[remote.origin(p) for p in paths], keyed, extra]))
     staged = folder / remote.STAGED
-    with output_lock(
-        folder / "publish"
-    ):  # one merge into this staging folder at a time, its publish included
+    # One merge into this staging folder at a time, its publish included.
+    with output_lock(folder / "publish"):
         if args["resume"] and (staged / MERGE_MANIFEST).is_file():  # merged already; the upload was cut
             options = {k: args[k] for k in ("dtype", "max_shard_size", "buffers")}
             plan = plan_merge(snapshots, weights, **options)
