@@ -574,7 +574,7 @@ class Sequential:
     """Reads of one remote file that move front to back (a merge reads each input in its on-disk order), served
     from aligned blocks of ``BLOCK_BYTES`` fetched ahead on the pool: the GETs of the GET floor, the same size and as
     many in flight. The streams being read keep ``AHEAD_BLOCKS`` blocks ahead together (at least two each); a
-    block is dropped once a read starts past it. A read far ahead moves the stream there; a read behind the blocks
+    block is dropped once a read reaches its end or starts past it. A read far ahead moves the stream there; a read behind the blocks
     held is a GET of its own."""
 
     def __init__(self, remote: RemoteFile) -> None:
@@ -587,9 +587,10 @@ class Sequential:
         """Seconds the reading thread waited for blocks (benchmarks)."""
 
     def hint(self, start: int, stop: int) -> None:
-        """``read(start, stop)`` comes soon: start the blocks up to there, and the stream's share ahead."""
+        """``read(start, stop)`` comes soon: the first hint starts the stream there (its share of blocks ahead);
+        later ones change nothing, since the stream reads ahead on its own (a hint's own reach would add to it)."""
         with self._lock:
-            if self._next == -1 or start // BLOCK_BYTES <= self._next + 2:  # a hint never moves the stream
+            if self._next == -1:
                 self._advance(start, stop)
 
     def read(self, start: int, stop: int) -> memoryview | bytes:
@@ -600,6 +601,11 @@ class Sequential:
             if not self._advance(start, stop):
                 return self.remote.read(start, stop)
             futures = [self._blocks[i] for i in range(first, last + 1)]
+            for i in range(
+                first, last + 1
+            ):  # read to their end: the views returned hold what is still needed
+                if min(self.remote.size, (i + 1) * BLOCK_BYTES) <= stop:
+                    del self._blocks[i]
         began = time.perf_counter()
         parts = [memoryview(f.result()) for f in futures]
         self.waited += time.perf_counter() - began
