@@ -2,15 +2,17 @@
 
 Inputs. A remote run or snapshot is presented to the layouts as a local *mirror* (``localize``): its folder tree,
 its small files (JSON metadata, DCP ``.metadata``, indexes, configs, tokenizers, Megatron's ``common.pt``)
-downloaded whole, and each large weight or state file (``.safetensors``, ``.distcp``, ``.pt``/``.bin``) a sparse
+downloaded whole within the limits table's bounds (larger non-weight objects, logs and event files, left out), and
+each large weight or state file (``.safetensors``, ``.distcp``, ``.pt``/``.bin``) a sparse
 placeholder of its real size that costs no disk and holds only its head (a safetensors header). Discovery, the
 layouts' metadata and the readers' header parsing then run unchanged on the mirror. The readers ask ``lookup``
-whether a file is remote and read its bytes from the store instead of the placeholder: ranged GETs
-(``RemoteFile.fetch``, one per merge chunk of a safetensors file, one per saved record of a DCP file), started by
-the merge's read-ahead hints on a shared pool of ``IN_FLIGHT`` threads, each GET retried. Memory: per input, the
-chunks in flight and in the merge's hands (about 7 chunks of 16 MiB per bf16 input) and, for DCP, the saved records
-of the tensor being merged: independent of the model's size like the local merge, but process memory where the
-local merge has page cache, so it grows with N. Records DCP itself must decode (compressed ones) and whole ``torch.save`` files are written into their
+whether a file is remote and read its bytes from the store instead of the placeholder: ranged GETs on a shared
+pool of ``IN_FLIGHT`` threads, each retried and pinned to the version listed: a safetensors file in aligned
+``BLOCK_BYTES`` blocks fetched ahead as the merge reads it front to back (``Sequential``), a DCP file one GET per
+saved record (``RemoteFile.fetch``, started by the merge's read-ahead hints). Memory: the blocks fetched ahead
+(``AHEAD_BLOCKS`` over all inputs), per input the block being read and the chunks in the merge's hands, and for DCP
+the saved records of the tensor being merged: independent of the model's size like the local merge, but process
+memory where the local merge has page cache, so it grows with N. Records DCP itself must decode (compressed ones) and whole ``torch.save`` files are written into their
 placeholder first (``RemoteFile.fill``) and read from there.
 
 Outputs. A merge into a URL is made in a local staging folder (the local merge, with its resume ledger) and then
@@ -574,8 +576,8 @@ class Sequential:
     """Reads of one remote file that move front to back (a merge reads each input in its on-disk order), served
     from aligned blocks of ``BLOCK_BYTES`` fetched ahead on the pool: the GETs of the GET floor, the same size and as
     many in flight. The streams being read keep ``AHEAD_BLOCKS`` blocks ahead together (at least two each); a
-    block is dropped once a read reaches its end or starts past it. A read far ahead moves the stream there; a read behind the blocks
-    held is a GET of its own."""
+    block is dropped once a read reaches its end or starts past it. A read far ahead moves the stream there; a read
+    behind the blocks held is a GET of its own."""
 
     def __init__(self, remote: RemoteFile) -> None:
         self.remote = remote
