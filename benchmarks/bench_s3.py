@@ -122,8 +122,10 @@ with timed() as stats:
     cli.main(sys.argv[1:], standalone_mode=False)
 marks["command"] = time.perf_counter() - t1
 marks["total"] = time.perf_counter() - t0
+import resource
 print(json.dumps({**marks, **stats.as_dict(), "get_seconds": get_busy[0], "gets": get_busy[1],
-                  "get_bytes": get_busy[2], "requests": remote.request_count()}))
+                  "get_bytes": get_busy[2], "requests": remote.request_count(),
+                  "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
 
 
@@ -162,7 +164,7 @@ def print_breakdown(n: int, b: dict[str, float]) -> None:
         f"  requests: {int(b['requests'])}; weight GETs: {int(b['gets'])} of {mb / max(1, b['gets']):.1f} MB, "
         f"{b['get_seconds']:.1f} s summed over "
         f"threads = {b['get_seconds'] / max(b['wall'], 1e-9):.1f} in flight on average during streaming, "
-        f"{mb / max(b['wall'], 1e-9):.0f} MB/s while streaming"
+        f"{mb / max(b['wall'], 1e-9):.0f} MB/s while streaming; peak RSS {b['peak_rss'] / 2**20:.0f} MiB"
     )
 
 

@@ -2,15 +2,17 @@
 
 Inputs. A remote run or snapshot is presented to the layouts as a local *mirror* (``localize``): its folder tree,
 its small files (JSON metadata, DCP ``.metadata``, indexes, configs, tokenizers, Megatron's ``common.pt``)
-downloaded whole, and each large weight or state file (``.safetensors``, ``.distcp``, ``.pt``/``.bin``) a sparse
+downloaded whole within the limits table's bounds (larger non-weight objects, logs and event files, left out), and
+each large weight or state file (``.safetensors``, ``.distcp``, ``.pt``/``.bin``) a sparse
 placeholder of its real size that costs no disk and holds only its head (a safetensors header). Discovery, the
 layouts' metadata and the readers' header parsing then run unchanged on the mirror. The readers ask ``lookup``
-whether a file is remote and read its bytes from the store instead of the placeholder: ranged GETs
-(``RemoteFile.fetch``, one per merge chunk of a safetensors file, one per saved record of a DCP file), started by
-the merge's read-ahead hints on a shared pool of ``IN_FLIGHT`` threads, each GET retried. Memory: per input, the
-chunks in flight and in the merge's hands (about 7 chunks of 16 MiB per bf16 input) and, for DCP, the saved records
-of the tensor being merged: independent of the model's size like the local merge, but process memory where the
-local merge has page cache, so it grows with N. Records DCP itself must decode (compressed ones) and whole ``torch.save`` files are written into their
+whether a file is remote and read its bytes from the store instead of the placeholder: ranged GETs on a shared
+pool of ``IN_FLIGHT`` threads, each retried and pinned to the version listed: a safetensors file in aligned
+``BLOCK_BYTES`` blocks fetched ahead as the merge reads it front to back (``Sequential``), a DCP file one GET per
+saved record (``RemoteFile.fetch``, started by the merge's read-ahead hints). Memory: the blocks fetched ahead
+(``AHEAD_BLOCKS`` over all inputs), per input the block being read and the chunks in the merge's hands, and for DCP
+the saved records of the tensor being merged: independent of the model's size like the local merge, but process
+memory where the local merge has page cache, so it grows with N. Records DCP itself must decode (compressed ones) and whole ``torch.save`` files are written into their
 placeholder first (``RemoteFile.fill``) and read from there.
 
 Outputs. A merge into a URL is made in a private local staging folder (``staging_dir``: the local merge, with its
@@ -577,8 +579,8 @@ class Sequential:
     """Reads of one remote file that move front to back (a merge reads each input in its on-disk order), served
     from aligned blocks of ``BLOCK_BYTES`` fetched ahead on the pool: the GETs of the GET floor, the same size and as
     many in flight. The streams being read keep ``AHEAD_BLOCKS`` blocks ahead together (at least two each); a
-    block is dropped once a read starts past it. A read far ahead moves the stream there; a read behind the blocks
-    held is a GET of its own."""
+    block is dropped once a read reaches its end or starts past it. A read far ahead moves the stream there; a read
+    behind the blocks held is a GET of its own."""
 
     def __init__(self, remote: RemoteFile) -> None:
         self.remote = remote
@@ -590,9 +592,10 @@ class Sequential:
         """Seconds the reading thread waited for blocks (benchmarks)."""
 
     def hint(self, start: int, stop: int) -> None:
-        """``read(start, stop)`` comes soon: start the blocks up to there, and the stream's share ahead."""
+        """``read(start, stop)`` comes soon: the first hint starts the stream there (its share of blocks ahead);
+        later ones change nothing, since the stream reads ahead on its own (a hint's own reach would add to it)."""
         with self._lock:
-            if self._next == -1 or start // BLOCK_BYTES <= self._next + 2:  # a hint never moves the stream
+            if self._next == -1:
                 self._advance(start, stop)
 
     def read(self, start: int, stop: int) -> memoryview | bytes:
@@ -603,6 +606,11 @@ class Sequential:
             if not self._advance(start, stop):
                 return self.remote.read(start, stop)
             futures = [self._blocks[i] for i in range(first, last + 1)]
+            for i in range(
+                first, last + 1
+            ):  # read to their end: the views returned hold what is still needed
+                if min(self.remote.size, (i + 1) * BLOCK_BYTES) <= stop:
+                    del self._blocks[i]
         began = time.perf_counter()
         parts = [memoryview(f.result()) for f in futures]
         self.waited += time.perf_counter() - began
