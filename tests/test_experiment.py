@@ -198,3 +198,52 @@ def test_every_figure_plots_the_numbers_its_table_prints(
         assert anneal == [pytest.approx(table[name]["anneal_delta"], abs=6e-5)]
         merges = [h for _, h, c in group if tuple(c[:3]) != pytest.approx(anneal_color)]
         assert min(merges) == pytest.approx(table[name]["merge_delta"], abs=6e-5)
+
+
+def test_downstream_table_scores_the_headline_models_on_test_items(smoke: tuple[Path, str]) -> None:
+    """The study's downstream stage: every fork's headline models and the noise band's raw snapshots on both
+    offline lm-eval tasks (test items), each difference paired over the same items, and the report's table."""
+    from pmakit.eval import stats
+    from pmakit.report.downstream import summarize
+    from pmakit.runs import read_jsonl
+
+    run, _ = smoke
+    rows_ = read_jsonl(run / "downstream.jsonl")
+    forks = {int(r["fork_tokens"]) for r in rows(run) if r["fork_tokens"]}
+    assert {r["fork_tokens"] for r in rows_} == forks
+    for fork in forks:
+        at = [r for r in rows_ if r["fork_tokens"] == fork]
+        assert {r["model"] for r in at} >= {"latest", "annealed", "merged", "raw"}
+        assert {r.get("role") for r in at} >= {"", "best", "fixed", "tuned", "noise"}
+        assert {(r["task"], r["metric"]) for r in at} >= {
+            ("pmakit_next_line", "acc"),
+            ("pmakit_bpb", "bits_per_byte"),
+        }
+    acc = [r for r in rows_ if r["metric"] == "acc"]
+    assert all(0.0 <= stats.score("acc", r["items"])[0] <= 1.0 for r in acc)
+    summary = summarize(rows_)
+    last = max(forks)
+    latest = next(
+        r for r in rows_ if r["fork_tokens"] == last and r["model"] == "latest" and r["metric"] == "acc"
+    )
+    best = next(
+        r for r in rows_ if r["fork_tokens"] == last and r.get("role") == "best" and r["metric"] == "acc"
+    )
+    row = next(
+        s
+        for s in summary
+        if s["fork_tokens"] == last and s["label"] == best["label"] and s["metric"] == "acc"
+    )
+    # the paired difference by hand: per-item accuracy differences on the same items
+    a, b = stats.aligned(best, latest)
+    diffs = [x - y for x, y in zip(a, b)]
+    mean = sum(diffs) / len(diffs)
+    sd = (sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)) ** 0.5
+    assert row["vs_latest"]["delta"] == pytest.approx(mean, abs=1e-12)
+    assert row["vs_latest"]["se"] == pytest.approx(sd / len(diffs) ** 0.5, rel=1e-9)
+    assert row["noise"]["k"] >= 2
+    report = (run / "report.md").read_text()
+    assert (
+        "Downstream tasks (lm-evaluation-harness, test items)" in report
+        and "pmakit_next_line / acc" in report
+    )

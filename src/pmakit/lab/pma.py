@@ -120,6 +120,9 @@ class ExperimentConfig:
     """Also score every SMA cell of the grid on the test split (role ``oracle``): the best that a choice made on
     the test split itself could reach, for scale only. Nothing is chosen from these rows; the report says how far
     the selection's pick is from them."""
+    downstream: bool = True
+    """Score the headline models at each fork (and the raw snapshots just before the latest, for the noise band)
+    on pmakit's offline lm-eval tasks, test items only (``pmakit.lab.downstream``): the report's downstream table."""
     compile_eval: Annotated[str, OneOf(("off", "on", "auto"))] = "off"
     """Score the grid, the tuner's trials, the headline and the loss plane through ``torch.compile``: ``off``,
     ``on``, or ``auto`` (on where it can build kernels: a C++ compiler on CPU). Compiling once costs ~20 s and makes
@@ -236,6 +239,13 @@ def run_pma_study(
     seconds["anneal"] = time.perf_counter() - t
 
     grid, heldout = _evaluate(study, run_dir, main, corpus, progress, seconds)
+    if study.exp.downstream:
+        from pmakit.lab.downstream import run_downstream
+
+        t = time.perf_counter()
+        log.info("downstream tasks: the headline models on lm-eval, test items")
+        run_downstream(grid, run_dir, Path(corpus.files["cache"]))
+        seconds["downstream"] = time.perf_counter() - t
     main.close()
 
     _write_curves(run_dir, study)
@@ -774,7 +784,7 @@ def _jsonable(x: Any) -> Any:
     return json.loads(json.dumps(x, default=str))
 
 
-_ANALYSIS_ONLY = ("plane_grid", "plane_batches", "compile_eval", "oracle")
+_ANALYSIS_ONLY = ("plane_grid", "plane_batches", "compile_eval", "oracle", "downstream")
 # What a run stamped before a key existed did, where that is not the key's default (a new key's default is what the
 # run did otherwise): before tune_learn_steps, the tuner learned no weights.
 _BEFORE_THE_KEY: dict[str, dict[str, Any]] = {"experiment": {"tune_learn_steps": 0}}
