@@ -284,6 +284,10 @@ def test_redact_removes_userinfo_and_credential_parameters() -> None:
         "GET https://a.blob/c?sv=1&sig=xyz&se=2 failed": "GET https://a.blob/c?sv=1&sig=***&se=2 failed",
         "s3://bucket/run/step-100 and /home/u@x/run": "s3://bucket/run/step-100 and /home/u@x/run",
         "http://h/?access_key=AK&password=pw&monkey=1": "http://h/?access_key=***&password=***&monkey=1",
+        "Authorization: AWS4-HMAC-SHA256 Credential=AK/2026/s3, SignedHeaders=host, Signature=ab": (
+            "Authorization: AWS4-HMAC-SHA256 Credential=***, SignedHeaders=host, Signature=***"
+        ),
+        "exit code=3, key=4": "exit code=3, key=4",  # only a URL's query parameters are read as credentials
     }
     for text, want in cases.items():
         assert redact(text) == want

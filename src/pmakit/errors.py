@@ -11,16 +11,22 @@ _SECRET_PARAMS = re.compile(
     r"secret_key|client_secret|password|passwd|pwd|key|api_key|apikey|code|auth|authorization|awsaccesskeyid)=)"
     r"[^&;#\s\"'`<>)]*"
 )
+_AUTH_FIELDS = re.compile(
+    r"(?i)((?:^|[\s,])(?:credential|signature|x-amz-security-token|password|secret)=)[^,\s\"'`<>)]*"
+)
+"""An ``Authorization: AWS4-HMAC-SHA256 Credential=..., Signature=...`` header quoted in a client's error."""
 REDACTED = "***"
 
 
 def redact(text: str) -> str:
     """``text`` with the credentials a URL can carry replaced by ``***``: a user:password before the host
-    (``http://KEY:SECRET@host``) and credential-like query parameters (``X-Amz-Signature``, ``token``, ``sig``,
-    ``access_key``...). Every message that may quote an endpoint, a URL or another library's error goes through it."""
+    (``http://KEY:SECRET@host``), credential-like query parameters (``X-Amz-Signature``, ``token``, ``sig``,
+    ``access_key``...) and an Authorization header's ``Credential=``/``Signature=``. Every message that may quote
+    an endpoint, a URL or another library's error goes through it."""
     if "://" not in text and "=" not in text:
         return text
-    return _SECRET_PARAMS.sub(rf"\1{REDACTED}", _USERINFO.sub(rf"\1{REDACTED}@", text))
+    text = _SECRET_PARAMS.sub(rf"\1{REDACTED}", _USERINFO.sub(rf"\1{REDACTED}@", text))
+    return _AUTH_FIELDS.sub(rf"\1{REDACTED}", text)
 
 
 class PmakitError(Exception):
