@@ -36,12 +36,14 @@ import numpy as np
 
 from pmakit.errors import PmakitError
 
-VERSION = 1
+VERSION = 2
 TASKS = ("pmakit_next_line", "pmakit_bpb", "pmakit_loss")
 SPLITS = ("selection", "test")
 PIECE_CHARS = 1200
 CONTEXT_CHARS = 1000
 CHOICES = 4
+MAX_LINE = 100
+"""Longest line (stripped, characters) to predict or offer: a continuation must fit a small model's context."""
 _DEF = re.compile(r"^(\s*)(async\s+)?def\s")
 
 
@@ -163,7 +165,7 @@ def _positions(lines: Sequence[str]) -> list[tuple[int, int]]:
     lines back)."""
     out = []
     for j in range(1, len(lines)):
-        if len(lines[j].strip()) < 6:
+        if not 6 <= len(lines[j].strip()) <= MAX_LINE:
             continue
         start = max(0, j - 10)
         for i in range(j - 1, max(-1, j - 41), -1):
@@ -181,7 +183,7 @@ def next_line_items(docs: Sequence[str], *, items: int, seed: int) -> list[dict[
     by_indent: dict[str, list[tuple[int, int, str]]] = {}
     for k, doc in enumerate(lines):
         for i, line in enumerate(doc):
-            if len(line.strip()) >= 6:
+            if 6 <= len(line.strip()) <= MAX_LINE:
                 by_indent.setdefault(_indent(line), []).append((k, i, line))
     candidates = [(k, a, j) for k, doc in enumerate(lines) for a, j in _positions(doc)]
     picks = np.unique(np.linspace(0, len(candidates) - 1, num=min(items, len(candidates))).astype(int))
@@ -201,6 +203,8 @@ def next_line_items(docs: Sequence[str], *, items: int, seed: int) -> list[dict[
         label = int(rng.integers(CHOICES))
         choices = [*distinct[:label], target, *distinct[label:]]
         context = "".join(lines[k][a:j])[-CONTEXT_CHARS:]
+        if not context.strip():  # lm-eval needs a context that is more than whitespace
+            continue
         out.append({"context": context, "choices": choices, "label": label, "doc": k, "line": j})
     return out
 
