@@ -304,7 +304,9 @@ def torchtitan_moe_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, P
     the router's aux-loss-free ``expert_bias_E``), trained by torchtitan's Trainer in one process: ``ws1`` (3 steps,
     a checkpoint every step, step-3 the model-only last save), ``pmakit merge ws1 -o merged`` and
     ``--format safetensors -o merged-hf`` (no token flags), torchtitan loading each and taking a training step
-    (``loaded.pt``/``.json``, ``loaded-hf.pt``/``.json``, as ``torchtitan_runs``); then over 2 ranks at expert
+    (``loaded.pt``/``.json``, ``loaded-hf.pt``/``.json``, as ``torchtitan_runs``); ``lasthf`` (3 steps with
+    ``--checkpoint.last_save_in_hf``: step-3 in HF names), ``lasthf-merged`` and torchtitan loading it
+    (``lasthf-loaded.pt``/``.json``); then over 2 ranks at expert
     parallelism 2 (each rank holds 4 experts): ``ep2`` (2 steps), ``merged-ep2``, and torchtitan at EP=2 loading it
     and taking a step (``loaded-ep2.pt``/``.json``)."""
     if importlib.util.find_spec("torchtitan") is None:
@@ -318,9 +320,13 @@ def torchtitan_moe_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, P
         *("cli", "merge", p["ws1"], "-o", p["merged"], "-q", "+"),
         *("cli", "merge", p["ws1"], "-o", p["merged-hf"], "-q", "--format", "safetensors", "+"),
         *("pma-init", p["merged"], root / "pma-init", root / "loaded.pt", "+"),
-        *("hf-init", p["merged-hf"], root / "hf-init", root / "loaded-hf.pt"),
+        *("hf-init", p["merged-hf"], root / "hf-init", root / "loaded-hf.pt", "+"),
+        *("train", root / "lasthf", 3, "--checkpoint.last_save_in_hf", "+"),
+        *("cli", "merge", root / "lasthf", "-o", root / "lasthf-merged", "-q", "+"),
+        *("pma-init", root / "lasthf-merged", root / "lasthf-init", root / "lasthf-loaded.pt"),
         timeout=600,
     )
+    p["lasthf"], p["lasthf-merged"] = root / "lasthf", root / "lasthf-merged"
     p["ep2"], p["merged-ep2"] = root / "ep2", root / "merged-ep2"
     run_framework(
         script,

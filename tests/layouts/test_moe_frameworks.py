@@ -109,6 +109,38 @@ def test_torchtitan_moe_safetensors_export_splits_the_experts_into_hf_names_and_
     assert math.isfinite(json.loads((runs["root"] / "loaded-hf.json").read_text())["loss"])
 
 
+def test_torchtitan_moe_last_save_in_hf_regroups_the_experts_and_merges(
+    torchtitan_moe_runs: dict[str, Path],
+) -> None:
+    """deepseek_v3 with --checkpoint.last_save_in_hf: step-3 holds one HF tensor per expert and the bias as
+    e_score_correction_bias; read back, regrouped into [E, ...] tensors, it joins the DCP saves' average."""
+    from safetensors.torch import load_file
+    from torchtitan.models import deepseek_v3
+
+    runs = torchtitan_moe_runs
+    hf = runs["lasthf"] / "checkpoint" / "step-3"
+    spec = deepseek_v3.model_registry("debugmodel")
+    adapter = spec.state_dict_adapter(spec.model, None)
+    files = {k: v for f in hf.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert "model.layers.1.mlp.experts.7.gate_proj.weight" in files
+    last = adapter.from_hf(files)  # torchtitan's own reading of its HF save
+    states = [torchtitan_weights(runs["lasthf"] / "checkpoint" / f"step-{i}") for i in (1, 2)] + [last]
+    got = torchtitan_weights(runs["lasthf-merged"])
+    assert got[EXPERTS].shape == (8, 256, 256) and not torch.equal(states[0][EXPERT_BIAS], last[EXPERT_BIAS])
+    assert_hand_average(got, states)
+    manifest = json.loads((runs["lasthf-merged"] / "pmakit-merge.json").read_text())
+    assert [(Path(i["path"]).name, i["format"]) for i in manifest["inputs"]][-1] == (
+        "step-3",
+        "torchtitan-hf",
+    )
+    loaded = torch.load(runs["root"] / "lasthf-loaded.pt", weights_only=True)
+    assert loaded.keys() == got.keys()
+    for name, value in got.items():
+        assert torch.equal(loaded[name], value), name
+    record = json.loads((runs["root"] / "lasthf-loaded.json").read_text())
+    assert record["step"] == 1 and math.isfinite(record["loss"])
+
+
 def test_olmo_core_moe_merge_is_the_hand_average_and_olmo_core_loads_it(
     olmo_core_moe_runs: dict[str, Path],
 ) -> None:

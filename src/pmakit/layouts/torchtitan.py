@@ -182,8 +182,8 @@ class TorchtitanLayout(Layout):
                 f"a model-only torchtitan save (no train_state) and {why}: pass --tokens-per-step",
             )
         rate = int(next(iter(rates)))
-        meta = {"step": step, "tokens": step * rate, "tokens_per_step": rate, "model_only": True, "hf": hf}
-        meta["precision_note"] = EXPORT_NOTE
+        meta: dict[str, Any] = {"step": step, "tokens": step * rate, "tokens_per_step": rate}
+        meta.update(model_only=True, hf=hf, precision_note=EXPORT_NOTE)
         return Snapshot(path, tokens=step * rate, step=step, source=self.name, meta=meta, layout=self.name)
 
     def safetensors_format(self, snapshot: Snapshot) -> str:
