@@ -14,6 +14,8 @@ from pmakit.runs import read_jsonl
 
 DOWNSTREAM = "downstream.jsonl"
 HIGHER_IS_BETTER = {"acc", "acc_norm"}
+SHOWN = {"acc", "acc_norm", "bits_per_byte"}
+"""Metrics in the tables (perplexities restate bits per byte)."""
 
 
 def summarize(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -49,6 +51,8 @@ def summarize(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 def _diff(d: Mapping[str, Any] | None, digits: int) -> str:
     if not d:
         return ""
+    if not d["se"] and not d["delta"]:
+        return "same on every item"
     z = d["delta"] / d["se"] if d["se"] else math.nan
     return (
         f"{d['delta']:+.{digits}f} ± {d['se']:.{digits}f} ({z:+.1f} s.e.; "
@@ -79,7 +83,10 @@ def blocks(run_dir: Path) -> list[Block]:
     for fork in sorted({r["fork_tokens"] for r in summary}):
         if fork != last:
             continue
-        for task, metric in sorted({(r["task"], r["metric"]) for r in summary if r["fork_tokens"] == fork}):
+        shown = {
+            (r["task"], r["metric"]) for r in summary if r["fork_tokens"] == fork and r["metric"] in SHOWN
+        }
+        for task, metric in sorted(shown):
             group = [
                 r for r in summary if r["fork_tokens"] == fork and r["task"] == task and r["metric"] == metric
             ]
