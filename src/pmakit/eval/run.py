@@ -271,30 +271,30 @@ def summarize(rows: Sequence[dict[str, Any]], reference: str | None = None) -> l
     return out
 
 
+def _delta(d: Mapping[str, Any] | None) -> tuple[str, str]:
+    if not d:
+        return "", ""
+    return f"{d['delta']:+.4f} ± {d['se']:.4f}", f"[{d['low']:+.4f}, {d['high']:+.4f}]"
+
+
 def render(summary: Sequence[dict[str, Any]]) -> Any:
-    """A rich table of ``summarize``'s lines."""
+    """A rich table of ``summarize``'s lines (with the reference's columns when one was named)."""
     from rich.table import Table
 
     table = Table(title="pmakit eval (s.e. over items; Δ paired on the same items, 95% bootstrap interval)")
-    for col in (
-        "target",
-        "model",
-        "task/metric",
-        "score ± s.e.",
-        "Δ vs latest ± s.e.",
-        "95% interval",
-        "noise sd (K)",
-    ):
+    reference = any("vs_reference" in line for line in summary)
+    columns = ["target", "model", "task/metric", "score ± s.e.", "Δ vs latest ± s.e.", "95% interval"]
+    columns += ["Δ vs reference ± s.e.", "95% interval (ref)"] if reference else []
+    for col in [*columns, "noise sd (K)"]:
         table.add_column(col, justify="right" if col[0] in "sΔn9" else "left")
     for line in summary:
-        d = line.get("vs_latest")
-        delta = f"{d['delta']:+.4f} ± {d['se']:.4f}" if d else ""
-        interval = f"[{d['low']:+.4f}, {d['high']:+.4f}]" if d else ""
         band = line["noise"]
         noise = f"{band['sd']:.4f} ({band['k']})" if band else ""
         chance = f" (chance {line['chance']:.2f})" if line.get("chance") else ""
-        table.add_row(Path(line["target"]).name, line["recipe"], f"{line['task']}/{line['metric']}{chance}",
-                      f"{line['value']:.4f} ± {line['se']:.4f}", delta, interval, noise)  # fmt: skip
+        cells = [Path(line["target"]).name, line["recipe"], f"{line['task']}/{line['metric']}{chance}",
+                 f"{line['value']:.4f} ± {line['se']:.4f}", *_delta(line.get("vs_latest"))]  # fmt: skip
+        cells += list(_delta(line.get("vs_reference"))) if reference else []
+        table.add_row(*cells, noise)
     return table
 
 
