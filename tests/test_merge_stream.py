@@ -235,3 +235,13 @@ def test_a_failed_checksum_fails_the_merge_and_leaves_nothing(
     finally:
         faulthandler.cancel_dump_traceback_later()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_the_device_note_for_a_merge_from_disk(make_run: Callable[..., Path]) -> None:
+    """`--device cuda` on inputs read from disk: one line on what the H200 run measured, the choice kept (the
+    CLI's line itself runs in tests/test_gpu.py, where there is a GPU); nothing for the CPU fold."""
+    snaps = discover(make_run(2))
+    note = merge_mod.device_note("cuda", snaps)
+    assert note is not None and note.startswith("--device cuda: ") and "\n" not in note
+    assert "the CPU fold measured as fast or faster" in note and "folding on the GPU as asked" in note
+    assert merge_mod.device_note("cpu", snaps) is None
