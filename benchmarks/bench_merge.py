@@ -24,8 +24,8 @@ timed: `pmakit merge` again with the engine's in-process timers on (``pmakit.mer
       wall time beside the plain run shows what they cost): after the table, where its median run's time went,
       thread by thread: the calling thread's reads and waits, the workers' bf16->fp32 accumulate and cast + NaN/Inf
       check (wall and CPU, page faults), the writer's writes, fsync and idle time, the hasher thread's sha256
-      (beside the writes). Python's start-up and
-      `import torch` (~1.5 s CPU here) are in pmakit's wall time and outside the streaming passes.
+      (beside the writes). Python's start-up and `import torch` (~1.5 s CPU here) are in pmakit's wall time and
+      outside the streaming passes.
 mergekit 0.1.5 is installed into its own venv under the data directory, with torch pinned to 2.13.0 so that pip
 never downloads another torch. Data (default ./bench-data, git-ignored) is reused between runs; delete it after.
 On a shared machine the figures move with the other processes' load: the load average is printed with them.

@@ -2,9 +2,9 @@
 
 Inputs are memory-mapped and the kernel is asked to read a couple of chunks ahead; the calling thread converts each
 input chunk straight from the page cache to fp32 and folds it into an accumulator, checks the sum is finite, casts it
-once into an output buffer; a writer thread appends it to the output shard and checksums it. Peak memory is a few
-chunk-sized buffers (the mapped input pages belong to the page cache): independent of the number of snapshots and of
-the model's size."""
+once into an output buffer; a writer thread appends it to the output shard while a hasher thread checksums it.
+Peak memory is a few chunk-sized buffers (the mapped input pages belong to the page cache): independent of the
+number of snapshots and of the model's size."""
 
 from __future__ import annotations
 
