@@ -157,7 +157,7 @@ def print_breakdown(n: int, b: dict[str, float], floor: float) -> None:
     print(
         f"  streaming: reader thread waiting on GETs {b['read']:.2f} s, on the fold {b['wait_fold']:.2f} s, on "
         f"buffers {b['wait_buffer']:.2f} s; fold workers {b['accumulate'] + b['cast']:.2f} s ({b['fold_cpu']:.2f} "
-        f"s CPU); writer {b['write'] + b['sha256'] + b['close']:.2f} s busy"
+        f"s CPU); writer {b['write'] + b['close']:.2f} s busy, sha256 beside it {b['sha256']:.2f} s"
     )
     mb = b["get_bytes"] / 1e6
     print(
