@@ -36,8 +36,8 @@ from pmakit.formats import Reader, is_float
 from pmakit.formats.safetensors_io import write_index
 from pmakit.guard import guard_output, output_lock
 from pmakit.layouts import native_format, open_weights, safetensors_format, writer
-from pmakit.layouts.kinds import DEFAULT_BUFFERS, Kind, check_buffers, classify, rule
-from pmakit.merge.incremental import INCREMENTAL_METHODS, Increment, plan_increment
+from pmakit.layouts.kinds import DEFAULT_BUFFERS, DTYPES, TensorPolicy, output_dtype
+from pmakit.merge.incremental import Increment, incremental_methods, plan_increment
 from pmakit.merge.output import (
     FP32_DIR,
     KILL_ENV,
@@ -54,15 +54,7 @@ from pmakit.merge.output import (
     write_layout,
     write_pass,
 )
-from pmakit.merge.plan import (
-    CHUNK_ELEMS,
-    DTYPES,
-    N_BUFFERS,
-    MergePlan,
-    MergeResult,
-    output_dtype,
-    plan_merge,
-)
+from pmakit.merge.plan import CHUNK_ELEMS, N_BUFFERS, MergePlan, MergeResult, plan_merge
 from pmakit.snapshot import Snapshot
 from pmakit.world import RankLost, World
 
@@ -70,14 +62,15 @@ __all__ = [
     "CHUNK_ELEMS",
     "DTYPES",
     "FP32_DIR",
-    "INCREMENTAL_METHODS",
     "KILL_ENV",
     "N_BUFFERS",
     "PROGRESS_DIR",
     "Increment",
     "MergePlan",
     "MergeResult",
+    "TensorPolicy",
     "average_states",
+    "incremental_methods",
     "merge",
     "output_dtype",
     "partial_dir",
@@ -362,7 +355,7 @@ def average_states(
             as ``merge`` writes it by default), or bf16 / fp16 as ``merge``'s ``dtype``.
         buffers: as for ``merge``.
     """
-    check_buffers(buffers)
+    policy = TensorPolicy(buffers, dtype)
     sums: dict[str, torch.Tensor] = {}
     newest: dict[str, torch.Tensor] = {}
     kinds: dict[str, str] = {}
@@ -375,7 +368,7 @@ def average_states(
             raise PmakitError(
                 f"the states to average differ in their tensors: {sorted(state.keys() ^ newest.keys())}"
             )
-        kinds = {k: rule(classify(k, t.dtype), buffers) for k, t in state.items()}
+        kinds = {k: policy.rule(k, t.dtype) for k, t in state.items()}
         # Of the newest state only the tensors taken as they are are kept (of the others, shape and dtype).
         newest = {k: t if kinds[k] == "latest" else t.to("meta") for k, t in state.items()}
         if weight != 0:  # as the engine: a zero weight adds nothing (not even a -0.0)
@@ -385,12 +378,13 @@ def average_states(
         raise ValueError(f"more states than the {len(weights)} weights")
     out: dict[str, torch.Tensor] = {}
     for name, ref in newest.items():
-        kind = classify(name, ref.dtype)
+        target = policy.out_dtype(
+            name, ref.dtype
+        )  # router biases in fp32 whichever rule, counters as they are
         if kinds[name] == "latest":
-            out[name] = ref.float() if kind is Kind.ROUTER_BIAS else ref
+            out[name] = ref.to(target)
             continue
         total = sums[name] if name in sums else torch.zeros(ref.shape, dtype=torch.float32)
-        target = torch.float32 if kind is Kind.ROUTER_BIAS else output_dtype(dtype, ref.dtype)
         out[name] = total if target == torch.float32 else total.to(target)
     return out
 

@@ -17,7 +17,8 @@ import torch
 
 from pmakit import limits
 from pmakit.errors import PmakitError
-from pmakit.merge.plan import CHUNK_ELEMS, DTYPES, N_BUFFERS
+from pmakit.layouts.kinds import DTYPES
+from pmakit.merge.plan import CHUNK_ELEMS, N_BUFFERS
 from pmakit.world import split_by_bytes
 
 

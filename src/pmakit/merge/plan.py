@@ -16,19 +16,17 @@ from pmakit.errors import PmakitError
 from pmakit.formats import Reader, TensorInfo, is_float
 from pmakit.formats.safetensors_io import OutputTensor, Shard, plan_shards
 from pmakit.layouts import open_weights
-from pmakit.layouts.kinds import DEFAULT_BUFFERS, Kind, check_buffers, classify, is_expert_tensor, rule
+from pmakit.layouts.kinds import (
+    DEFAULT_BUFFERS,
+    Kind,
+    TensorPolicy,
+    classify,
+    is_expert_tensor,
+)
 from pmakit.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
 
-DTYPES = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-}
 CHUNK_ELEMS = 8 * 2**20
 """Elements per chunk: 16 MiB of bf16 input, 32 MiB of fp32 accumulator."""
 N_BUFFERS = 4
@@ -58,12 +56,17 @@ class MergePlan:
     def owner(self, shard: int) -> int:
         return self.owners[shard] if self.owners else 0
 
+    @property
+    def policy(self) -> TensorPolicy:
+        """The tensor policy the plan applies (its output dtypes are already decided, per tensor, in ``tensors``)."""
+        return TensorPolicy(self.buffers)
+
     def kind(self, name: str) -> Kind:
         return self.kinds.get(name, Kind.WEIGHT)
 
     def rule(self, name: str) -> str:
         """``average`` (weighted fp32 sum of the inputs) or ``latest`` (the newest input's)."""
-        return rule(self.kind(name), self.buffers)
+        return self.policy.rule_of(self.kind(name))
 
     def sources(self, name: str) -> tuple[tuple[int, ...], tuple[float, ...]]:
         """The inputs ``name`` is read from and their weights: every input with a non-zero weight, or the newest."""
@@ -101,17 +104,6 @@ class MergePlan:
     def peak_memory(self) -> int:
         """Bytes of work memory the merge allocates (buffers + accumulator + cast), whatever N and model size."""
         return self.chunk_elems * 4 * (N_BUFFERS + 2)  # output buffers, accumulator, conversion buffer
-
-
-def output_dtype(dtype: str | torch.dtype | None, source: torch.dtype) -> torch.dtype:
-    """The dtype a tensor is written in: ``same`` keeps the input's; non-float tensors always keep theirs."""
-    if not is_float(source) or dtype in (None, "same"):
-        return source
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise PmakitError(f"unknown --dtype {dtype!r}; use same, bf16, fp16 or fp32")
-    return DTYPES[dtype]
 
 
 def _validate(readers: Sequence[Reader], snapshots: Sequence[Snapshot], cast: bool) -> None:
@@ -256,7 +248,7 @@ def plan_merge(
         buffers: routers' load-balancing biases averaged (``average``) or the newest input's (``latest``); in
             fp32 either way. Counters are always the newest input's (see ``pmakit.layouts.kinds``).
     """
-    check_buffers(buffers)
+    policy = TensorPolicy(buffers, None if isinstance(dtype, Mapping) else dtype)
     if len(snapshots) != len(weights):
         raise PmakitError(f"{len(weights)} weights for {len(snapshots)} snapshots")
     if not snapshots:
@@ -270,13 +262,11 @@ def plan_merge(
                 f"{snapshots[-1].path}: no model weights ({len(newest.skipped)} entries, none a model tensor)"
             )
         order = sorted(newest.tensors, key=lambda k: newest.tensors[k].order)
-        kinds = {k: classify(k, newest.tensors[k].dtype) for k in order}
+        kinds = {k: policy.kind(k, newest.tensors[k].dtype) for k in order}
         tensors = {
             k: (
                 newest.tensors[k],
-                dtype[k]
-                if isinstance(dtype, Mapping)
-                else _kind_dtype(kinds[k], dtype, newest.tensors[k].dtype),
+                dtype[k] if isinstance(dtype, Mapping) else policy.out_dtype(k, newest.tensors[k].dtype),
             )
             for k in order
         }
@@ -285,17 +275,6 @@ def plan_merge(
     shards, owners = _plan_rank_shards(out, max_shard_size, ranks)
     state: dict[str, Kind] = {k: v for k, v in kinds.items() if v is not Kind.WEIGHT}
     return MergePlan(list(snapshots), list(weights), tensors, shards, skipped, owners, state, buffers)
-
-
-def _kind_dtype(kind: Kind, dtype: str | torch.dtype | None, source: torch.dtype) -> torch.dtype:
-    """A weight's output dtype is ``dtype``; a router bias is fp32 whatever ``dtype`` (rounding it moves the
-    routing), a counter keeps its own."""
-    if kind is Kind.ROUTER_BIAS:
-        output_dtype(dtype, source)  # still reject an unknown dtype
-        return torch.float32
-    if kind is Kind.COUNTER:
-        return source
-    return output_dtype(dtype, source)
 
 
 def _plan_rank_shards(

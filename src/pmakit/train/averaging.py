@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from pmakit.errors import PmakitError
+from pmakit.layouts.kinds import DEFAULT_BUFFERS
 from pmakit.metrics import MetricsLog
 from pmakit.online import OnlineAverager
 from pmakit.runs import in_run, run_relative
@@ -57,6 +58,8 @@ class Averaging:
             opened at the first record and again after ``close`` (a trainer may evaluate after training).
         upload_to: an ``s3://`` / ``gs://`` URL every complete snapshot is also uploaded to, off the training
             thread (``SnapshotSaver``'s ``upload_to``); the callbacks pass it through.
+        buffers: MoE routers' load-balancing biases averaged (``average``) or the newest snapshot's (``latest``) in
+            the online average, as ``pmakit merge --buffers`` does offline.
     """
 
     def __init__(
@@ -74,6 +77,7 @@ class Averaging:
         dtype: torch.dtype | None = None,
         metrics: MetricsLog | None = None,
         upload_to: str | None = None,
+        buffers: str = DEFAULT_BUFFERS,
     ) -> None:
         if eval_every < 0:
             raise PmakitError(f"eval_every must be >= 0 (0: never evaluate the merge), got {eval_every}")
@@ -89,7 +93,7 @@ class Averaging:
         self.background = background
         self.dtype = dtype
         self.upload_to = upload_to
-        self.averager = OnlineAverager(last, method, alpha, hold_in_memory=hold_in_memory)
+        self.averager = OnlineAverager(last, method, alpha, hold_in_memory=hold_in_memory, buffers=buffers)
         self.saver: SnapshotSaver | None = None
         self.evaluations = 0
         """Evaluations counted by ``evaluation_due``."""
