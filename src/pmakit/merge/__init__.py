@@ -37,12 +37,11 @@ from pmakit.formats.safetensors_io import write_index
 from pmakit.guard import guard_output, output_lock
 from pmakit.layouts import native_format, open_weights, safetensors_format, writer
 from pmakit.layouts.kinds import DEFAULT_BUFFERS, DTYPES, TensorPolicy, output_dtype
+from pmakit.merge._faults import Killer as _Killer
 from pmakit.merge.incremental import Increment, incremental_methods, plan_increment
 from pmakit.merge.output import (
     FP32_DIR,
-    KILL_ENV,
     PROGRESS_DIR,
-    Killer,
     Ledger,
     finish_output,
     manifest_record,
@@ -54,16 +53,13 @@ from pmakit.merge.output import (
     write_layout,
     write_pass,
 )
-from pmakit.merge.plan import CHUNK_ELEMS, N_BUFFERS, MergePlan, MergeResult, plan_merge
+from pmakit.merge.plan import MergePlan, MergeResult, plan_merge
 from pmakit.snapshot import Snapshot
 from pmakit.world import RankLost, World
 
 __all__ = [
-    "CHUNK_ELEMS",
     "DTYPES",
     "FP32_DIR",
-    "KILL_ENV",
-    "N_BUFFERS",
     "PROGRESS_DIR",
     "Increment",
     "MergePlan",
@@ -140,7 +136,7 @@ def merge(
     narrow = any(is_float(d) and d != torch.float32 for _, d in plan.tensors.values())
     sums = _fp32_sums(snapshots, weights, max_shard_size, world, buffers) if keep_fp32 and narrow else None
     job = _Job(
-        plan, sums, out, partial_dir(out), world, out_format, fsync, progress, Killer(), max_shard_size
+        plan, sums, out, partial_dir(out), world, out_format, fsync, progress, _Killer(), max_shard_size
     )
     previous_threads = torch.get_num_threads()
     owned = False
@@ -251,7 +247,7 @@ class _Job:
     out_format: str
     fsync: bool
     progress: Callable[[int], None] | None
-    killer: Killer
+    killer: _Killer
     max_shard_size: int
 
 
