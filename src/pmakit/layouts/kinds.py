@@ -85,13 +85,10 @@ def rule(kind: Kind, buffers: str = DEFAULT_BUFFERS) -> str:
     return buffers
 
 
-DTYPES = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
+DTYPES: dict[str, torch.dtype] = {
+    **dict.fromkeys(("bf16", "bfloat16"), torch.bfloat16),
+    **dict.fromkeys(("fp16", "float16"), torch.float16),
+    **dict.fromkeys(("fp32", "float32"), torch.float32),
 }
 """Output dtypes by name (``--dtype``)."""
 
