@@ -66,6 +66,7 @@ __all__ = [
     "MergeResult",
     "TensorPolicy",
     "average_states",
+    "execute",
     "incremental_methods",
     "merge",
     "output_dtype",
@@ -119,10 +120,9 @@ def merge(
             (``latest``), in fp32 whatever ``dtype``; counters (tokens per expert) are always the newest's. See
             ``pmakit.layouts.kinds``.
     """
-    start = time.perf_counter()
-    out = Path(out)
-    world = world or World()
-    guard_output(out, [s.path for s in [*snapshots, *(window[0] if window else [])]], force)
+    start, world = time.perf_counter(), world or World()
+    inputs = [s.path for s in [*snapshots, *(window[0] if window else [])]]
+    guard_output(Path(out), inputs, force)  # before any header is read
     plan = plan_merge(
         snapshots,
         weights,
@@ -132,21 +132,93 @@ def merge(
         cast=window is not None or None,
         buffers=buffers,
     )
-    out_format = _output_format(plan, out_format)
+    run = _Run(force, resume, out_format, keep_fp32, progress, manifest_extra, threads, fsync)
+    return _execute(plan, Path(out), run, world, window, start)
+
+
+def execute(
+    plan: MergePlan,
+    out: str | os.PathLike[str],
+    *,
+    force: bool = False,
+    progress: Callable[[int], None] | None = None,
+    manifest_extra: dict[str, Any] | None = None,
+    threads: int = 1,
+    fsync: bool = True,
+    resume: bool = False,
+    out_format: str | None = "safetensors",
+    keep_fp32: bool = False,
+    world: World | None = None,
+    window: tuple[Sequence[Snapshot], Sequence[float]] | None = None,
+) -> MergeResult:
+    """Write the merge ``plan_merge`` planned into ``out``: ``merge`` without planning again (the options as for
+    ``merge``; the inputs, weights, dtype, shard size, ranks and router-bias rule are the plan's)."""
+    world = world or World()
+    if plan.ranks != world.size:
+        raise PmakitError(
+            f"the plan splits the output among {plan.ranks} rank(s); this merge runs on {world.size}"
+        )
+    guard_output(Path(out), [s.path for s in [*plan.snapshots, *(window[0] if window else [])]], force)
+    run = _Run(force, resume, out_format, keep_fp32, progress, manifest_extra, threads, fsync)
+    return _execute(plan, Path(out), run, world, window)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """How to run a planned merge (``merge``'s options beyond the plan)."""
+
+    force: bool
+    resume: bool
+    out_format: str | None
+    keep_fp32: bool
+    progress: Callable[[int], None] | None
+    manifest_extra: dict[str, Any] | None
+    threads: int
+    fsync: bool
+
+
+def _execute(
+    plan: MergePlan,
+    out: Path,
+    run: _Run,
+    world: World,
+    window: tuple[Sequence[Snapshot], Sequence[float]] | None,
+    start: float | None = None,
+) -> MergeResult:
+    """The merge's steps once planned and its output guarded: take the output, write, finish."""
+    start = start or time.perf_counter()
+    out_format = _output_format(plan, run.out_format)
     narrow = any(is_float(d) and d != torch.float32 for _, d in plan.tensors.values())
-    sums = _fp32_sums(snapshots, weights, max_shard_size, world, buffers) if keep_fp32 and narrow else None
+    fp32 = run.keep_fp32 and narrow
+    sums = (
+        _fp32_sums(plan.snapshots, plan.weights, plan.max_shard_size, world, plan.buffers) if fp32 else None
+    )
+    killer = _Killer()
     job = _Job(
-        plan, sums, out, partial_dir(out), world, out_format, fsync, progress, _Killer(), max_shard_size
+        plan,
+        sums,
+        out,
+        partial_dir(out),
+        world,
+        out_format,
+        run.fsync,
+        run.progress,
+        killer,
+        plan.max_shard_size,
     )
     previous_threads = torch.get_num_threads()
     owned = False
     try:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(run.threads)
         with contextlib.ExitStack() as stack:
             readers = [stack.enter_context(open_weights(s.path)) for s in plan.snapshots]
-            run_stage(world, out, lambda: _take_output(job, readers, stack, force, resume), rank0=True)
+            run_stage(
+                world, out, lambda: _take_output(job, readers, stack, run.force, run.resume), rank0=True
+            )
             owned = True
-            manifest = _manifest_of(job, readers, dtype, manifest_extra or {}, narrow, window)
+            # A mapping of dtypes is the cast pass's own plan, not a user's choice.
+            asked = None if isinstance(plan.dtype, Mapping) else plan.dtype
+            manifest = _manifest_of(job, readers, asked, run.manifest_extra or {}, narrow, window)
             result = _write_and_finish(job, readers, stack, manifest)
     except BaseException as e:
         if owned and world.rank == 0:

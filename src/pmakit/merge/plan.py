@@ -52,6 +52,12 @@ class MergePlan:
     """name -> what kind of state the tensor is (``pmakit.layouts.kinds``); absent: a weight."""
     buffers: str = DEFAULT_BUFFERS
     """The rule for router biases: ``average`` or ``latest``."""
+    dtype: str | torch.dtype | Mapping[str, torch.dtype] | None = "same"
+    """The output dtype asked for (each tensor's own is in ``tensors``), as the manifest records it."""
+    max_shard_size: int = 5 * 10**9
+    """Bytes per output shard the shards were laid out with."""
+    ranks: int = 1
+    """The ranks the shards were split among (``owners``)."""
 
     def owner(self, shard: int) -> int:
         return self.owners[shard] if self.owners else 0
@@ -274,7 +280,19 @@ def plan_merge(
         skipped = sorted({s for r in readers for s in r.skipped})
     shards, owners = _plan_rank_shards(out, max_shard_size, ranks)
     state: dict[str, Kind] = {k: v for k, v in kinds.items() if v is not Kind.WEIGHT}
-    return MergePlan(list(snapshots), list(weights), tensors, shards, skipped, owners, state, buffers)
+    return MergePlan(
+        list(snapshots),
+        list(weights),
+        tensors,
+        shards,
+        skipped,
+        owners,
+        state,
+        buffers,
+        dtype,
+        max_shard_size,
+        ranks,
+    )
 
 
 def _plan_rank_shards(
