@@ -25,8 +25,26 @@ from pmakit.layouts import out_formats
 from pmakit.layouts.kinds import BUFFER_RULES, DEFAULT_BUFFERS, describe, listing
 from pmakit.runs import checkpoint_dir
 from pmakit.units import format_bytes, format_tokens, parse_size, parse_tokens
+from pmakit.weights import WEIGHTINGS, uses_alpha
 
-METHODS = ["sma", "wma", "ema", "ema-normalized", "wsm-linear", "wsm-cosine", "wsm-1sqrt"]
+
+class _Methods(click.Choice[str]):
+    """The weightings of ``pmakit.weights.WEIGHTINGS``, read when a command runs: one registered after this module
+    was imported is a choice too."""
+
+    def __init__(self) -> None:
+        super().__init__(())
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return tuple(WEIGHTINGS)
+
+    @choices.setter
+    def choices(self, value: Sequence[str]) -> None:
+        pass  # the registry is the list
+
+
+METHODS = _Methods()
 
 
 class _Group(click.Group):
@@ -241,7 +259,7 @@ def _progress(total: int, quiet: bool, label: str) -> Iterator[Callable[[int], N
 )
 @click.option(
     "--method",
-    type=click.Choice(METHODS),
+    type=METHODS,
     default="sma",
     show_default=True,
     help="Weighting over the chosen snapshots, oldest to newest (see README for the exact formulas).",
@@ -365,7 +383,7 @@ def _merge(
     from pmakit.merge import merge as run_merge
     from pmakit.weights import get_weights
 
-    if alpha is not None and (custom is not None or not method.startswith("ema")):
+    if alpha is not None and (custom is not None or not uses_alpha(method)):
         raise PmakitError(
             f"--alpha is the EMA factor: it does nothing with --{'weights' if custom else 'method ' + method}"
         )
@@ -643,9 +661,7 @@ def inspect(
     "[default: find the spike in RUN_DIR/metrics.jsonl].",
 )
 @click.option("--last", type=int, default=3, show_default=True, help="How many snapshots K to merge.")
-@click.option(
-    "--method", type=click.Choice(METHODS), default="sma", show_default=True, help="Weighting of the K."
-)
+@click.option("--method", type=METHODS, default="sma", show_default=True, help="Weighting of the K.")
 @click.option(
     "--alpha", type=float, default=0.2, show_default=True, help="EMA factor for ema / ema-normalized."
 )

@@ -17,7 +17,8 @@ import torch
 
 from pmakit import limits
 from pmakit.errors import PmakitError
-from pmakit.merge.plan import CHUNK_ELEMS, DTYPES
+from pmakit.layouts.kinds import DTYPES
+from pmakit.merge.plan import CHUNK_ELEMS
 from pmakit.merge.resources import (
     SCRATCH_BYTES,
     FoldSizing,
