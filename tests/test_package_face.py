@@ -36,3 +36,24 @@ def test_test_hooks_are_off_the_public_face() -> None:
         "from pmakit.merge._faults import KILL_ENV; print(KILL_ENV)"
     )
     assert out.splitlines() == ["[]", "PMAKIT_TEST_KILL"]
+
+
+def test_pmakit_merge_is_callable_after_its_package_is_imported(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``import pmakit.merge`` binds the package to ``pmakit.merge``: the README's ``pmakit.merge(...)`` still works."""
+    out = run(
+        "import torch, pmakit, pmakit.merge\n"
+        "from safetensors.torch import save_file, load_file\n"
+        "from pmakit.snapshot import write_metadata\n"
+        "from pathlib import Path\n"
+        f"root = Path({str(tmp_path)!r})\n"
+        "snaps = []\n"
+        "for i in (1, 2):\n"
+        "    d = root / f'step-{i}'; d.mkdir()\n"
+        "    save_file({'w': torch.full((2,), float(i))}, str(d / 'model.safetensors'))\n"
+        "    write_metadata(d, step=i, tokens=100 * i)\n"
+        "    snaps.append(d)\n"
+        "snaps = pmakit.discover(root)\n"
+        "pmakit.merge(snaps, [0.5, 0.5], root / 'out')\n"
+        "print(load_file(str(root / 'out' / 'model.safetensors'))['w'].tolist())"
+    )
+    assert out.splitlines()[-1] == "[1.5, 1.5]"

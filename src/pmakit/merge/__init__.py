@@ -23,7 +23,9 @@ import contextlib
 import logging
 import os
 import shutil
+import sys
 import time
+import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -491,3 +493,15 @@ def _fold_state(
             sums[name].add_(t.float(), alpha=weight)
         else:
             sums[name] = torch.mul(t.float(), weight)
+
+
+class _CallableModule(types.ModuleType):
+    """``pmakit.merge`` is both this package and the function the README shows (``pmakit.merge(snaps, w, out)``):
+    once anything imports the package, Python binds the name ``merge`` on ``pmakit`` to the module, hiding the lazy
+    function. Calling the module calls the function, so ``pmakit.merge(...)`` works whatever was imported first."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> MergeResult:
+        return merge(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
