@@ -245,3 +245,22 @@ def test_the_device_note_for_a_merge_from_disk(make_run: Callable[..., Path]) ->
     assert note is not None and note.startswith("--device cuda: ") and "\n" not in note
     assert "the CPU fold measured as fast or faster" in note and "folding on the GPU as asked" in note
     assert merge_mod.device_note("cpu", snaps) is None
+
+
+def test_a_stopped_merge_never_leaves_the_writer_waiting_for_a_checksum(
+    make_run: Callable[..., Path], tmp_path: Path
+) -> None:
+    """The merge stopped (a NaN found, Ctrl-C) while the writer waits for a shard's digest: the hasher drops the
+    chunks left, and the wait ends with an error instead of a writer thread polling forever."""
+    plan = plan_merge(discover(make_run(2)), [0.5, 0.5], max_shard_size=1500)
+    hasher = merge_mod.stream._Hasher(plan)
+    hasher.put((0, memoryview(b"x" * 4096), None))
+    hasher.aborted = True
+    hasher.put(None)
+    hasher.join()
+    faulthandler.dump_traceback_later(600, exit=True)  # a hang: the stacks, not a suite waiting forever
+    try:
+        with pytest.raises(RuntimeError, match="stopped before its checksums were complete"):
+            hasher.digest(0)
+    finally:
+        faulthandler.cancel_dump_traceback_later()

@@ -210,6 +210,8 @@ class _Hasher:
         while True:
             if self.error is not None:
                 raise self.error
+            if self.aborted and not future.done():  # the merge stopped: no more chunks are hashed
+                raise RuntimeError("the merge was stopped before its checksums were complete")
             with contextlib.suppress(FutureTimeout):
                 return future.result(timeout=0.1)
 
