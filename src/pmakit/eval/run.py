@@ -138,13 +138,34 @@ def corpus_entry(targets: Sequence[str | Path]) -> Path:
     )
 
 
+def check_tokenizer(entry: Path, snapshot: Path) -> None:
+    """The corpus rebuilt from a run's config must be the one it trained on: its tokenizer is the snapshots' (else
+    its "held-out" files may be another corpus's, or training files)."""
+    import json
+
+    def vocab(path: Path) -> Any:
+        data = json.loads(path.read_text())
+        return data.get("model", {}).get("vocab"), data.get("model", {}).get("merges")
+
+    ours, theirs = entry / "tokenizer" / "tokenizer.json", snapshot / "tokenizer.json"
+    if ours.is_file() and theirs.is_file() and vocab(ours) != vocab(theirs):
+        raise PmakitError(
+            f"the corpus rebuilt from the run's config ({entry}) has another tokenizer than its snapshots "
+            f"({theirs}): its held-out files cannot be trusted to be the run's; pass --corpus-of the run that "
+            "trained this model, with the pmakit version that trained it"
+        )
+
+
 def prepare_tasks(
-    spec: Spec, targets: Sequence[str | Path], corpus: Path | None = None
+    spec: Spec, targets: Sequence[str | Path], corpus: Path | None = None, snapshot: Path | None = None
 ) -> tuple[Any, TaskSet | None]:
     """lm-eval's task manager with pmakit's tasks (built when named) and ``spec.include``; unknown tasks refused."""
     harness.require_lm_eval()
     own = [t for t in spec.tasks if t in TASKS]
-    taskset = build_tasks(corpus or corpus_entry(targets), items=spec.items) if own else None
+    entry = (corpus or corpus_entry(targets)) if own else None
+    if entry is not None and snapshot is not None:
+        check_tokenizer(entry, snapshot)
+    taskset = build_tasks(entry, items=spec.items) if entry is not None else None
     include = [*([taskset.include(spec.split)] if taskset else []), *spec.include]
     manager = harness.task_manager(include)
     harness.check_tasks(spec.tasks, manager)
@@ -172,7 +193,8 @@ def evaluate(
     """
     version = harness.require_lm_eval()
     models = plan_models(targets, recipes, spec.noise)
-    manager, taskset = prepare_tasks(spec, targets, corpus)
+    newest = next((m.resolved.snapshots[-1].path if m.resolved else m.path for m in models), None)
+    manager, taskset = prepare_tasks(spec, targets, corpus, newest)
     info = taskset.meta["splits"][spec.split] if taskset else {}
     done = _finished(read_jsonl(out) if out else [])
     rows: list[dict[str, Any]] = []
