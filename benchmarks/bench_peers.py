@@ -1,6 +1,6 @@
 """The peers side by side: each peer's merger vs `pmakit merge` on the peer's own format, same inputs, one run.
 
-    python benchmarks/bench_peers.py           # `make bench-peers`: ~10 min on the 2-core machine at load ~10*
+    python benchmarks/bench_peers.py           # `make bench-peers`: ~8 min on the 2-core machine at load ~9*
     python benchmarks/bench_peers.py --only megatron --repeats 1   # one peer
 
 (*) the first run also writes the inputs with each framework's own save code (~5 min) and installs mergekit 0.1.5
