@@ -6,7 +6,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 TORCH := torch==2.13.0
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: demo test check bench bench-olmo bench-scale bench-train bench-flops bench-s3 bench-ownloop install clean
+.PHONY: demo test check bench bench-olmo bench-scale bench-train bench-flops bench-s3 bench-ownloop bench-peers install clean
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -74,6 +74,11 @@ bench: install bench-olmo
 # pmakit vs OLMo-core's offline merge (whole fp32 state in memory) on checkpoints OLMo-core itself writes
 bench-olmo: $(VENV)/.installed-test
 	$(PY) benchmarks/bench_olmo_merge.py
+
+# The peers on their own formats, one run: Megatron-LM's weighted_merge.py (read from a Megatron-LM git mirror,
+# skipped without one), OLMo-core's offline merge and mergekit linear, each against `pmakit merge`
+bench-peers: $(VENV)/.installed-test $(MCORE19)/.unpacked
+	$(PY) benchmarks/bench_peers.py $(PEERS_ARGS)
 
 # Merge from a local S3 server (moto) vs the same files on disk: the ratio, peak memory and the requests
 bench-s3: $(VENV)/.installed-test
