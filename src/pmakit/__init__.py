@@ -23,6 +23,7 @@ _EXPORTS = {
     "read_snapshot": "pmakit.snapshot",
     "write_metadata": "pmakit.snapshot",
     "select_snapshots": "pmakit.selection",
+    "select_for_merge": "pmakit.selection",
     "WEIGHTINGS": "pmakit.weights",
     "get_weights": "pmakit.weights",
     "merge": "pmakit.merge",
