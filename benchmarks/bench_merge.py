@@ -23,8 +23,9 @@ cold: every input evicted from the page cache (posix_fadvise DONTNEED) before ea
 timed: `pmakit merge` again with the engine's in-process timers on (``pmakit.merge.stream.timed``; same bytes, its
       wall time beside the plain run shows what they cost): after the table, where its median run's time went,
       thread by thread: the calling thread's reads and waits, the workers' bf16->fp32 accumulate and cast + NaN/Inf
-      check (wall and CPU, page faults), the writer's writes, sha256, fsync and idle time. Python's start-up and
-      `import torch` (~1.5 s CPU here) are in pmakit's wall time and outside the streaming passes.
+      check (wall and CPU, page faults), the writer's writes, fsync and idle time, the hasher thread's sha256
+      (beside the writes). Python's start-up and `import torch` (~1.5 s CPU here) are in pmakit's wall time and
+      outside the streaming passes.
 mergekit 0.1.5 is installed into its own venv under the data directory, with torch pinned to 2.13.0 so that pip
 never downloads another torch. Data (default ./bench-data, git-ignored) is reused between runs; delete it after.
 On a shared machine the figures move with the other processes' load: the load average is printed with them.
@@ -392,7 +393,7 @@ def report_breakdown(
     floor = statistics.median(times[(mode, "floor")]) if (mode, "floor") in times else float("nan")
     plain = statistics.median(times[(mode, "pmakit")]) if (mode, "pmakit") in times else float("nan")
     fold = b["accumulate"] + b["cast"]
-    writer = b["write"] + b["sha256"] + b["close"]
+    writer = b["write"] + b["close"]
     print(
         f"\n{mode}: where pmakit's time goes (engine timers on, median run {b['seconds']:.2f} s; pmakit without "
         f"timers {plain:.2f} s; floor {floor:.2f} s; streaming passes {b['wall']:.2f} s, the rest is start-up, "
@@ -408,12 +409,17 @@ def report_breakdown(
         f"disk read); page faults {b['minor_faults']:.0f} minor, {b['major_faults']:.0f} major"
     )
     print(
-        f"  writer thread: write {b['write']:.2f} s, sha256 {b['sha256']:.2f} s, tail + fsync {b['close']:.2f} s "
-        f"= {writer:.2f} s busy, {b['wait_chunk']:.2f} s idle; its CPU {b['writer_cpu']:.2f} s"
+        f"  writer thread: write {b['write']:.2f} s, tail + fsync {b['close']:.2f} s = {writer:.2f} s busy, "
+        f"waits for a shard's checksum {b['wait_hash']:.2f} s, {b['wait_chunk']:.2f} s idle; its CPU "
+        f"{b['writer_cpu']:.2f} s"
     )
-    cpu = b["fold_cpu"] + b["writer_cpu"]
     print(
-        f"  fold + writer CPU {cpu:.2f} s over {b['wall']:.2f} s of streaming = {cpu / b['wall']:.2f} of {os.cpu_count()} cores; "
+        f"  hasher thread (beside the writer): sha256 {b['sha256']:.2f} s busy; its CPU {b['hasher_cpu']:.2f} s"
+    )
+    cpu = b["fold_cpu"] + b["writer_cpu"] + b["hasher_cpu"]
+    print(
+        f"  fold + writer + hasher CPU {cpu:.2f} s over {b['wall']:.2f} s of streaming = {cpu / b['wall']:.2f} of "
+        f"{os.cpu_count()} cores; "
         f"beyond the floor: {b['seconds'] - floor:+.2f} s"
     )
 

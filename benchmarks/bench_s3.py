@@ -147,17 +147,17 @@ def breakdown(args: list[str], env: dict[str, str]) -> dict[str, float]:
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
-def print_breakdown(n: int, b: dict[str, float]) -> None:
+def print_breakdown(n: int, b: dict[str, float], floor: float) -> None:
     print(
         f"  N={n} where the remote merge's time goes (one run): process {b['total']:.2f} s = import "
         f"{b['import']:.2f} + mirror {b.get('mirror', 0):.2f} (listing, headers, small files) + streaming "
-        f"{b['wall']:.2f} + the rest {b['total'] - b['import'] - b.get('mirror', 0) - b['wall']:.2f} (plan, "
+        f"{b['wall']:.2f} ({b['wall'] / floor:.2f}x the floor) + the rest {b['total'] - b['import'] - b.get('mirror', 0) - b['wall']:.2f} (plan, "
         "manifest, exit)"
     )
     print(
         f"  streaming: reader thread waiting on GETs {b['read']:.2f} s, on the fold {b['wait_fold']:.2f} s, on "
         f"buffers {b['wait_buffer']:.2f} s; fold workers {b['accumulate'] + b['cast']:.2f} s ({b['fold_cpu']:.2f} "
-        f"s CPU); writer {b['write'] + b['sha256'] + b['close']:.2f} s busy"
+        f"s CPU); writer {b['write'] + b['close']:.2f} s busy, sha256 beside it {b['sha256']:.2f} s"
     )
     mb = b["get_bytes"] / 1e6
     print(
@@ -226,7 +226,7 @@ def main() -> None:
                 wall = statistics.median(w for w, _ in rows)
                 rss = max(r for _, r in rows)
                 print(f"{n:>3} {mode:<14} {wall:>16.2f} {wall / floor:>8.2f} {rss / 2**20:>7.0f} MiB")
-            print_breakdown(n, breakdown(modes["s3 -> disk"], env))
+            print_breakdown(n, breakdown(modes["s3 -> disk"], env), floor)
             shutil.rmtree(out, ignore_errors=True)
     finally:
         server.stop()

@@ -18,7 +18,8 @@ import torch.multiprocessing as mp
 
 from conftest import SRC, state, write_snapshot
 from pmakit.errors import PmakitError
-from pmakit.merge import KILL_ENV, merge, partial_dir, plan_merge
+from pmakit.merge import merge, partial_dir, plan_merge
+from pmakit.merge._faults import KILL_ENV
 from pmakit.snapshot import discover
 from pmakit.weights import get_weights
 from pmakit.world import init_from_env, shutdown, split_by_bytes

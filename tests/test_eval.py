@@ -129,6 +129,24 @@ def test_paired_difference_and_its_se_equal_a_hand_computation() -> None:
     assert band["sd"] == pytest.approx(float(np.std([0.30, 0.32, 0.25], ddof=1))) and band["k"] == 3
 
 
+def test_a_corpus_with_another_tokenizer_than_the_snapshots_is_refused(tmp_path: Path) -> None:
+    """A corpus rebuilt from a run's config by another pmakit version may be another text: its "held-out" files
+    could be training files of the model."""
+    from pmakit.eval.run import check_tokenizer
+
+    entry, snapshot = tmp_path / "entry", tmp_path / "snap"
+    (entry / "tokenizer").mkdir(parents=True)
+    snapshot.mkdir()
+    (entry / "tokenizer" / "tokenizer.json").write_text(
+        json.dumps({"model": {"vocab": {"a": 0}, "merges": []}})
+    )
+    (snapshot / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0}, "merges": []}}))
+    check_tokenizer(entry, snapshot)
+    (snapshot / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"b": 0}, "merges": []}}))
+    with pytest.raises(PmakitError, match="another tokenizer than its snapshots"):
+        check_tokenizer(entry, snapshot)
+
+
 def test_a_task_counts_as_finished_only_with_all_its_metrics() -> None:
     row = {"target": "t", "recipe": "latest", "task": "x", "metrics": ["acc", "acc_norm"]}
     assert not _finished([{**row, "metric": "acc"}])

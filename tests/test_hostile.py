@@ -700,7 +700,7 @@ def _enospc_on(method: str, call: int) -> tuple[Any, str, Any]:
 @case
 def disk_full_at_last_close_keep_fp32(tmp: Path) -> Case:  # issue 13, defect 3: deadlocked in finish()
     return Case(
-        merge_args(tmp, "--dtype", "bf16", "--keep-fp32"), ("disk full",), patches=[_enospc_on("close", 1)]
+        merge_args(tmp, "--dtype", "bf16", "--keep-fp32"), ("disk full",), patches=[_enospc_on("finish", 1)]
     )
 
 

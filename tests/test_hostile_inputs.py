@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 from tests.conftest import run_cli
 
-from pmakit import config, limits, scaling_fit
+from pmakit import config, limits
 from pmakit.errors import PmakitError
 from pmakit.lab.pma import resolve
 from pmakit.lab.tune import TuneConfig
+from pmakit.report import scaling_fit
 from pmakit.runs import read_jsonl
 from pmakit.train.loop import TrainConfig
 

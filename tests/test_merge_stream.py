@@ -1,7 +1,9 @@
 """The streaming engine's performance machinery: cache blocks, worker threads, early writeback."""
 
 import contextlib
+import faulthandler
 import hashlib
+import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -106,10 +108,12 @@ def test_timed_merge_writes_the_same_bytes_and_fills_its_breakdown(
     s = stats.as_dict()
     # Every float tensor's chunks of 100 were folded and timed (the integer step counter is copied, not folded).
     assert s["chunks"] == sum(-(-t.numel() // 100) for k, t in state(0).items() if k != "step_counter")
-    for key in ("wall", "read", "accumulate", "cast", "fold_cpu", "write", "sha256", "close", "writer_cpu"):
+    timers = ("wall", "read", "accumulate", "cast", "fold_cpu", "write", "close", "writer_cpu", "sha256")
+    for key in (*timers, "hasher_cpu"):  # the checksums on a thread of their own, beside the writes
         assert s[key] > 0, key
-    # The writer's own timers and its idle time add up to its life, which is within the pass.
-    assert s["write"] + s["sha256"] + s["close"] + s["wait_chunk"] <= s["wall"] + 0.01
+    # The writer's own timers and its idle time add up to its life, which is within the pass; so is the hasher's.
+    assert s["write"] + s["close"] + s["wait_hash"] + s["wait_chunk"] <= s["wall"] + 0.01
+    assert s["sha256"] <= s["wall"] + 0.01
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -176,3 +180,87 @@ def test_the_device_fold_finds_nan_and_overflow(make_run: Callable[..., Path], t
     plan = plan_merge(discover(tmp_path / "big"), [1.0, 1.0], dtype="fp16")  # 120000: beyond fp16's range
     with pytest.raises(PmakitError, match="exceeds the range of float16"):
         _staged(plan, tmp_path / "overflow", True)
+
+
+def test_checksums_beside_the_writes_are_the_one_thread_writers(
+    make_run: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hasher thread's sha256 of every shard of a multi-shard merge (chunks of 100 through two workers and more
+    chunks than buffers; a copied integer tensor among them) is the file's, and the bytes and sha256 are what a
+    writer that hashes each chunk as it writes it (``ShardWriter.close``) gives for the same tensors."""
+    monkeypatch.setattr(merge_mod.plan, "CHUNK_ELEMS", 100)
+    monkeypatch.setenv("PMAKIT_FOLD_WORKERS", "2")
+    snaps = discover(make_run(3))
+    weights = [0.2, 0.3, 0.5]
+    merge(snaps, weights, tmp_path / "out", dtype="bf16", fsync=True, max_shard_size=1500)
+    manifest = json.loads((tmp_path / "out" / "pmakit-merge.json").read_text())
+    files = manifest["output"]["files"]
+    plan = plan_merge(snaps, weights, dtype="bf16", max_shard_size=1500)
+    assert [f["name"] for f in files] == [s.file for s in plan.shards] and len(files) >= 3
+    for record, shard in zip(files, plan.shards):
+        data = (tmp_path / "out" / shard.file).read_bytes()
+        assert record["size"] == len(data) and record["sha256"] == hashlib.sha256(data).hexdigest()
+        with safe_open(tmp_path / "out" / shard.file, framework="pt") as f:
+            tensors = {t.name: f.get_tensor(t.name) for t in shard.tensors}
+        one_thread = ShardWriter(tmp_path / shard.file, shard)
+        for t in shard.tensors:
+            one_thread.write(t.name, tensors[t.name].reshape(-1))
+        assert one_thread.close(fsync=False) == record["sha256"]
+        assert (tmp_path / shard.file).read_bytes() == data
+
+
+@pytest.mark.parametrize("fault", ["hasher fails", "hashed bytes differ"])
+def test_a_failed_checksum_fails_the_merge_and_leaves_nothing(
+    make_run: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
+    """The hasher thread failing on the second shard, or covering other bytes than the writer wrote: the merge
+    stops with that error (no hang on the buffers or the digest) and leaves no output, finished or partial."""
+    monkeypatch.setattr(merge_mod.plan, "CHUNK_ELEMS", 100)
+    real = merge_mod.stream.header_bytes
+    shards: list[int] = []
+
+    def header(tensors: Any) -> bytes:
+        shards.append(1)
+        if fault == "hasher fails" and len(shards) == 2:
+            raise OSError("no checksum today")
+        return real(tensors) + (b" " if fault == "hashed bytes differ" else b"")
+
+    monkeypatch.setattr(merge_mod.stream, "header_bytes", header)
+    snaps = discover(make_run(3))
+    expected = "no checksum today" if fault == "hasher fails" else "bytes written, .* checksummed"
+    faulthandler.dump_traceback_later(600, exit=True)  # a hang: the stacks, not a suite waiting forever
+    try:
+        with pytest.raises((OSError, RuntimeError, PmakitError), match=expected):
+            merge(snaps, [0.2, 0.3, 0.5], tmp_path / "out", fsync=False, max_shard_size=1500)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_the_device_note_for_a_merge_from_disk(make_run: Callable[..., Path]) -> None:
+    """`--device cuda` on inputs read from disk: one line on what the H200 run measured, the choice kept (the
+    CLI's line itself runs in tests/test_gpu.py, where there is a GPU); nothing for the CPU fold."""
+    snaps = discover(make_run(2))
+    note = merge_mod.device_note("cuda", snaps)
+    assert note is not None and note.startswith("--device cuda: ") and "\n" not in note
+    assert "the CPU fold measured as fast or faster" in note and "folding on the GPU as asked" in note
+    assert merge_mod.device_note("cpu", snaps) is None
+
+
+def test_a_stopped_merge_never_leaves_the_writer_waiting_for_a_checksum(
+    make_run: Callable[..., Path], tmp_path: Path
+) -> None:
+    """The merge stopped (a NaN found, Ctrl-C) while the writer waits for a shard's digest: the hasher drops the
+    chunks left, and the wait ends with an error instead of a writer thread polling forever."""
+    plan = plan_merge(discover(make_run(2)), [0.5, 0.5], max_shard_size=1500)
+    hasher = merge_mod.stream._Hasher(plan)
+    hasher.put((0, memoryview(b"x" * 4096), None))
+    hasher.aborted = True
+    hasher.put(None)
+    hasher.join()
+    faulthandler.dump_traceback_later(600, exit=True)  # a hang: the stacks, not a suite waiting forever
+    try:
+        with pytest.raises(RuntimeError, match="stopped before its checksums were complete"):
+            hasher.digest(0)
+    finally:
+        faulthandler.cancel_dump_traceback_later()

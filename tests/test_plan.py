@@ -13,8 +13,9 @@ from click.testing import CliRunner
 
 from pmakit.cli import cli
 from pmakit.errors import PmakitError
-from pmakit.merge import CHUNK_ELEMS, plan_merge
+from pmakit.merge import plan_merge
 from pmakit.merge.capacity import Bandwidth, layout_of, load_layout, plan_report, plan_scale
+from pmakit.merge.plan import CHUNK_ELEMS
 from pmakit.merge.resources import SCRATCH_BYTES
 from pmakit.snapshot import discover
 from pmakit.weights import get_weights

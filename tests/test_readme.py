@@ -292,7 +292,9 @@ LONG = "a study of several minutes; its smoke preset runs in tests/test_studies.
 SWEEP_BLOCK = (
     "pmakit experiment --preset sweep-smoke -o runs/sweep-smoke    # 4 toy candidates, under a minute"
 )
-EVAL = "pmakit eval, tune/sweep-rank --metric and model=\"pmakit\" run on a tiny trained run in tests/test_eval.py"
+EVAL = (
+    'pmakit eval, tune/sweep-rank --metric and model="pmakit" run on a tiny trained run in tests/test_eval.py'
+)
 RECIPES: dict[str, Recipe] = {
     "make demo    # the main job: train a small model on real text, merge its snapshots, write a report": Recipe(
         skip="set-up commands: `make test` is this suite, `make demo` the main job (its own target)"

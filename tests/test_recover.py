@@ -18,11 +18,9 @@ from conftest import SHAPES, load_dir, run_cli, state, write_snapshot, write_sta
 from pmakit.errors import PmakitError
 from pmakit.merge import merge
 from pmakit.recover import (
-    RecoveryConfig,
     Spike,
     SpikeConfig,
     SpikeDetector,
-    SpikeRecovery,
     choose_rollback,
     find_spikes,
     loss_lag_tokens,
@@ -32,6 +30,7 @@ from pmakit.recover import (
     spike_boundary,
 )
 from pmakit.snapshot import Snapshot, discover, read_snapshot, write_metadata
+from pmakit.train.spike_recovery import RecoveryConfig, SpikeRecovery
 
 TPS = 100  # tokens per step in the synthetic series
 

@@ -16,7 +16,8 @@ import pytest
 
 from conftest import SRC
 from pmakit.errors import PmakitError
-from pmakit.merge import KILL_ENV, PROGRESS_DIR, merge, partial_dir
+from pmakit.merge import PROGRESS_DIR, merge, partial_dir
+from pmakit.merge._faults import KILL_ENV
 from pmakit.snapshot import discover
 from pmakit.weights import get_weights
 

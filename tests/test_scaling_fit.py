@@ -1,4 +1,4 @@
-"""The Chinchilla fit (``pmakit.scaling_fit``) against synthetic losses with known parameters, and
+"""The Chinchilla fit (``pmakit.report.scaling_fit``) against synthetic losses with known parameters, and
 ``pmakit scaling-fit`` through the real CLI."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from scipy.optimize import nnls
 from pmakit.cli import cli
 from pmakit.errors import PmakitError
 from pmakit.report.scaling import verdicts
-from pmakit.scaling_fit import Law, Point, fit, fit_law, fit_study, floor, read_points
+from pmakit.report.scaling_fit import Law, Point, fit, fit_law, fit_study, floor, read_points
 
 # A law in the range of the scaling preset (N 1e5..1e6 non-embedding parameters, D 5e5..4e6 tokens).
 TRUTH = Law(E=1.6, A=250.0, B=700.0, alpha=0.42, beta=0.36)

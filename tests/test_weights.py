@@ -81,3 +81,48 @@ def test_unknown_method_lists_known() -> None:
         get_weights("lawa", 3)
     with pytest.raises(PmakitError, match="alpha"):
         get_weights("ema", 3, alpha=0)
+
+
+@pytest.mark.parametrize("name", [w.name for w in WEIGHTINGS.values() if w.running is not None])
+@pytest.mark.parametrize("alpha", [0.2, 0.7])
+def test_running_sums_steps_keep_the_coefficients(name: str, alpha: float) -> None:
+    """Applying a weighting's ``RunningSums.step`` in place, in its order (as the online averager does), to the
+    coefficient vectors over snapshots 0..9 gives, after every update, ``coefficients`` of the window then held,
+    and ``factor * sum`` is the merge weights: the form is the weighting's, while the window grows and slides."""
+    running, n, total = WEIGHTINGS[name].running, 4, 10
+    assert running is not None
+
+    def unit(i: int) -> list[float]:
+        return [1.0 if j == i else 0.0 for j in range(total)]
+
+    def placed(window: list[int], c: list[float]) -> list[float]:
+        v = [0.0] * total
+        for i, x in zip(window, c):
+            v[i] = x
+        return v
+
+    sums: dict[str, list[float]] = {}
+    window: list[int] = []
+    for new in range(total):
+        m = len(window)
+        if m == 0:
+            sums = {k: placed([new], c) for k, c in running.coefficients(1, alpha).items()}
+        else:
+            terms_of = {"new": unit(new), "dropped": unit(window[0]), "second": unit(window[min(1, m - 1)])}
+            if m == 1 and m == n:
+                terms_of["second"] = unit(new)
+            for key, terms in running.step(m, n, alpha).items():
+                s = [x * terms.get(key, 1.0) for x in sums[key]]
+                for term, c in terms.items():
+                    if term != key:
+                        src = sums[term] if term in sums else terms_of[term]
+                        s = [a + c * b for a, b in zip(s, src)]
+                sums[key] = s
+        window = [*window, new][-n:]
+        want = running.coefficients(len(window), alpha)
+        for key, c in want.items():
+            assert sums[key] == pytest.approx(placed(window, c), abs=1e-12), (key, window)
+        key, factor = running.average(len(window), alpha)
+        assert [factor * sums[key][i] for i in window] == pytest.approx(
+            get_weights(name, len(window), alpha=alpha)
+        )

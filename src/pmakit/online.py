@@ -51,10 +51,10 @@ from torch import nn
 
 from pmakit.errors import PmakitError
 from pmakit.formats import Reader, open_reader
-from pmakit.layouts.kinds import Kind, classify
+from pmakit.layouts.kinds import DEFAULT_BUFFERS, Kind, TensorPolicy
 from pmakit.saver import alias_key, drop_aliases
 from pmakit.snapshot import IncompleteSnapshot, Snapshot, read_snapshot
-from pmakit.weights import WEIGHTINGS, get_weights
+from pmakit.weights import WEIGHTINGS, get_weights, weighting
 
 log = logging.getLogger(__name__)
 
@@ -64,28 +64,16 @@ _Read = Callable[[str], torch.Tensor]
 
 def accumulator_coefficients(method: str, m: int, alpha: float) -> dict[str, list[float]]:
     """The running sums of ``method`` over a window of m snapshots: name -> one coefficient per snapshot."""
-    if method == "sma":
-        return {"sum": [1.0] * m}
-    if method == "wma":
-        return {"sum": [1.0] * m, "wsum": [float(i) for i in range(1, m + 1)]}
-    if method == "ema-normalized":
-        return {"u": [alpha * (1 - alpha) ** (m - i) for i in range(1, m + 1)]}
-    return {"avg": get_weights(method, m, alpha=alpha)}  # ema (kept as the average itself) and wsm-*
+    running = weighting(method).running
+    if running is None:  # kept as the average itself, recomputed from the window
+        return {"avg": get_weights(method, m, alpha=alpha)}
+    return running.coefficients(m, alpha)
 
 
 def _average_factor(method: str, m: int, alpha: float) -> tuple[str, float]:
     """The average as (running sum, factor): average = factor * sum."""
-    if method == "sma":
-        return "sum", 1.0 / m
-    if method == "wma":
-        return "wsum", 2.0 / (m * (m + 1))
-    if method == "ema-normalized":
-        return "u", 1.0 / (1.0 - (1.0 - alpha) ** m)
-    return "avg", 1.0
-
-
-INCREMENTAL = ("sma", "wma", "ema", "ema-normalized")
-"""Methods updated by the identities above; the others (wsm-*) are recomputed from the window at each update."""
+    running = weighting(method).running
+    return ("avg", 1.0) if running is None else running.average(m, alpha)
 
 
 @dataclass
@@ -107,6 +95,9 @@ class OnlineAverager:
         hold_in_memory: keep the window's snapshots in memory instead of reading the dropped ones back from disk.
         resum_every: rebuild the running sums from the window every this many updates, bounding fp32 drift
             (0: never).
+        buffers: MoE routers' load-balancing biases ``average``-d like the weights, or the newest snapshot's
+            (``latest``), as ``pmakit merge --buffers`` says (one ``TensorPolicy``): the average then equals the
+            offline merge of the window. Counters and other non-float tensors are always the newest snapshot's.
     """
 
     def __init__(
@@ -117,6 +108,7 @@ class OnlineAverager:
         *,
         hold_in_memory: bool = False,
         resum_every: int = 64,
+        buffers: str = DEFAULT_BUFFERS,
     ) -> None:
         from pmakit._env import warn_if_spinning
 
@@ -126,6 +118,8 @@ class OnlineAverager:
         if method not in WEIGHTINGS:
             raise PmakitError(f"unknown method {method!r}; known: {', '.join(WEIGHTINGS)}")
         get_weights(method, n, alpha=alpha)  # validates alpha
+        self._running = WEIGHTINGS[method].running
+        self.policy = TensorPolicy(buffers)
         self.n = n
         self.method = method
         self.alpha = alpha
@@ -137,7 +131,7 @@ class OnlineAverager:
         self._entries: list[_Entry] = []
         self._sums: dict[str, dict[str, torch.Tensor]] = {}
         self._spec: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # float keys -> (shape, saved dtype)
-        self._nonfloat: dict[str, torch.Tensor] = {}  # from the newest snapshot
+        self._nonfloat: dict[str, torch.Tensor] = {}  # the tensors not averaged: the newest snapshot's
         self._lock = threading.RLock()
 
     # -- what it holds ------------------------------------------------------------------------------------------
@@ -194,7 +188,7 @@ class OnlineAverager:
             if self.hold_in_memory:
                 new.held = {k: state[k].detach().to("cpu", copy=True) for k in self._spec}
             resum = self.resum_every and self._since_resum + 1 >= self.resum_every
-            if self.method in INCREMENTAL and not resum:
+            if self._running is not None and not resum:
                 self._slide(new, state)
                 self._since_resum += 1
             else:
@@ -213,12 +207,14 @@ class OnlineAverager:
     def _check_keys(self, state: Mapping[str, torch.Tensor], tokens: int) -> None:
         if not self._spec:
             self._spec = {
-                k: (tuple(v.shape), v.dtype) for k, v in state.items() if _averaged(k, v.dtype, v.shape)
+                k: (tuple(v.shape), v.dtype)
+                for k, v in state.items()
+                if self.policy.averaged(k, v.dtype, v.shape)
             }
             if not self._spec:
                 raise PmakitError("the state has no floating-point tensors to average")
             return
-        floats = {k for k, v in state.items() if _averaged(k, v.dtype, v.shape)}
+        floats = {k for k, v in state.items() if self.policy.averaged(k, v.dtype, v.shape)}
         missing, extra = self._spec.keys() - floats, floats - self._spec.keys()
         wrong = [k for k in self._spec.keys() & floats if tuple(state[k].shape) != self._spec[k][0]]
         if missing or extra or wrong:
@@ -236,7 +232,9 @@ class OnlineAverager:
         with contextlib.ExitStack() as stack:
             read_dropped = self._source(dropped, stack) if dropped is not None else None
             read_oldest = None
-            if self.method == "ema" and new_oldest is not None:
+            assert self._running is not None
+            second = any("second" in terms for terms in self._running.step(m, n, a).values())
+            if second and new_oldest is not None:
                 read_oldest = self._source(new_oldest, stack) if new_oldest is not new else None
             if m == 0:
                 self._sums = {name: {} for name in accumulator_coefficients(self.method, 1, a)}
@@ -253,41 +251,32 @@ class OnlineAverager:
         read_dropped: _Read | None,
         read_oldest: _Read | None,
     ) -> None:
-        """Add the new snapshot ``state`` to the sums and subtract what leaves; the window is not moved yet."""
+        """Add the new snapshot ``state`` to the sums and subtract what leaves (the weighting's ``RunningSums.step``);
+        the window is not moved yet."""
         m, n, a = len(self._entries), self.n, self.alpha
+        assert self._running is not None
+        steps = self._running.step(m, n, a)
         for k in self._spec:
             x = state[k].detach().to("cpu")
             if m == 0:
                 self._init_sums(k, x)
                 continue
             old = read_dropped(k) if read_dropped is not None else None
-            if self.method == "sma":
-                s = self._sums["sum"][k]
-                axpy(s, x)
-                if old is not None:
-                    axpy(s, old, -1.0)
-            elif self.method == "wma":
-                s, w = self._sums["sum"][k], self._sums["wsum"][k]
-                if old is not None:
-                    w.sub_(s)
-                    axpy(w, x, n)
-                    axpy(s, x)
-                    axpy(s, old, -1.0)
-                else:
-                    axpy(w, x, m + 1)
-                    axpy(s, x)
-            elif self.method == "ema":
-                e = self._sums["avg"][k].mul_(1 - a)
-                axpy(e, x, a)
-                if old is not None:
-                    second = read_oldest(k) if read_oldest is not None else x
-                    axpy(e, old, -((1 - a) ** n))
-                    axpy(e, second, (1 - a) ** n)
-            else:  # ema-normalized
-                u = self._sums["u"][k].mul_(1 - a)
-                axpy(u, x, a)
-                if old is not None:
-                    axpy(u, old, -a * (1 - a) ** n)
+            snapshots = {"new": x, "dropped": old}
+            for name, terms in steps.items():
+                s = self._sums[name][k]
+                if terms.get(name, 1.0) != 1.0:
+                    s.mul_(terms[name])
+                for term, c in terms.items():
+                    src: torch.Tensor | None
+                    if term == name:
+                        continue
+                    if term == "second":
+                        src = read_oldest(k) if read_oldest is not None else x
+                    else:
+                        src = self._sums[term][k] if term in self._sums else snapshots[term]
+                    assert src is not None, f"{term} is not known while adding a snapshot to a window of {m}"
+                    axpy(s, src, c)
 
     def _recover(self) -> None:
         """After a failed slide the sums may be half updated: recompute them for the old window, or empty it."""
@@ -356,12 +345,12 @@ class OnlineAverager:
                 self._spec = {
                     k: (tuple(info.shape), info.dtype)
                     for k, info in newest.tensors.items()
-                    if _averaged(k, info.dtype, info.shape)
+                    if self.policy.averaged(k, info.dtype, info.shape)
                 }
                 self._nonfloat = {
                     k: newest.read(k, 0, info.numel).view(info.shape).clone()
                     for k, info in newest.tensors.items()
-                    if not _averaged(k, info.dtype, info.shape)
+                    if not self.policy.averaged(k, info.dtype, info.shape)
                 }
             if self.hold_in_memory:
                 for e in self._entries:
@@ -380,12 +369,18 @@ class OnlineAverager:
         return self._sums[name][key] * factor
 
     def average(self) -> dict[str, torch.Tensor]:
-        """The average of the window: floating-point tensors in fp32, the others copied from the newest snapshot."""
+        """The average of the window: averaged tensors in fp32, the others the newest snapshot's (router biases in fp32,
+        as the offline merge writes them)."""
         with self._lock:
             if not self._entries:
                 raise PmakitError("the averager has no snapshot yet")
             out = {k: self._average_tensor(k) for k in self._spec}
-            out.update({k: v.clone() for k, v in self._nonfloat.items()})
+            out.update(
+                {
+                    k: v.to(self.policy.out_dtype(k, v.dtype, v.shape), copy=True)
+                    for k, v in self._nonfloat.items()
+                }
+            )
             return out
 
     @contextlib.contextmanager
@@ -393,7 +388,8 @@ class OnlineAverager:
         """Within the block, ``model``'s floating-point weights are the average (cast to their dtype).
 
         The original weights are kept on the CPU and copied back in ``finally``, bit for bit, even when the block
-        raises. Non-float buffers stay as they are. Tied weights are written once.
+        raises. Router biases taken from the newest snapshot (``buffers="latest"``) are that snapshot's; counters
+        and other non-float buffers stay as they are. Tied weights are written once.
         """
         backup: list[tuple[torch.Tensor, torch.Tensor]] = []
         try:
@@ -403,7 +399,7 @@ class OnlineAverager:
                     raise PmakitError("the averager has no snapshot yet")
                 for key, t in self._targets(model):
                     backup.append((t, t.detach().to("cpu", copy=True)))
-                    t.copy_(self._average_tensor(key))
+                    t.copy_(self._average_tensor(key) if key in self._spec else self._nonfloat[key])
             yield model
         finally:
             with torch.no_grad():
@@ -411,7 +407,8 @@ class OnlineAverager:
                     t.copy_(saved)
 
     def _targets(self, model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-        """(average key, the model's tensor) for every averaged tensor, each storage once."""
+        """(average key, the model's tensor) for every averaged tensor and every float tensor taken from the newest
+        snapshot, each storage once."""
         targets = []
         covered = set()
         seen = set()
@@ -428,6 +425,8 @@ class OnlineAverager:
                     )
                 targets.append((name, t.data))
                 covered.add(name)
+            elif name in self._nonfloat and self.policy.kind(name, t.dtype, t.shape) is Kind.ROUTER_BIAS:
+                targets.append((name, t.data))  # the newest snapshot's (buffers="latest")
         missing = [k for k in self._spec if k not in covered]
         if missing:
             raise PmakitError(
@@ -454,6 +453,7 @@ class OnlineAverager:
                 "method": self.method,
                 "n": self.n,
                 "alpha": self.alpha,
+                "buffers": self.policy.buffers,
                 "hold_in_memory": self.hold_in_memory,
                 "updates": self.updates,
                 "since_resum": self._since_resum,
@@ -472,10 +472,16 @@ class OnlineAverager:
             return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue the window of ``state``. A different method, N or alpha rebuilds the sums from the files."""
+        """Continue the window of ``state``. A different method, N, alpha or buffers rule rebuilds the sums from the
+        files."""
         with self._lock:
             entries = [_Entry(int(t), None if p is None else Path(p)) for t, p in state["window"]]
-            same = (state["method"], state["n"], state["alpha"]) == (self.method, self.n, self.alpha)
+            same = (state["method"], state["n"], state["alpha"], state.get("buffers", DEFAULT_BUFFERS)) == (
+                self.method,
+                self.n,
+                self.alpha,
+                self.policy.buffers,
+            )
             tensors = state.get("tensors")
             self.updates = int(state.get("updates", len(entries)))
             if tensors is not None and same:
@@ -543,9 +549,3 @@ def _open_window_snapshot(entry: _Entry) -> Iterator[Reader]:
         )
     with open_reader(entry.path) as reader:
         yield reader
-
-
-def _averaged(name: str, dtype: torch.dtype, shape: Sequence[int]) -> bool:
-    """Kept in the running sums: weights and router biases (averaged, as ``merge`` does by default); counters and
-    other non-float tensors are the newest snapshot's (``pmakit.layouts.kinds``)."""
-    return classify(name, dtype, shape) is not Kind.COUNTER

@@ -42,7 +42,6 @@ import logging
 import os
 import shutil
 import socket
-import sys
 import tempfile
 import threading
 import time
@@ -510,22 +509,7 @@ def request_count() -> int:
 
 @functools.cache
 def _pool() -> ThreadPoolExecutor:
-    _return_big_buffers()
     return ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="pmakit-get")
-
-
-def _return_big_buffers() -> None:
-    """Have glibc give every freed buffer of 1 MiB or more back to the system at once. Its default threshold moves
-    up to 32 MiB after the first large frees, and then 16 MiB responses, received on 32 threads with an arena each,
-    are freed into the arenas and kept there: the process holds several times the blocks it uses."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").mallopt(-3, 2**20)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ Modes (several, separated by ``+``, run in one process one after the other):
                      FP32Optimizer saves), rng_state: a ShardedObject} + a common part (iteration, checkpoint_version,
                      args = an argparse.Namespace with consumed_train_samples, seq_length and a megatron enum, the
                      optimizer's param_groups), and ``latest_checkpointed_iteration.txt``
+  model-train SAVE STEPS  as train, the model's sharded state only (no optimizer, RNG or common part)
   reshard SRC DST K  the last K SRC/iter_N loaded by ``dist_checkpointing.load`` (model and optimizer) into this
                      TP degree and saved again to DST/iter_N: the same weights, sharded TP ways
   pma-init CKPT DUMP [TP]  a model at TP (default: the world size; TP=1 on 2 ranks is 2 data-parallel replicas)
@@ -65,6 +66,9 @@ if __name__ == "__main__":
     import torch
 
 VOCAB, SEQ, BATCH, LR = 64, 16, 4, 1e-2
+LAYERS, HIDDEN, HEADS = 2, 32, 4
+if os.environ.get("MEGATRON_RUN_SIZE"):  # benchmarks/bench_peers.py: "layers,hidden,heads,vocab"
+    LAYERS, HIDDEN, HEADS, VOCAB = map(int, os.environ["MEGATRON_RUN_SIZE"].split(","))
 EXPERTS = 0
 """MoE experts per layer (``moe-*`` modes: 4); 0 is the dense model."""
 
@@ -121,9 +125,9 @@ def build() -> tuple[Any, Any]:
         )
     config = TransformerConfig(
         **moe,
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
+        num_layers=LAYERS,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
         tensor_model_parallel_size=tp_size(),
         use_cpu_initialization=True,
         hidden_dropout=0.0,
@@ -220,6 +224,17 @@ def train(save_dir: Path, steps: int) -> None:
             (save_dir / "latest_checkpointed_iteration.txt").write_text(str(step))
 
 
+def model_train(save_dir: Path, steps: int) -> None:
+    """As ``train``, the model's sharded state only (no optimizer, RNG or common part): the layout that
+    Megatron-LM's weighted merge tool accepts."""
+    model, optimizer = build()
+    for step in range(1, steps + 1):
+        train_step(model, optimizer, step)
+        save(model.sharded_state_dict(), save_dir / f"iter_{step:07d}")
+        if torch.distributed.get_rank() == 0:
+            (save_dir / "latest_checkpointed_iteration.txt").write_text(str(step))
+
+
 def load(model: Any, optimizer: Any | None, checkpoint: Path) -> dict[str, Any]:
     """Megatron's own load, default strictness; the optimizer's moments too when given (Adam state made first,
     as megatron's ``init_state_fn`` does, so the sharded optimizer state has tensors to load into)."""
@@ -285,7 +300,14 @@ def megatron_lm_args(save_dir: Path) -> Any:
     from megatron.training import arguments, global_vars
 
     argv, sys.argv = sys.argv, ["pretrain_gpt.py"]
-    sys.argv += ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]
+    sys.argv += [
+        "--num-layers",
+        str(LAYERS),
+        "--hidden-size",
+        str(HIDDEN),
+        "--num-attention-heads",
+        str(HEADS),
+    ]
     sys.argv += ["--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ), "--lr", str(LR)]
     sys.argv += ["--micro-batch-size", str(BATCH), "--global-batch-size", str(BATCH), "--train-iters", "100"]
     sys.argv += ["--save", str(save_dir), "--load", str(save_dir), "--ckpt-format", "torch_dist"]
@@ -400,6 +422,8 @@ def run_job(mode: str, args: list[str]) -> None:
         use_tp(int(args[2]) if mode == "pma-init" and len(args) > 2 else world)
     if mode == "train":
         train(Path(args[0]), int(args[1]))
+    elif mode == "model-train":
+        model_train(Path(args[0]), int(args[1]))
     elif mode == "reshard":
         reshard(Path(args[0]), Path(args[1]), int(args[2]))
     elif mode == "pma-init":

@@ -125,9 +125,9 @@ def _merge(
     world: Any,
 ) -> None:
     from pmakit.merge import merge as run_merge
-    from pmakit.weights import get_weights
+    from pmakit.weights import get_weights, uses_alpha
 
-    if alpha is not None and (custom is not None or not method.startswith("ema")):
+    if alpha is not None and (custom is not None or not uses_alpha(method)):
         raise PmakitError(
             f"--alpha is the EMA factor: it does nothing with --{'weights' if custom else 'method ' + method}"
         )

@@ -14,10 +14,29 @@ from pmakit.errors import PmakitError
 from pmakit.layouts.kinds import BUFFER_RULES, DEFAULT_BUFFERS
 from pmakit.selection import DEFAULT_WINDOW_RULE
 from pmakit.units import parse_size, parse_tokens
+from pmakit.weights import WEIGHTINGS
 
-METHODS = ["sma", "wma", "ema", "ema-normalized", "wsm-linear", "wsm-cosine", "wsm-1sqrt"]
 DTYPES = ["same", "bf16", "fp16", "fp32"]
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+class _Methods(click.Choice[str]):
+    """The weightings of ``pmakit.weights.WEIGHTINGS``, read when a command runs: one registered after this module
+    was imported is a choice too."""
+
+    def __init__(self) -> None:
+        super().__init__(())
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return tuple(WEIGHTINGS)
+
+    @choices.setter
+    def choices(self, value: Sequence[str]) -> None:
+        pass  # the registry is the list
+
+
+METHODS = _Methods()
 
 
 class _Location(click.ParamType):
@@ -97,11 +116,19 @@ def dtype(help: str, show_default: bool = False) -> Decorator:
 
 
 def method(help: str) -> Decorator:
-    return click.option("--method", type=click.Choice(METHODS), default="sma", show_default=True, help=help)
+    return click.option("--method", type=METHODS, default="sma", show_default=True, help=help)
 
 
 def alpha(default: float | None, help: str) -> Decorator:
     return click.option("--alpha", type=float, default=default, show_default=default is not None, help=help)
+
+
+def seed(help: str) -> Decorator:
+    return click.option("--seed", type=int, default=0, show_default=True, help=help)
+
+
+def corpus(help: str) -> Decorator:
+    return click.option("--corpus", type=str, default=None, help=help)
 
 
 def tokens_per_step() -> Decorator:

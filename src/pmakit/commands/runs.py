@@ -121,9 +121,7 @@ def recover(
     default=None,
     help="Start no new trial after this many seconds (with --budget-evals: whichever comes first).",
 )
-@click.option(
-    "--seed", type=int, default=0, show_default=True, help="Seed of the TPE sampler and file order."
-)
+@opt.seed("Seed of the TPE sampler and file order.")
 @click.option(
     "--batches", type=int, default=16, show_default=True, help="Held-out batches per split (selection, test)."
 )
@@ -206,11 +204,8 @@ def tune(run_dir: Path, data: str | None, output: Path, quiet: bool, **options: 
     show_default=True,
     help="Held-out batches per evaluation.",
 )
-@click.option(
-    "--corpus",
-    type=str,
-    default=None,
-    help="Evaluate on this corpus instead of the run's held-out split (a text file when no run config is found).",
+@opt.corpus(
+    "Evaluate on this corpus instead of the run's held-out split (a text file when no run config is found)."
 )
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Output directory.")
 def analyze(
@@ -261,7 +256,7 @@ def analyze(
     show_default=True,
     help="Resamples of the batches for P(best), ranks.",
 )
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the resampling and file order.")
+@opt.seed("Seed of the resampling and file order.")
 @click.option(
     "--metric",
     default=None,

@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from pmakit.commands import options as opt
 from pmakit.config import preset_names
 
 
@@ -19,9 +20,7 @@ from pmakit.config import preset_names
     default=None,
     help=f"A shipped config: {', '.join(preset_names())} [default: demo].",
 )
-@click.option(
-    "--corpus", type=str, default=None, help="Text file, directory, glob or .npy/.bin of token ids."
-)
+@opt.corpus("Text file, directory, glob or .npy/.bin of token ids.")
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Run directory.")
 @click.option(
     "--resume-from",
@@ -152,11 +151,8 @@ def train(
     "init (continued training from a merge, E9), scaling (scaling laws from merges; scaling-smoke: toy sizes), "
     "sweep (a hyper-parameter sweep ranked early by merges; sweep-smoke: toy size), replicas.",
 )
-@click.option(
-    "--corpus",
-    type=str,
-    default=None,
-    help="Text file, directory, glob or .npy/.bin of token ids [default: the pinned torch package's .py sources; 'stdlib': this Python's standard library].",
+@opt.corpus(
+    "Text file, directory, glob or .npy/.bin of token ids [default: the pinned torch package's .py sources; 'stdlib': this Python's standard library]."
 )
 @click.option(
     "-o",
@@ -243,7 +239,7 @@ def report(run_dir: Path) -> None:
     help="Bootstrap refits (points resampled) for the 95% intervals [default: a study's results file: the "
     "study's own count, so the intervals are its report's; else 400].",
 )
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the bootstrap resampling.")
+@opt.seed("Seed of the bootstrap resampling.")
 def scaling_fit(
     results: tuple[Path, ...], output: Path, holdout: str | None, bootstrap: int | None, seed: int
 ) -> None:

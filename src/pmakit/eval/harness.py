@@ -78,14 +78,21 @@ def check_tasks(names: Sequence[str], manager: Any) -> None:
             raise PmakitError(f"unknown task {name!r} (not an lm-eval task nor a local task YAML){hint}")
 
 
-def hflm(model: Any, tokenizer: Any, *, batch_size: int = 8) -> Any:
-    """lm-eval's ``HFLM`` around an in-memory model (nothing is loaded from disk)."""
+def hflm(model: Any, tokenizer: Any, *, batch_size: int = 8, device: str | None = "best") -> Any:
+    """lm-eval's ``HFLM`` around an in-memory model (nothing is loaded from disk).
+
+    ``device``: ``best`` moves the model to the GPU when there is one (a model built to be evaluated); None leaves
+    it where it is (a trainer's model, evaluated in the loop)."""
     require_lm_eval()
     import torch
     from lm_eval.models.huggingface import HFLM
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return HFLM(pretrained=model.to(device), tokenizer=tokenizer, device=device, batch_size=batch_size)
+    if device == "best":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model = model.to(device)
+    elif device is None:
+        device = str(next(model.parameters()).device)
+    return HFLM(pretrained=model, tokenizer=tokenizer, device=device, batch_size=batch_size)
 
 
 def run_tasks(
@@ -172,7 +179,7 @@ class LoopTasks:
                 self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer)
         training = model.training
         try:
-            lm = hflm(model, self.tokenizer, batch_size=self.batch_size)
+            lm = hflm(model, self.tokenizer, batch_size=self.batch_size, device=None)
             found = run_tasks(lm, self.tasks, self._manager, limit=self.limit)
         finally:
             model.train(training)

@@ -138,13 +138,34 @@ def corpus_entry(targets: Sequence[str | Path]) -> Path:
     )
 
 
+def check_tokenizer(entry: Path, snapshot: Path) -> None:
+    """The corpus rebuilt from a run's config must be the one it trained on: its tokenizer is the snapshots' (else
+    its "held-out" files may be another corpus's, or training files)."""
+    import json
+
+    def vocab(path: Path) -> Any:
+        data = json.loads(path.read_text())
+        return data.get("model", {}).get("vocab"), data.get("model", {}).get("merges")
+
+    ours, theirs = entry / "tokenizer" / "tokenizer.json", snapshot / "tokenizer.json"
+    if ours.is_file() and theirs.is_file() and vocab(ours) != vocab(theirs):
+        raise PmakitError(
+            f"the corpus rebuilt from the run's config ({entry}) has another tokenizer than its snapshots "
+            f"({theirs}): its held-out files cannot be trusted to be the run's; pass --corpus-of the run that "
+            "trained this model, with the pmakit version that trained it"
+        )
+
+
 def prepare_tasks(
-    spec: Spec, targets: Sequence[str | Path], corpus: Path | None = None
+    spec: Spec, targets: Sequence[str | Path], corpus: Path | None = None, snapshot: Path | None = None
 ) -> tuple[Any, TaskSet | None]:
     """lm-eval's task manager with pmakit's tasks (built when named) and ``spec.include``; unknown tasks refused."""
     harness.require_lm_eval()
     own = [t for t in spec.tasks if t in TASKS]
-    taskset = build_tasks(corpus or corpus_entry(targets), items=spec.items) if own else None
+    entry = (corpus or corpus_entry(targets)) if own else None
+    if entry is not None and snapshot is not None:
+        check_tokenizer(entry, snapshot)
+    taskset = build_tasks(entry, items=spec.items) if entry is not None else None
     include = [*([taskset.include(spec.split)] if taskset else []), *spec.include]
     manager = harness.task_manager(include)
     harness.check_tasks(spec.tasks, manager)
@@ -172,7 +193,8 @@ def evaluate(
     """
     version = harness.require_lm_eval()
     models = plan_models(targets, recipes, spec.noise)
-    manager, taskset = prepare_tasks(spec, targets, corpus)
+    newest = next((m.resolved.snapshots[-1].path if m.resolved else m.path for m in models), None)
+    manager, taskset = prepare_tasks(spec, targets, corpus, newest)
     info = taskset.meta["splits"][spec.split] if taskset else {}
     done = _finished(read_jsonl(out) if out else [])
     rows: list[dict[str, Any]] = []
@@ -271,30 +293,30 @@ def summarize(rows: Sequence[dict[str, Any]], reference: str | None = None) -> l
     return out
 
 
+def _delta(d: Mapping[str, Any] | None) -> tuple[str, str]:
+    if not d:
+        return "", ""
+    return f"{d['delta']:+.4f} ± {d['se']:.4f}", f"[{d['low']:+.4f}, {d['high']:+.4f}]"
+
+
 def render(summary: Sequence[dict[str, Any]]) -> Any:
-    """A rich table of ``summarize``'s lines."""
+    """A rich table of ``summarize``'s lines (with the reference's columns when one was named)."""
     from rich.table import Table
 
     table = Table(title="pmakit eval (s.e. over items; Δ paired on the same items, 95% bootstrap interval)")
-    for col in (
-        "target",
-        "model",
-        "task/metric",
-        "score ± s.e.",
-        "Δ vs latest ± s.e.",
-        "95% interval",
-        "noise sd (K)",
-    ):
+    reference = any("vs_reference" in line for line in summary)
+    columns = ["target", "model", "task/metric", "score ± s.e.", "Δ vs latest ± s.e.", "95% interval"]
+    columns += ["Δ vs reference ± s.e.", "95% interval (ref)"] if reference else []
+    for col in [*columns, "noise sd (K)"]:
         table.add_column(col, justify="right" if col[0] in "sΔn9" else "left")
     for line in summary:
-        d = line.get("vs_latest")
-        delta = f"{d['delta']:+.4f} ± {d['se']:.4f}" if d else ""
-        interval = f"[{d['low']:+.4f}, {d['high']:+.4f}]" if d else ""
         band = line["noise"]
         noise = f"{band['sd']:.4f} ({band['k']})" if band else ""
         chance = f" (chance {line['chance']:.2f})" if line.get("chance") else ""
-        table.add_row(Path(line["target"]).name, line["recipe"], f"{line['task']}/{line['metric']}{chance}",
-                      f"{line['value']:.4f} ± {line['se']:.4f}", delta, interval, noise)  # fmt: skip
+        cells = [Path(line["target"]).name, line["recipe"], f"{line['task']}/{line['metric']}{chance}",
+                 f"{line['value']:.4f} ± {line['se']:.4f}", *_delta(line.get("vs_latest"))]  # fmt: skip
+        cells += list(_delta(line.get("vs_reference"))) if reference else []
+        table.add_row(*cells, noise)
     return table
 
 

@@ -440,17 +440,25 @@ class ShardWriter:
     """Streams one shard: header first, then each tensor's bytes in order, chunk by chunk.
 
     ``direct=True`` writes through O_DIRECT (see ``_DirectFile``): for large outputs written once, like a merge's.
+    ``checksum=False``: no sha256 on the way (the caller hashes the same bytes elsewhere, e.g. on a thread of its
+    own); such a writer ends with ``finish``, not ``close``.
     """
 
     def __init__(
-        self, path: Path, shard: Shard, metadata: dict[str, str] | None = None, *, direct: bool = False
+        self,
+        path: Path,
+        shard: Shard,
+        metadata: dict[str, str] | None = None,
+        *,
+        direct: bool = False,
+        checksum: bool = True,
     ) -> None:
         self.path = path
         self.shard = shard
         self._expected = [(t.name, t.nbytes) for t in shard.tensors]
         self._pos = 0  # index of the tensor being written
         self._written = 0  # bytes of it written so far
-        self._hash = hashlib.sha256()
+        self._hash = hashlib.sha256() if checksum else None
         self._direct = _DirectFile.open(path) if direct else None
         self._f = self._direct or open(path, "wb")  # noqa: SIM115 - closed in close()
         self._size = 0  # bytes written
@@ -465,9 +473,10 @@ class ShardWriter:
         start = time.perf_counter()
         self._f.write(data)
         written = time.perf_counter()
-        self._hash.update(data)
         self.write_seconds += written - start
-        self.hash_seconds += time.perf_counter() - written
+        if self._hash is not None:
+            self._hash.update(data)
+            self.hash_seconds += time.perf_counter() - written
         self._size += len(data)
 
     def start_writeback(self, min_bytes: int = 32 * 2**20) -> None:
@@ -499,6 +508,13 @@ class ShardWriter:
 
     def close(self, fsync: bool = True) -> str:
         """Finish the file (checks every tensor was written) and return its sha256."""
+        if self._hash is None:
+            raise RuntimeError(f"{self.path}: written without a checksum; end it with finish()")
+        self.finish(fsync)
+        return self._hash.hexdigest()
+
+    def finish(self, fsync: bool = True) -> None:
+        """Finish the file: checks every tensor was written, writes what is staged, fsyncs it (``fsync``)."""
         if self._pos != len(self._expected):
             self._f.close()
             raise RuntimeError(f"{self.path}: closed before all tensors were written")
@@ -509,7 +525,6 @@ class ShardWriter:
         if fsync:
             os.fsync(self._f.fileno())
         self._f.close()
-        return self._hash.hexdigest()
 
     def abort(self) -> None:
         self._f.close()

@@ -25,7 +25,7 @@ from pmakit.integrations import PMACore, mean_loss
 class PMACallback(TrainerCallback):
     """Snapshots every ``every_tokens`` tokens into ``save_dir``, an online ``method`` average of the last
     ``last``, evaluated every ``eval_every``-th evaluation. Other keywords go to ``PMACore`` (alpha, keep_last,
-    hold_in_memory, background, dtype)."""
+    hold_in_memory, background, dtype, upload_to, buffers)."""
 
     def __init__(
         self,

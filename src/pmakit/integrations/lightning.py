@@ -26,7 +26,7 @@ from pmakit.integrations import PMACore, count_tokens, hf_model_in, mean_loss
 class PMACallback(pl.Callback):
     """Snapshots every ``every_tokens`` tokens into ``save_dir``, an online ``method`` average of the last
     ``last``, evaluated every ``eval_every``-th validation. ``count_tokens(batch) -> int`` overrides the count;
-    other keywords go to ``PMACore`` (alpha, keep_last, hold_in_memory, background, dtype, upload_to)."""
+    other keywords go to ``PMACore`` (alpha, keep_last, hold_in_memory, background, dtype, upload_to, buffers)."""
 
     def __init__(
         self,

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from pmakit.errors import PmakitError
 from pmakit.integrations import PMACore
+from pmakit.layouts.kinds import DEFAULT_BUFFERS
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,8 @@ class PMACallback(Callback):
     """Keep only the newest K snapshots on disk (None: all; at least ``last``)."""
     upload_to: str | None = None
     """An ``s3://`` / ``gs://`` URL every complete snapshot is also uploaded to, off the training thread."""
+    buffers: str = DEFAULT_BUFFERS
+    """MoE router biases in the average: ``average`` or the newest snapshot's (``latest``), as ``merge --buffers``."""
     prefix: str = "eval/pmakit"
     """Metric prefix of the average's evaluation."""
     enabled: bool = True
@@ -93,6 +96,7 @@ class PMACallback(Callback):
             alpha=self.alpha,
             keep_last=self.keep_last,
             upload_to=self.upload_to,
+            buffers=self.buffers,
         )
 
     @property

@@ -37,8 +37,7 @@ ROLES = ("", "best", "fixed", "tuned")
 
 def models_at(grid: Any, fork: Any) -> Iterator[tuple[dict[str, Any], Any]]:
     """``(row, state)`` for each model of ``fork``'s downstream table; states are built one at a time."""
-    from pmakit.lab.pma import anneal_run
-    from pmakit.runs import checkpoint_dir
+    from pmakit.runs import anneal_run, checkpoint_dir
 
     rows = [
         r

@@ -67,7 +67,7 @@ from pmakit.schedule import DECAY_SHAPES, WSD
 from pmakit.snapshot import Snapshot, discover
 from pmakit.train.loop import TrainConfig, Trainer
 from pmakit.units import format_tokens
-from pmakit.weights import get_weights
+from pmakit.weights import get_weights, uses_alpha
 
 if TYPE_CHECKING:
     from pmakit.lab.tune import Candidate, Scorer, Space
@@ -81,7 +81,6 @@ RESULT_COLUMNS = [
     "fork_tokens", "model", "method", "n", "v_tokens", "alpha", "tokens", "window_start_tokens",
     "val_loss", "val_loss_se", "bpb", "delta_vs_latest", "delta_se", "label", "split", "role",
 ]  # fmt: skip
-EMA_METHODS = ("ema", "ema-normalized")
 
 
 @dataclass(frozen=True)
@@ -367,7 +366,7 @@ class _Grid:
                 for vm in exp.v_multiples:
                     items.append({**base, "model": "merged", "method": "sma", "n": n, "v_tokens": vm * v0})
             for method in exp.methods:
-                for alpha in exp.alphas if method in EMA_METHODS else (None,):
+                for alpha in exp.alphas if uses_alpha(method) else (None,):
                     item = {
                         **base,
                         "model": "merged",
@@ -496,8 +495,6 @@ class _Grid:
     def _grid_cells(self, item: Mapping[str, Any], space: Space, scorer: Scorer) -> list[dict[str, Any]]:
         """The fork's grid merges as the tuner's parameters, best first on the selection split, each primed into
         the scorer with its measured score (the same batches), so the search starts from the grid at no cost."""
-        from pmakit.lab.tune import EMA_FAMILIES
-
         rows = [
             r
             for r in self.rows
@@ -517,7 +514,7 @@ class _Grid:
                 "n": r["n"],
                 "family": r["method"],
             }
-            if r["method"] in EMA_FAMILIES:
+            if uses_alpha(r["method"]):
                 params["alpha"] = r["alpha"]
             result = EvalResult(r["val_loss"], r["val_loss_se"], r.get("bpb"), list(r["batch_losses"]))
             scorer.prime(space.candidate(params), "selection", result)

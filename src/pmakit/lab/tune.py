@@ -48,13 +48,19 @@ from pmakit.evaluate import EvalResult, batch_loss, batch_losses, paired_differe
 from pmakit.runs import MAIN_RUN, atomic_write_json, snapshots_dir
 from pmakit.snapshot import Snapshot
 from pmakit.train.data import HeldOut
-from pmakit.weights import get_weights
+from pmakit.weights import get_weights, tune_families, uses_alpha
 
 log = logging.getLogger(__name__)
 
-FAMILIES = ("sma", "wma", "ema", "ema-normalized", "wsm-cosine", "wsm-1sqrt", "free")
-"""Weightings searched (``free``: per-snapshot weights on the simplex)."""
-EMA_FAMILIES = ("ema", "ema-normalized")
+FREE = "free"
+"""The family of per-snapshot weights on the simplex."""
+
+
+def searched_families() -> tuple[str, ...]:
+    """Weightings searched: the registry's ``tune`` weightings, then ``free``."""
+    return (*tune_families(), FREE)
+
+
 FIXED_N = 10
 """N of the fixed recipe (the paper's default SMA), at the run's own snapshot interval."""
 SPLITS = ("selection", "test")
@@ -80,7 +86,7 @@ class TuneConfig:
     """Largest N searched."""
     v_multiples: tuple[int, ...] = (1, 2, 4)
     """Spacings searched, as multiples of the run's snapshot interval."""
-    families: tuple[str, ...] = FAMILIES
+    families: tuple[str, ...] = field(default_factory=searched_families)
     """Weightings searched."""
     eval_cmd: str | None = None
     """Evaluate with this command instead of in memory: ``{model}`` is a merged model directory, ``{split}`` is
@@ -120,9 +126,11 @@ class TuneConfig:
             raise PmakitError(f"--learn-steps must be 0 (none) or positive, got {self.learn_steps}")
         if self.max_n < 1 or min(self.v_multiples, default=0) < 1:
             raise PmakitError("max_n and the V multiples must be positive")
-        unknown = sorted(set(self.families) - set(FAMILIES))
+        unknown = sorted(set(self.families) - set(searched_families()))
         if unknown or not self.families:
-            raise PmakitError(f"unknown weighting families {unknown}; known: {', '.join(FAMILIES)}")
+            raise PmakitError(
+                f"unknown weighting families {unknown}; known: {', '.join(searched_families())}"
+            )
         if self.metric is not None and self.eval_cmd is not None:
             raise PmakitError("--metric evaluates in memory through lm-eval; it does not go with --eval-cmd")
         if self.eval_cmd is not None and "{model}" not in self.eval_cmd:
@@ -175,7 +183,7 @@ class Space:
     def candidate(self, params: Mapping[str, Any], free: Sequence[float] = ()) -> Candidate:
         chosen = self.window(params["end_back"], params["n"], params["v_mult"])
         n, family = len(chosen), params["family"]
-        if family == "free":
+        if family == FREE:
             raw = [-math.log(max(u, 1e-12)) for u in free[:n]]
             weights = [r / sum(raw) for r in raw] if n > 1 else [1.0]
         else:
@@ -185,7 +193,7 @@ class Space:
             "n": n,
             "v_tokens": params["v_mult"] * self.interval,
             "family": family,
-            "alpha": params.get("alpha") if family in EMA_FAMILIES else None,
+            "alpha": params.get("alpha") if uses_alpha(family) else None,
         }
         return Candidate(tuple(chosen), tuple(weights), effective)
 
@@ -218,10 +226,10 @@ class Space:
             "n": trial.suggest_int("n", 1, cfg.max_n),
             "family": trial.suggest_categorical("family", list(cfg.families)),
         }
-        if params["family"] in EMA_FAMILIES:
+        if uses_alpha(params["family"]):
             params["alpha"] = trial.suggest_float("alpha", 0.02, 0.8, log=True)
         free: list[float] = []
-        if params["family"] == "free":
+        if params["family"] == FREE:
             n = len(self.window(params["end_back"], params["n"], params["v_mult"]))
             free = [trial.suggest_float(f"u{i}", 1e-6, 1.0) for i in range(n)]
         return self.candidate(params, free)

@@ -24,6 +24,7 @@ import enum
 import logging
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -101,6 +102,72 @@ def rule(kind: Kind, buffers: str = DEFAULT_BUFFERS) -> str:
     if kind is Kind.COUNTER:
         return "latest"
     return buffers
+
+
+DTYPES: dict[str, torch.dtype] = {
+    **dict.fromkeys(("bf16", "bfloat16"), torch.bfloat16),
+    **dict.fromkeys(("fp16", "float16"), torch.float16),
+    **dict.fromkeys(("fp32", "float32"), torch.float32),
+}
+"""Output dtypes by name (``--dtype``)."""
+
+
+def output_dtype(dtype: str | torch.dtype | None, source: torch.dtype) -> torch.dtype:
+    """The dtype a tensor is written in: ``same`` keeps the input's; non-float tensors always keep theirs."""
+    if not is_float(source) or dtype in (None, "same"):
+        return source
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise PmakitError(f"unknown --dtype {dtype!r}; use same, bf16, fp16 or fp32")
+    return DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class TensorPolicy:
+    """What every merge does with each tensor, by its kind: the rule and the output dtype.
+
+    One policy serves the streaming merge (``MergePlan.policy``), ``average_states``, the incremental merge and
+    ``OnlineAverager``, so that an online average and an offline merge of the same snapshots agree: weights are
+    averaged and written in ``dtype``; router biases are averaged or the newest snapshot's (``buffers``), in fp32
+    whatever ``dtype``; counters are the newest snapshot's, as they are.
+    """
+
+    buffers: str = DEFAULT_BUFFERS
+    """The rule for router biases: ``average`` or ``latest``."""
+    dtype: str | torch.dtype | None = "same"
+    """The weights' output dtype: ``same`` (each its input's), a name of ``DTYPES`` or a torch dtype."""
+
+    def __post_init__(self) -> None:
+        check_buffers(self.buffers)
+
+    def kind(self, name: str, dtype: torch.dtype, shape: Sequence[int]) -> Kind:
+        return classify(name, dtype, shape)
+
+    def rule(self, name: str, dtype: torch.dtype, shape: Sequence[int]) -> str:
+        """``average`` (the weighted fp32 sum of the inputs) or ``latest`` (the newest input's, as it is)."""
+        return self.rule_of(classify(name, dtype, shape))
+
+    def rule_of(self, kind: Kind) -> str:
+        return rule(kind, self.buffers)
+
+    def averaged(self, name: str, dtype: torch.dtype, shape: Sequence[int]) -> bool:
+        return self.rule(name, dtype, shape) == "average"
+
+    def out_dtype(self, name: str, source: torch.dtype, shape: Sequence[int]) -> torch.dtype:
+        """The output dtype of the tensor ``name`` stored as ``source`` in ``shape``."""
+        return kind_dtype(classify(name, source, shape), self.dtype, source)
+
+
+def kind_dtype(kind: Kind, dtype: str | torch.dtype | None, source: torch.dtype) -> torch.dtype:
+    """A weight's output dtype is ``dtype``; a router bias is fp32 whatever ``dtype`` (rounding it moves the
+    routing), a counter keeps its own."""
+    if kind is Kind.ROUTER_BIAS:
+        output_dtype(dtype, source)  # still reject an unknown dtype
+        return torch.float32
+    if kind is Kind.COUNTER:
+        return source
+    return output_dtype(dtype, source)
 
 
 def check_buffers(buffers: str) -> str:

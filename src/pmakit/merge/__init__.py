@@ -23,7 +23,9 @@ import contextlib
 import logging
 import os
 import shutil
+import sys
 import time
+import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,13 +38,12 @@ from pmakit.formats import Reader, is_float
 from pmakit.formats.safetensors_io import write_index
 from pmakit.guard import guard_output, output_lock
 from pmakit.layouts import native_format, open_weights, safetensors_format, writer
-from pmakit.layouts.kinds import DEFAULT_BUFFERS, Kind, check_buffers, classify, rule
-from pmakit.merge.incremental import INCREMENTAL_METHODS, Increment, plan_increment
+from pmakit.layouts.kinds import DEFAULT_BUFFERS, DTYPES, TensorPolicy, output_dtype
+from pmakit.merge._faults import Killer as _Killer
+from pmakit.merge.incremental import Increment, incremental_methods, plan_increment
 from pmakit.merge.output import (
     FP32_DIR,
-    KILL_ENV,
     PROGRESS_DIR,
-    Killer,
     Ledger,
     finish_output,
     manifest_record,
@@ -54,32 +55,23 @@ from pmakit.merge.output import (
     write_layout,
     write_pass,
 )
-from pmakit.merge.plan import (
-    CHUNK_ELEMS,
-    DTYPES,
-    N_BUFFERS,
-    MergePlan,
-    MergeResult,
-    output_dtype,
-    plan_merge,
-    window_dtypes,
-)
+from pmakit.merge.plan import MergePlan, MergeResult, plan_merge, window_dtypes
 from pmakit.merge.url import url_outputs
+from pmakit.remote import is_remote, origin
 from pmakit.snapshot import Snapshot
 from pmakit.world import RankLost, World
 
 __all__ = [
-    "CHUNK_ELEMS",
     "DTYPES",
     "FP32_DIR",
-    "INCREMENTAL_METHODS",
-    "KILL_ENV",
-    "N_BUFFERS",
     "PROGRESS_DIR",
     "Increment",
     "MergePlan",
     "MergeResult",
+    "TensorPolicy",
     "average_states",
+    "execute",
+    "incremental_methods",
     "merge",
     "output_dtype",
     "partial_dir",
@@ -135,10 +127,9 @@ def merge(
             (``latest``), in fp32 whatever ``dtype``; counters (tokens per expert) are always the newest's. See
             ``pmakit.layouts.kinds``.
     """
-    start = time.perf_counter()
-    out = Path(out)
-    world = world or World()
-    guard_output(out, [s.path for s in [*snapshots, *(window[0] if window else [])]], force)
+    start, world = time.perf_counter(), world or World()
+    inputs = [s.path for s in [*snapshots, *(window[0] if window else [])]]
+    guard_output(Path(out), inputs, force)  # before any header is read
     plan = plan_merge(
         snapshots,
         weights,
@@ -147,21 +138,94 @@ def merge(
         ranks=world.size,
         buffers=buffers,
     )
-    out_format = _output_format(plan, out_format)
+    run = _Run(force, resume, out_format, keep_fp32, progress, manifest_extra, threads, fsync)
+    return _execute(plan, Path(out), run, world, window, start)
+
+
+def execute(
+    plan: MergePlan,
+    out: str | os.PathLike[str],
+    *,
+    force: bool = False,
+    progress: Callable[[int], None] | None = None,
+    manifest_extra: dict[str, Any] | None = None,
+    threads: int = 1,
+    fsync: bool = True,
+    resume: bool = False,
+    out_format: str | None = "safetensors",
+    keep_fp32: bool = False,
+    world: World | None = None,
+    window: tuple[Sequence[Snapshot], Sequence[float]] | None = None,
+) -> MergeResult:
+    """Write the merge ``plan_merge`` planned into ``out``: ``merge`` without planning again (the options as for
+    ``merge``; the inputs, weights, dtype, shard size, ranks and router-bias rule are the plan's)."""
+    world = world or World()
+    if plan.ranks != world.size:
+        raise PmakitError(
+            f"the plan splits the output among {plan.ranks} rank(s); this merge runs on {world.size}"
+        )
+    guard_output(Path(out), [s.path for s in [*plan.snapshots, *(window[0] if window else [])]], force)
+    run = _Run(force, resume, out_format, keep_fp32, progress, manifest_extra, threads, fsync)
+    return _execute(plan, Path(out), run, world, window)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """How to run a planned merge (``merge``'s options beyond the plan)."""
+
+    force: bool
+    resume: bool
+    out_format: str | None
+    keep_fp32: bool
+    progress: Callable[[int], None] | None
+    manifest_extra: dict[str, Any] | None
+    threads: int
+    fsync: bool
+
+
+def _execute(
+    plan: MergePlan,
+    out: Path,
+    run: _Run,
+    world: World,
+    window: tuple[Sequence[Snapshot], Sequence[float]] | None,
+    start: float | None = None,
+) -> MergeResult:
+    """The merge's steps once planned and its output guarded: take the output, write, finish."""
+    start = start or time.perf_counter()
+    out_format = _output_format(plan, run.out_format)
+    _note_device(world, plan.snapshots)
     narrow = any(is_float(d) and d != torch.float32 for _, d in plan.tensors.values())
-    sums = _fp32_sums(snapshots, weights, max_shard_size, world, buffers) if keep_fp32 and narrow else None
+    fp32 = run.keep_fp32 and narrow
+    sums = (
+        _fp32_sums(plan.snapshots, plan.weights, plan.max_shard_size, world, plan.buffers) if fp32 else None
+    )
+    killer = _Killer()
     job = _Job(
-        plan, sums, out, partial_dir(out), world, out_format, fsync, progress, Killer(), max_shard_size
+        plan,
+        sums,
+        out,
+        partial_dir(out),
+        world,
+        out_format,
+        run.fsync,
+        run.progress,
+        killer,
+        plan.max_shard_size,
     )
     previous_threads = torch.get_num_threads()
     owned = False
     try:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(run.threads)
         with contextlib.ExitStack() as stack:
             readers = [stack.enter_context(open_weights(s.path)) for s in plan.snapshots]
-            run_stage(world, out, lambda: _take_output(job, readers, stack, force, resume), rank0=True)
+            run_stage(
+                world, out, lambda: _take_output(job, readers, stack, run.force, run.resume), rank0=True
+            )
             owned = True
-            manifest = _manifest_of(job, readers, dtype, manifest_extra or {}, narrow, window)
+            # A mapping of dtypes is the cast pass's own plan, not a user's choice.
+            asked = None if isinstance(plan.dtype, Mapping) else plan.dtype
+            manifest = _manifest_of(job, readers, asked, run.manifest_extra or {}, narrow, window)
             result = _write_and_finish(job, readers, stack, manifest)
     except BaseException as e:
         if owned and world.rank == 0:
@@ -170,6 +234,25 @@ def merge(
     finally:
         torch.set_num_threads(previous_threads)
     return MergeResult(out, plan, time.perf_counter() - start, result or {})
+
+
+def device_note(device: str, snapshots: Sequence[Snapshot]) -> str | None:
+    """What ``--device cuda`` does not buy where every input is read from disk (not an object store), or None.
+
+    The user's choice stands; this only says what was measured (docs/gpu.md)."""
+    if device != "cuda" or any(is_remote(origin(s.path)) for s in snapshots):
+        return None
+    return (
+        "--device cuda: on an H200 node (16 cores) the CPU fold measured as fast or faster (8 x 1.6 GB bf16 "
+        "from disk: 6.6 s on the CPU, 7.4 s on the GPU): such a merge is bound by reading, writing and "
+        "checksumming, not by the fp32 sums; folding on the GPU as asked (see docs/gpu.md)"
+    )
+
+
+def _note_device(world: World, snapshots: Sequence[Snapshot]) -> None:
+    note = device_note(world.device, snapshots)
+    if world.rank == 0 and note is not None:
+        log.info("%s", note)
 
 
 def _fp32_sums(
@@ -264,7 +347,7 @@ class _Job:
     out_format: str
     fsync: bool
     progress: Callable[[int], None] | None
-    killer: Killer
+    killer: _Killer
     max_shard_size: int
 
 
@@ -367,7 +450,7 @@ def average_states(
             as ``merge`` writes it by default), or bf16 / fp16 as ``merge``'s ``dtype``.
         buffers: as for ``merge``.
     """
-    check_buffers(buffers)
+    policy = TensorPolicy(buffers, dtype)
     sums: dict[str, torch.Tensor] = {}
     newest: dict[str, torch.Tensor] = {}
     kinds: dict[str, str] = {}
@@ -380,7 +463,7 @@ def average_states(
             raise PmakitError(
                 f"the states to average differ in their tensors: {sorted(state.keys() ^ newest.keys())}"
             )
-        kinds = {k: rule(classify(k, t.dtype, t.shape), buffers) for k, t in state.items()}
+        kinds = {k: policy.rule(k, t.dtype, t.shape) for k, t in state.items()}
         # Of the newest state only the tensors taken as they are are kept (of the others, shape and dtype).
         newest = {k: t if kinds[k] == "latest" else t.to("meta") for k, t in state.items()}
         if weight != 0:  # as the engine: a zero weight adds nothing (not even a -0.0)
@@ -390,12 +473,11 @@ def average_states(
         raise ValueError(f"more states than the {len(weights)} weights")
     out: dict[str, torch.Tensor] = {}
     for name, ref in newest.items():
-        kind = classify(name, ref.dtype, ref.shape)
+        target = policy.out_dtype(name, ref.dtype, ref.shape)  # router biases in fp32, counters as they are
         if kinds[name] == "latest":
-            out[name] = ref.float() if kind is Kind.ROUTER_BIAS else ref
+            out[name] = ref.to(target)
             continue
         total = sums[name] if name in sums else torch.zeros(ref.shape, dtype=torch.float32)
-        target = torch.float32 if kind is Kind.ROUTER_BIAS else output_dtype(dtype, ref.dtype)
         out[name] = total if target == torch.float32 else total.to(target)
     return out
 
@@ -411,3 +493,15 @@ def _fold_state(
             sums[name].add_(t.float(), alpha=weight)
         else:
             sums[name] = torch.mul(t.float(), weight)
+
+
+class _CallableModule(types.ModuleType):
+    """``pmakit.merge`` is both this package and the function the README shows (``pmakit.merge(snaps, w, out)``):
+    once anything imports the package, Python binds the name ``merge`` on ``pmakit`` to the module, hiding the lazy
+    function. Calling the module calls the function, so ``pmakit.merge(...)`` works whatever was imported first."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> MergeResult:
+        return merge(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -17,7 +17,8 @@ import torch
 
 from pmakit import limits
 from pmakit.errors import PmakitError
-from pmakit.merge.plan import CHUNK_ELEMS, DTYPES
+from pmakit.layouts.kinds import DTYPES
+from pmakit.merge.plan import CHUNK_ELEMS
 from pmakit.merge.resources import (
     SCRATCH_BYTES,
     FoldSizing,
@@ -108,7 +109,7 @@ class Bandwidth:
     """Input bytes per second one rank converts to fp32 and adds (bf16 input), all its fold workers together."""
     source: str = "measured"
     checksum: float = 0.0
-    """Output bytes per second one rank's writer thread checksums (sha256; 0: not measured, not counted)."""
+    """Output bytes per second one rank's hasher thread checksums (sha256; 0: not measured, not counted)."""
     workers: int = 1
     """Fold workers ``accumulate`` was measured with (given rates: the plan's)."""
 
@@ -176,7 +177,7 @@ def _accumulate_rate(workers: int, elems: int = 2 * 2**20, inputs: int = 4, pass
 
 
 def _checksum_rate(sample_bytes: int = 64 * 2**20) -> float:
-    """Bytes a second one thread checksums (the writer thread's sha256 of the output)."""
+    """Bytes a second one thread checksums (the hasher thread's sha256 of the output)."""
     import hashlib
 
     block = bytes(sample_bytes)
@@ -211,7 +212,7 @@ def plan_scale(
     """Bytes, memory and time of merging ``snapshots`` inputs of this layout on ``ranks`` ranks over ``nodes``.
 
     Time per rank is the largest of its I/O (reads + writes through its node's disk, shared by the node's ranks),
-    its fold (its workers together) and its writer thread's checksum; the merge takes as long as its slowest rank.
+    its fold (its workers together) and its hasher thread's checksum; the merge takes as long as its slowest rank.
     Each rank's fold is sized for its share of a ``node`` like this one (default: this process's). ``unit_bytes``
     is memory each input holds beyond the merge's chunks (DCP inputs: one saved chunk, see formats/dcp_io.py).
     Memory counts pmakit's own buffers; the Python process with torch imported adds its own baseline (about 150 MB
@@ -286,11 +287,11 @@ def _rank_fold(node: Node, per_node: int, chunk_elems: int, widest_out: int, sna
 
 
 def _rank_seconds(read: int, write: int, folded: int, bw: Bandwidth, per_node: int) -> dict[str, float]:
-    """A rank's time by what bounds it: its node's disk (shared), its fold, its writer thread's checksum."""
+    """A rank's time by what bounds it: its node's disk (shared), its fold, its hasher thread's checksum."""
     return {
         "the disk": (read / bw.read + write / bw.write) * per_node,
         "the fold": folded / bw.accumulate,
-        "the writer thread's sha256": write / bw.checksum if bw.checksum else 0.0,
+        "the output's sha256 (one thread)": write / bw.checksum if bw.checksum else 0.0,
     }
 
 
@@ -474,7 +475,7 @@ def _fold_lines(report: Mapping[str, Any]) -> list[str]:
     more = report.get("more_ranks")
     if more:
         check = (
-            f", its one writer thread checksums {format_bytes(bw['checksum'])}/s" if bw["checksum"] else ""
+            f", its one hasher thread checksums {format_bytes(bw['checksum'])}/s" if bw["checksum"] else ""
         )
         lines.append(
             f"one process cannot keep this disk busy (its fold runs {format_bytes(bw['accumulate'])}/s{check}; the "

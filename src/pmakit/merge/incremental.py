@@ -16,14 +16,18 @@ from pmakit import limits
 from pmakit.errors import PmakitError
 from pmakit.formats import is_float
 from pmakit.layouts import open_weights
-from pmakit.layouts.kinds import DEFAULT_BUFFERS
+from pmakit.layouts.kinds import DEFAULT_BUFFERS, Kind, TensorPolicy
 from pmakit.merge.output import FP32_DIR, sha256_file
 from pmakit.snapshot import MERGE_MANIFEST, Snapshot
+from pmakit.weights import WEIGHTINGS, uses_alpha
 
 log = logging.getLogger(__name__)
 
-INCREMENTAL_METHODS = ("sma", "ema", "ema-normalized")
-"""Weightings whose weights, when the window moves, keep their ratios on the snapshots that stay."""
+
+def incremental_methods() -> tuple[str, ...]:
+    """Weightings whose weights, when the window moves, keep their ratios on the snapshots that stay
+    (``Weighting.incremental``)."""
+    return tuple(w.name for w in WEIGHTINGS.values() if w.incremental)
 
 
 @dataclass(frozen=True)
@@ -128,7 +132,7 @@ def plan_increment(
 def _check_buffers(previous: Path, manifest: dict[str, Any], buffers: str) -> None:
     """An update is a weighted sum of terms: right for averaged router biases, not for the newest snapshot's, and
     only on top of a merge that averaged them too."""
-    if buffers != "average":
+    if TensorPolicy(buffers).rule_of(Kind.ROUTER_BIAS) != "average":
         raise PmakitError(
             f"--from-previous sums terms, so it cannot take router biases from the newest snapshot (--buffers "
             f"{buffers}); run a full merge"
@@ -148,16 +152,16 @@ def _read_previous(
         prior = {str(Path(i["path"])): (float(i["weight"]), i) for i in manifest["inputs"]}
     except (PmakitError, KeyError, TypeError, ValueError) as e:
         raise PmakitError(f"{previous}: not a pmakit merge with a readable {MERGE_MANIFEST} ({e})") from None
-    if method not in INCREMENTAL_METHODS:
+    if method not in incremental_methods():
         raise PmakitError(
-            f"--from-previous updates {', '.join(INCREMENTAL_METHODS)} merges: with {method} the weight of "
+            f"--from-previous updates {', '.join(incremental_methods())} merges: with {method} the weight of "
             "every snapshot changes when the window moves, so run a full merge"
         )
     if manifest.get("method") != method:
         raise PmakitError(
             f"{previous} is a {manifest.get('method')} merge; --from-previous cannot turn it into {method}"
         )
-    if method.startswith("ema") and manifest.get("alpha") != alpha:
+    if uses_alpha(method) and manifest.get("alpha") != alpha:
         raise PmakitError(f"{previous} used --alpha {manifest.get('alpha')}, not {alpha}; run a full merge")
     return manifest, prior
 

@@ -9,10 +9,7 @@ import datetime
 import hashlib
 import json
 import logging
-import os
 import shutil
-import signal
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -27,6 +24,7 @@ from pmakit.formats import Reader
 from pmakit.formats.safetensors_io import write_index
 from pmakit.layouts import layout_of, open_weights, writer
 from pmakit.layouts.kinds import listing
+from pmakit.merge._faults import Killer
 from pmakit.merge.plan import MergePlan
 from pmakit.merge.stream import stream_average
 from pmakit.remote import origin
@@ -128,9 +126,6 @@ FP32_DIR = "pmakit-fp32"
 """Inside a merge made with ``keep_fp32``: the fp32 sums (HF layout) that an incremental update starts from."""
 PROGRESS_DIR = ".pmakit-progress"
 """Inside the partial directory: the plan's fingerprint and one checksum record per finished shard."""
-KILL_ENV = "PMAKIT_TEST_KILL"
-"""Test hook: ``after-shard:K``, ``in-shard:K`` or ``before-rename`` makes the process SIGKILL itself there
-(``PMAKIT_TEST_KILL_SIGNAL=TERM``: SIGTERM, what torchrun sends the other ranks when one dies)."""
 
 
 class Ledger:
@@ -182,20 +177,6 @@ class Ledger:
             return True
         log.warning("%s was recorded as finished but does not match its checksum; writing it again", path)
         return False
-
-
-class Killer:
-    """The ``PMAKIT_TEST_KILL`` hook: dies like a kill -9 at a chosen point, so that tests can resume from it."""
-
-    def __init__(self) -> None:
-        point, _, k = os.environ.get(KILL_ENV, "").partition(":")
-        self.point, self.k, self.shards = point, int(k or 0), 0
-        self.signal = getattr(signal, "SIG" + os.environ.get(KILL_ENV + "_SIGNAL", "KILL"))
-
-    def at(self, point: str) -> None:
-        if point == self.point and (point == "before-rename" or self.shards == self.k):
-            os.kill(os.getpid(), self.signal)
-            time.sleep(5)  # the signal's handler (SIGTERM) runs in the main thread, not necessarily this one
 
 
 def write_pass(

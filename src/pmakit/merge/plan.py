@@ -16,7 +16,13 @@ from pmakit.errors import PmakitError
 from pmakit.formats import Reader, TensorInfo, is_float
 from pmakit.formats.safetensors_io import OutputTensor, Shard, plan_shards
 from pmakit.layouts import open_weights
-from pmakit.layouts.kinds import DEFAULT_BUFFERS, Kind, check_buffers, classify, is_expert_tensor, rule
+from pmakit.layouts.kinds import (
+    DEFAULT_BUFFERS,
+    Kind,
+    TensorPolicy,
+    classify,
+    is_expert_tensor,
+)
 from pmakit.merge.resources import (
     PREFETCH_AHEAD,
     SCRATCH_BYTES,
@@ -29,14 +35,6 @@ from pmakit.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
 
-DTYPES = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-}
 CHUNK_ELEMS = 8 * 2**20
 """Elements per chunk: 16 MiB of bf16 input, 32 MiB of fp32 accumulator."""
 N_BUFFERS = 4
@@ -63,6 +61,12 @@ class MergePlan:
     """name -> what kind of state the tensor is (``pmakit.layouts.kinds``); absent: a weight."""
     buffers: str = DEFAULT_BUFFERS
     """The rule for router biases: ``average`` or ``latest``."""
+    dtype: str | torch.dtype | Mapping[str, torch.dtype] | None = "same"
+    """The output dtype asked for (each tensor's own is in ``tensors``), as the manifest records it."""
+    max_shard_size: int = 5 * 10**9
+    """Bytes per output shard the shards were laid out with."""
+    ranks: int = 1
+    """The ranks the shards were split among (``owners``)."""
     fold: FoldSizing = _TWO_CORES
     """Fold workers, output buffers and read-ahead, sized from the cores and memory this process may use."""
     precisions: tuple[str, ...] = ()
@@ -83,12 +87,17 @@ class MergePlan:
     def owner(self, shard: int) -> int:
         return self.owners[shard] if self.owners else 0
 
+    @property
+    def policy(self) -> TensorPolicy:
+        """The tensor policy the plan applies (its output dtypes are already decided, per tensor, in ``tensors``)."""
+        return TensorPolicy(self.buffers)
+
     def kind(self, name: str) -> Kind:
         return self.kinds.get(name, Kind.WEIGHT)
 
     def rule(self, name: str) -> str:
         """``average`` (weighted fp32 sum of the inputs) or ``latest`` (the newest input's)."""
-        return rule(self.kind(name), self.buffers)
+        return self.policy.rule_of(self.kind(name))
 
     def sources(self, name: str) -> tuple[tuple[int, ...], tuple[float, ...]]:
         """The inputs ``name`` is read from and their weights: every input with a non-zero weight, or the newest."""
@@ -132,17 +141,6 @@ class MergePlan:
         """Bytes of work memory the merge allocates (output buffers, the workers' scratch), whatever N and model
         size."""
         return self.buffer_bytes * self.fold.buffers + SCRATCH_BYTES * self.fold.workers
-
-
-def output_dtype(dtype: str | torch.dtype | None, source: torch.dtype) -> torch.dtype:
-    """The dtype a tensor is written in: ``same`` keeps the input's; non-float tensors always keep theirs."""
-    if not is_float(source) or dtype in (None, "same"):
-        return source
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise PmakitError(f"unknown --dtype {dtype!r}; use same, bf16, fp16 or fp32")
-    return DTYPES[dtype]
 
 
 def precision_reason(snapshots: Sequence[Snapshot], precisions: Sequence[str], out: Sequence[str]) -> str:
@@ -319,7 +317,7 @@ def plan_merge(
         buffers: routers' load-balancing biases averaged (``average``) or the newest input's (``latest``); in
             fp32 either way. Counters are always the newest input's (see ``pmakit.layouts.kinds``).
     """
-    check_buffers(buffers)
+    policy = TensorPolicy(buffers, None if isinstance(dtype, Mapping) else dtype)
     if len(snapshots) != len(weights):
         raise PmakitError(f"{len(weights)} weights for {len(snapshots)} snapshots")
     if not snapshots:
@@ -333,11 +331,13 @@ def plan_merge(
                 f"{snapshots[-1].path}: no model weights ({len(newest.skipped)} entries, none a model tensor)"
             )
         order = sorted(newest.tensors, key=lambda k: newest.tensors[k].order)
-        kinds = {k: classify(k, newest.tensors[k].dtype, newest.tensors[k].shape) for k in order}
+        kinds = {k: policy.kind(k, newest.tensors[k].dtype, newest.tensors[k].shape) for k in order}
         tensors = {
             k: (
                 newest.tensors[k],
-                dtype[k] if isinstance(dtype, Mapping) else _kind_dtype(kinds[k], dtype, _widest(readers, k)),
+                dtype[k]
+                if isinstance(dtype, Mapping)
+                else policy.out_dtype(k, _widest(readers, k), newest.tensors[k].shape),
             )
             for k in order
         }
@@ -354,6 +354,9 @@ def plan_merge(
         owners,
         state,
         buffers,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        ranks=ranks,
         precisions=_precisions(readers),
     )
     return replace(plan, fold=fold_sizing(plan))
@@ -377,17 +380,6 @@ def fold_sizing(plan: MergePlan) -> FoldSizing:
     chunk_read = plan.chunk_elems * inputs * max(i.dtype.itemsize for i, _ in plan.tensors.values())
     sizing = size_fold(node.cores, node.memory, plan.buffer_bytes, chunk_read, workers_override())
     return replace(sizing, why=f"{sizing.why}; {node.describe()}")
-
-
-def _kind_dtype(kind: Kind, dtype: str | torch.dtype | None, source: torch.dtype) -> torch.dtype:
-    """A weight's output dtype is ``dtype``; a router bias is fp32 whatever ``dtype`` (rounding it moves the
-    routing), a counter keeps its own."""
-    if kind is Kind.ROUTER_BIAS:
-        output_dtype(dtype, source)  # still reject an unknown dtype
-        return torch.float32
-    if kind is Kind.COUNTER:
-        return source
-    return output_dtype(dtype, source)
 
 
 def _plan_rank_shards(

@@ -13,11 +13,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pmakit.report.load import Row, RunData
+from pmakit.weights import WEIGHTINGS, uses_alpha
 
 NOISE_Z = 2.0
 """A gain within this many standard errors of zero is called noise in the report's sentences."""
-
-WEIGHTING_ORDER = ("sma", "wma", "ema", "ema-normalized", "wsm-linear", "wsm-cosine", "wsm-1sqrt")
 
 
 @dataclass(frozen=True)
@@ -359,7 +358,7 @@ def split_note(rows: Iterable[Row | None]) -> str:
 
 def weighting_key(row: Row) -> str:
     """'sma', 'wma', 'ema@0.1', 'wsm-1sqrt', ...: EMA weightings differ by alpha."""
-    if row.method.startswith("ema") and row.alpha is not None:
+    if uses_alpha(row.method) and row.alpha is not None:
         return f"{row.method}@{row.alpha:g}"
     return row.method
 
@@ -367,18 +366,16 @@ def weighting_key(row: Row) -> str:
 def weighting_label(key: str) -> str:
     """'ema@0.1' -> 'EMA α=0.1', 'wsm-1sqrt' -> 'WSM 1-sqrt'."""
     method, _, alpha = key.partition("@")
-    names = {"ema": "EMA", "ema-normalized": "EMA-norm", "sma": "SMA", "wma": "WMA"}
-    if method.startswith("wsm-"):
-        name = "WSM " + method[4:].replace("1sqrt", "1-sqrt")
-    else:
-        name = names.get(method, method.upper() or "?")
+    known = WEIGHTINGS.get(method)
+    name = known.label if known is not None else method.upper() or "?"
     return f"{name} α={alpha}" if alpha else name
 
 
 def weighting_sort_key(key: str) -> tuple[int, str]:
+    """Weightings in the registry's order (unknown ones last), EMA factors in order within one."""
     method, _, alpha = key.partition("@")
-    rank = WEIGHTING_ORDER.index(method) if method in WEIGHTING_ORDER else len(WEIGHTING_ORDER)
-    return rank, alpha
+    order = list(WEIGHTINGS)
+    return (order.index(method) if method in order else len(order)), alpha
 
 
 def base_interval(data: RunData) -> int | None:

@@ -33,6 +33,7 @@ from pmakit.report.analysis import (
 )
 from pmakit.report.blocks import Block, Bullets, FigureBlock, Heading, Paragraph, Table
 from pmakit.report.load import Row, RunData
+from pmakit.weights import uses_alpha
 
 
 @dataclass
@@ -490,7 +491,7 @@ def _finding_4_verdict(forks: Sequence[ForkSummary], v: int | None) -> str | Non
     head = "the paper's finding 4 (early in training, WMA and EMA with the larger α are best) at its earliest fork"
     if key == "wma":
         return f"This run agrees with {head}: the best weighting there is WMA."
-    if not key.startswith("ema") or best.alpha is None:
+    if not uses_alpha(best.method) or best.alpha is None:
         return (
             f"This run does not agree with {head}: the best weighting there is {weighting_label(key)}, which "
             "does not weight recent snapshots more."

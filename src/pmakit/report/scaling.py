@@ -18,8 +18,8 @@ from typing import Any
 from pmakit.errors import PmakitError
 from pmakit.report import fmt
 from pmakit.report.blocks import Block, Bullets, FigureBlock, Heading, Paragraph, Table
+from pmakit.report.scaling_fit import KINDS, PARAMS, Floor, Point, StudyFit, fit_study, read_points, to_json
 from pmakit.runs import RESULTS, atomic_write_text, read_jsonl
-from pmakit.scaling_fit import KINDS, PARAMS, Floor, Point, StudyFit, fit_study, read_points, to_json
 
 STUDY = "scaling"
 FIT_JSON = "scaling_fit.json"

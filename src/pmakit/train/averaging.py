@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from pmakit.errors import PmakitError
+from pmakit.layouts.kinds import DEFAULT_BUFFERS
 from pmakit.metrics import MetricsLog
 from pmakit.online import OnlineAverager
 from pmakit.runs import in_run, run_relative
@@ -59,6 +60,8 @@ class Averaging:
             thread (``SnapshotSaver``'s ``upload_to``); the callbacks pass it through.
         downstream: lm-eval tasks the merge is also scored on when it is evaluated (``pmakit.eval.harness.
             LoopTasks``: tasks, limit, every); the scores land in the merged record and ``last_downstream``.
+        buffers: MoE routers' load-balancing biases averaged (``average``) or the newest snapshot's (``latest``) in
+            the online average, as ``pmakit merge --buffers`` does offline.
     """
 
     def __init__(
@@ -77,6 +80,7 @@ class Averaging:
         metrics: MetricsLog | None = None,
         upload_to: str | None = None,
         downstream: Any = None,
+        buffers: str = DEFAULT_BUFFERS,
     ) -> None:
         self.downstream = downstream
         self.last_downstream: dict[str, float] = {}
@@ -95,7 +99,7 @@ class Averaging:
         self.background = background
         self.dtype = dtype
         self.upload_to = upload_to
-        self.averager = OnlineAverager(last, method, alpha, hold_in_memory=hold_in_memory)
+        self.averager = OnlineAverager(last, method, alpha, hold_in_memory=hold_in_memory, buffers=buffers)
         self.saver: SnapshotSaver | None = None
         self.evaluations = 0
         """Evaluations counted by ``evaluation_due``."""

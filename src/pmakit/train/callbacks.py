@@ -1,6 +1,6 @@
 """Hooks into ``pmakit train``'s loop: every method optional (empty by default), as OLMo-core's callbacks.
 
-A leaf of the trainer: spike recovery (``pmakit.recover``) and the studies subclass ``Callback`` without importing
+A leaf of the trainer: spike recovery (``pmakit.train.spike_recovery``) and the studies subclass ``Callback`` without importing
 the loop itself.
 """
 
