@@ -56,6 +56,19 @@ def select_for_merge(
     The other arguments are ``select_snapshots``'s and ``gather``'s.
     """
     snapshots, from_run = gather(paths, tokens_per_step, exclude)
+    return select_window(snapshots, from_run, last=last, every=every, until=until)
+
+
+def select_window(
+    snapshots: Sequence[Snapshot],
+    from_run: bool,
+    *,
+    last: int | None = None,
+    every: int | None = None,
+    until: int | None = None,
+) -> list[Snapshot]:
+    """``select_snapshots`` with the default window (``default_last``) where ``last`` and ``every`` are None and
+    the snapshots came from a run directory (``from_run``); snapshots named one by one are all used."""
     if last is None and from_run and every is None:
         last = default_last([s for s in snapshots if until is None or s.tokens <= until])
     return select_snapshots(snapshots, last=last, every=every, until=until)
