@@ -129,3 +129,35 @@ def test_merge_says_why_it_takes_the_runs_recorded_window_not_10(tmp_path: Path)
     assert len(json.loads((tmp_path / "m" / "pmakit-merge.json").read_text())["inputs"]) == 8
     helped = run_cli("merge", "--help")
     assert "the window its own online merge used" in " ".join(helped.stdout.split())
+
+
+def test_the_default_window_is_a_library_function_the_cli_and_its_help_share(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from click.testing import CliRunner
+
+    import pmakit
+    from conftest import state, write_snapshot
+    from pmakit.cli import cli
+    from pmakit.selection import DEFAULT_WINDOW_RULE
+    from pmakit.snapshot import write_metadata
+
+    run = tmp_path / "run"
+    for k in range(1, 13):  # 12 snapshots, the run's online merge recorded a window of 8
+        snap = write_snapshot(run / "snapshots" / f"step-{k}", state(k), step=k, tokens=100 * k)
+        write_metadata(snap, step=k, tokens=100 * k, window=8)
+    with caplog.at_level("INFO", logger="pmakit"):
+        chosen = pmakit.select_for_merge([run])
+    assert toks(chosen) == list(range(500, 1201, 100))  # the recorded 8: [500, 1200]
+    assert "merging the last 8 snapshots" in caplog.text
+    assert toks(pmakit.select_for_merge([run], until=900)) == list(range(200, 901, 100))  # 8 ending at 900
+    assert len(pmakit.select_for_merge([run], every=200)) == 6  # --every without --last: every one that fits
+    named = [run / "snapshots" / f"step-{k}" for k in (1, 5, 12)]
+    assert toks(pmakit.select_for_merge(named)) == [100, 500, 1200]  # named one by one: all of them
+    r = CliRunner().invoke(cli, ["merge", str(run), "-o", str(tmp_path / "m"), "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout.count(" tokens  ") == 8 and "1.2K tokens" in r.stdout and " 400 tokens" not in r.stdout
+    helped = " ".join(CliRunner().invoke(cli, ["merge", "--help"]).stdout.split())
+    assert (
+        helped.count(DEFAULT_WINDOW_RULE) == 2
+    )  # the command's summary and --last: one rule, stated once each

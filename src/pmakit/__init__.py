@@ -25,6 +25,7 @@ _EXPORTS = {
     "write_metadata": "pmakit.snapshot",
     "inspect_inputs": "pmakit.survey",
     "select_snapshots": "pmakit.selection",
+    "select_for_merge": "pmakit.selection",
     # weightings and the tensor policy
     "WEIGHTINGS": "pmakit.weights",
     "Weighting": "pmakit.weights",

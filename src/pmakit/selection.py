@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
+import os
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from pmakit.errors import PmakitError
-from pmakit.snapshot import Snapshot
+from pmakit.snapshot import Snapshot, gather
 from pmakit.units import format_tokens
 
 log = logging.getLogger(__name__)
@@ -15,6 +16,12 @@ log = logging.getLogger(__name__)
 
 DEFAULT_LAST = 10
 """The paper's default N, for runs that recorded none."""
+
+DEFAULT_WINDOW_RULE = (
+    f"the last {DEFAULT_LAST}, or the window its own online merge used (pmakit train records it) with an info: "
+    "line; all of them, with an info: line, when fewer exist"
+)
+"""The default window of a merge of a run directory, as ``--help`` states it (``default_last`` applies it)."""
 
 
 def default_last(snapshots: Sequence[Snapshot]) -> int:
@@ -31,6 +38,40 @@ def default_last(snapshots: Sequence[Snapshot]) -> int:
     if from_run and n != DEFAULT_LAST:
         log.info("merging the last %d snapshots: %s (pass --last to choose)", n, why)
     return n
+
+
+def select_for_merge(
+    paths: Iterable[str | os.PathLike[str]],
+    *,
+    last: int | None = None,
+    every: int | None = None,
+    until: int | None = None,
+    tokens_per_step: int | None = None,
+    exclude: Iterable[str | os.PathLike[str]] = (),
+) -> list[Snapshot]:
+    """The snapshots ``pmakit merge PATHS`` merges, oldest first.
+
+    Each path is a snapshot or a run directory. Snapshots named one by one are all used; with a run directory
+    and neither ``last`` nor ``every``, the window is the default one (``DEFAULT_WINDOW_RULE``, ``default_last``).
+    The other arguments are ``select_snapshots``'s and ``gather``'s.
+    """
+    snapshots, from_run = gather(paths, tokens_per_step, exclude)
+    return select_window(snapshots, from_run, last=last, every=every, until=until)
+
+
+def select_window(
+    snapshots: Sequence[Snapshot],
+    from_run: bool,
+    *,
+    last: int | None = None,
+    every: int | None = None,
+    until: int | None = None,
+) -> list[Snapshot]:
+    """``select_snapshots`` with the default window (``default_last``) where ``last`` and ``every`` are None and
+    the snapshots came from a run directory (``from_run``); snapshots named one by one are all used."""
+    if last is None and from_run and every is None:
+        last = default_last([s for s in snapshots if until is None or s.tokens <= until])
+    return select_snapshots(snapshots, last=last, every=every, until=until)
 
 
 def select_snapshots(

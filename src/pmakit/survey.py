@@ -79,7 +79,7 @@ def inspect_inputs(
 ) -> dict[str, Any]:
     """A JSON-able report: snapshots (complete or not), compatibility, and the default merge's needs."""
     from pmakit.merge import plan_merge
-    from pmakit.selection import default_last, select_snapshots
+    from pmakit.selection import select_window
 
     skip = {Path(p).resolve() for p in exclude}
     rows, from_run = _rows([Path(p) for p in inputs], tokens_per_step)
@@ -129,10 +129,8 @@ def inspect_inputs(
     report["state"] = listing(every_plan.kinds, every_plan.buffers)
     if every_plan.precisions:
         report["precision"] = every_plan.precision()
-    if last is None and from_run and every is None:
-        last = default_last([s for s in complete if until is None or s.tokens <= until])
     try:
-        chosen = select_snapshots(complete, last=last, every=every, until=until)
+        chosen = select_window(complete, from_run, last=last, every=every, until=until)
     except PmakitError as e:
         report["merge"] = {"error": str(e)}
         return report
