@@ -117,3 +117,25 @@ def test_progress_off_a_terminal_is_a_line_per_interval(
     monkeypatch.undo()
     loop._Progress(0, 1000, enabled=True, label="run").update(250, 5.5)
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(
+    ("argv", "pinned"),
+    [(["pmakit", "experiment"], True), (["pmakit", "train", "-o", "x"], True), (["pmakit", "merge"], False)],
+)
+def test_training_commands_pin_the_cpu_kernels_unless_the_user_chose(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], pinned: bool
+) -> None:
+    from pmakit import _env
+
+    monkeypatch.setattr("sys.argv", argv)
+    monkeypatch.setattr("platform.machine", lambda: "x86_64")
+    for name in ("ATEN_CPU_CAPABILITY", "MKL_CBWR"):
+        monkeypatch.delenv(name, raising=False)
+    _env.portable_math()
+    assert (os.environ.get("ATEN_CPU_CAPABILITY"), os.environ.get("MKL_CBWR")) == (
+        ("avx2", "AVX2") if pinned else (None, None)
+    )
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx512")  # the user's choice stands
+    _env.portable_math()
+    assert os.environ["ATEN_CPU_CAPABILITY"] == "avx512"
