@@ -71,7 +71,10 @@ PATTERNS: dict[str, tuple[tuple[str, Kind], ...]] = {
 _COMPILED = [(re.compile(p), kind) for patterns in PATTERNS.values() for p, kind in patterns]
 
 MAX_DIMS = {Kind.ROUTER_BIAS: (1, 1), Kind.COUNTER: (0, 1)}
-"""The dimensions (least, most) a float tensor named like router state must have to be taken for it."""
+"""The dimensions (least, most) a float tensor named like router state must have to be taken for it; one more
+where the layers are stacked on a leading dimension (Megatron's ``decoder.layers.mlp.router.expert_bias``: no layer
+index in the name, one row per layer)."""
+_STACKED = re.compile(r"(^|\.)layers\.(?!\d)")
 
 log = logging.getLogger(__name__)
 _warned: set[str] = set()
@@ -85,7 +88,7 @@ def classify(name: str, dtype: torch.dtype, shape: Sequence[int]) -> Kind:
     for pattern, kind in _COMPILED:
         if pattern.search(name):
             least, most = MAX_DIMS[kind]
-            if least <= len(shape) <= most:
+            if least <= len(shape) <= most + bool(_STACKED.search(name)):
                 return kind
             if name not in _warned:
                 _warned.add(name)
