@@ -197,7 +197,8 @@ def test_every_figure_plots_the_numbers_its_table_prints(
         anneal = [h for _, h, c in group if tuple(c[:3]) == pytest.approx(anneal_color)]
         assert anneal == [pytest.approx(table[name]["anneal_delta"], abs=6e-5)]
         merges = [h for _, h, c in group if tuple(c[:3]) != pytest.approx(anneal_color)]
-        assert min(merges) == pytest.approx(table[name]["merge_delta"], abs=6e-5)
+        # the table's best grid merge is one of the bars (the tuner's pick, also drawn, may be lower still)
+        assert any(h == pytest.approx(table[name]["merge_delta"], abs=6e-5) for h in merges), merges
 
 
 def test_downstream_table_scores_the_headline_models_on_test_items(smoke: tuple[Path, str]) -> None:
