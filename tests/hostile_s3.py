@@ -52,7 +52,7 @@ def declared(size: int, head: bytes = b"") -> Obj:
 class HostileS3:
     """The server; ``env`` is what a client needs to reach it (fake credentials, ``AWS_ENDPOINT_URL``)."""
 
-    def __init__(self, bucket: str, objects: dict[str, Obj], lifetime: float = 300) -> None:
+    def __init__(self, bucket: str, objects: dict[str, Obj], lifetime: float = 1800) -> None:
         self.bucket = bucket
         self.objects = objects
         self.page_size = 1000
