@@ -422,7 +422,9 @@ def test_a_run_resumes_after_it_is_moved_and_named_from_elsewhere(
         elsewhere / "moved" / "snapshots" / f"step-{3 * k:08d}" for k in (2, 3, 4)
     ]
 
-    resumed = run_cli("train", "-o", "moved", cwd=elsewhere)  # the config saved in the run
+    # the straight run trained in this process, on the CPU's own kernels: the CLI's AVX2 pin off, for equal bits
+    kernels = {"ATEN_CPU_CAPABILITY": torch.backends.cpu.get_cpu_capability().lower(), "MKL_CBWR": "AUTO"}
+    resumed = run_cli("train", "-o", "moved", cwd=elsewhere, env=kernels)  # the config saved in the run
     assert resumed.returncode == 0 and "Traceback" not in resumed.stderr, resumed.stderr[-3000:]
     assert "trained 3,072 tokens" in resumed.stdout
     moved = elsewhere / "moved"

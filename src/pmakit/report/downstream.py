@@ -110,7 +110,8 @@ def blocks(run_dir: Path) -> list[Block]:
                     [
                         "model",
                         "score ± s.e.",
-                        "Δ vs latest ± paired s.e. [95% CI]",
+                        "Δ vs latest ± paired s.e.",
+                        "95% interval",
                         "Δ vs anneal ± paired s.e.",
                     ],
                     [
