@@ -246,6 +246,8 @@ def test_streaming_merge_averages_implausible_router_state_as_weights(tmp_path: 
 def test_stacked_layers_router_state_keeps_its_kind() -> None:
     """Megatron stacks its layers on a leading dimension: a 2-D expert_bias without a layer index is router state."""
     assert classify("decoder.layers.mlp.router.expert_bias", torch.float32, (2, E)) is Kind.ROUTER_BIAS
-    assert classify("decoder.layers.mlp.router.local_tokens_per_expert", torch.float32, (2, E)) is Kind.COUNTER
+    assert (
+        classify("decoder.layers.mlp.router.local_tokens_per_expert", torch.float32, (2, E)) is Kind.COUNTER
+    )
     assert classify("decoder.layers.mlp.router.expert_bias", torch.float32, (2, E, H)) is Kind.WEIGHT
     assert classify("decoder.layers.3.mlp.router.expert_bias", torch.float32, (2, E)) is Kind.WEIGHT

@@ -191,7 +191,9 @@ def test_a_response_trickling_a_byte_a_second_is_given_up(tmp_path: Path, hostil
     server = hostile(snapshot_objects(tmp_path, "r", n=1))
     server.trickle = True
     env = {**server.env(), "PMAKIT_GET_SECONDS": "3", "AWS_MAX_ATTEMPTS": "2"}
-    ran = run_measured("inspect", "s3://b/r", env=env, timeout=900)  # a hang guard only: given up, not timed here
+    ran = run_measured(
+        "inspect", "s3://b/r", env=env, timeout=900
+    )  # a hang guard only: given up, not timed here
     line = one_error(ran)
     assert "s3://b/r/step-1/" in line and "failed 2 times" in line and "within 3 s" in line, line
 
