@@ -13,7 +13,6 @@ metric, each model's score with its s.e. over items, its paired difference to th
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -88,9 +87,6 @@ def run_downstream(grid: Any, run_dir: Path, corpus_cache: Path) -> None:
     from pmakit.train.loop import swapped
 
     harness.require_lm_eval()
-    os.environ.setdefault(
-        "TQDM_DISABLE", "1"
-    )  # lm-eval's per-request bars, hundreds of lines per model: the study logs its own
     path = run_dir / DOWNSTREAM
     done = {(r["fork_tokens"], r["label"], r["task"]) for r in read_jsonl(path)}
     tasks = build_tasks(corpus_cache)
