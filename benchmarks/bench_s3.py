@@ -26,6 +26,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,25 +38,28 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_merge import make_snapshots  # noqa: E402
+from peak_rss import measured, peak_bytes  # noqa: E402
 from s3server import MotoServer, upload_tree  # noqa: E402
 
 
 def run_merge(args: list[str], env: dict[str, str]) -> tuple[float, int]:
-    """(wall seconds, peak RSS bytes) of one ``pmakit merge`` subprocess."""
+    """(wall seconds, peak RSS bytes) of one ``pmakit merge`` subprocess. The RSS is taken by a small launcher
+    (tests/peak_rss.py: this process holds torch and would count in its children's ``ru_maxrss``); the wall time
+    includes the launcher's start, ~0.03 s."""
     full_env = {**os.environ, **env, "PYTHONPATH": str(ROOT / "src"), "OMP_WAIT_POLICY": "PASSIVE"}
-    start = time.perf_counter()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pmakit", "merge", *args, "--quiet", "--force"],
-        env=full_env,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - start
-    err = proc.stderr.read() if proc.stderr else ""
-    if status != 0:
-        raise SystemExit(f"merge {' '.join(args)} failed: {err[-2000:]}")
-    return wall, usage.ru_maxrss * 1024
+    with tempfile.TemporaryDirectory() as scratch:
+        rss = Path(scratch) / "rss"
+        start = time.perf_counter()
+        proc = subprocess.run(
+            measured([sys.executable, "-m", "pmakit", "merge", *args, "--quiet", "--force"], rss),
+            env=full_env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        wall = time.perf_counter() - start
+        if proc.returncode != 0:
+            raise SystemExit(f"merge {' '.join(args)} failed: {proc.stderr[-2000:]}")
+        return wall, peak_bytes(rss)
 
 
 def get_floor(server: MotoServer, bucket: str, prefix: str, steps: list[str]) -> float:

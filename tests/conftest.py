@@ -5,6 +5,16 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    # A fresh kernel cache for each worker: inductor's shared one (/tmp/torchinductor_$USER) is not keyed by
+    # ATEN_CPU_CAPABILITY, and kernels built under another capability (an older pmakit's AVX2 pin, another torch
+    # program) give wrong numbers without an error when loaded (see pmakit._env.portable_math).
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="pmakit-tests-inductor-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 import subprocess
 import sys

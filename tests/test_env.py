@@ -130,12 +130,30 @@ def test_training_commands_pin_the_cpu_kernels_unless_the_user_chose(
 
     monkeypatch.setattr("sys.argv", argv)
     monkeypatch.setattr("platform.machine", lambda: "x86_64")
-    for name in ("ATEN_CPU_CAPABILITY", "MKL_CBWR"):
+    for name in ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "TORCHINDUCTOR_CACHE_DIR"):
         monkeypatch.delenv(name, raising=False)
     _env.portable_math()
     assert (os.environ.get("ATEN_CPU_CAPABILITY"), os.environ.get("MKL_CBWR")) == (
         ("avx2", "AVX2") if pinned else (None, None)
     )
-    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx512")  # the user's choice stands
+    # inductor's kernel cache is not keyed by the capability: the pinned processes get a folder of their own
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if pinned:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        assert cache == os.path.join(default_cache_dir(), "pmakit-aten-avx2")
+    else:
+        assert cache is None
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/srv/kernels")
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     _env.portable_math()
-    assert os.environ["ATEN_CPU_CAPABILITY"] == "avx512"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == (
+        "/srv/kernels/pmakit-aten-avx2" if pinned else "/srv/kernels"
+    )
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx512")  # the user's choice stands, and so does their cache
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/srv/kernels")
+    _env.portable_math()
+    assert (
+        os.environ["ATEN_CPU_CAPABILITY"] == "avx512"
+        and os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/srv/kernels"
+    )

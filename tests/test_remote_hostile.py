@@ -11,7 +11,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -23,6 +22,7 @@ import pytest
 
 from conftest import SRC, state, write_snapshot
 from hostile_s3 import HostileS3, Obj, constant, declared
+from peak_rss import measured, peak_bytes
 from s3server import FaultProxy, upload_tree
 
 GIB = 2**30
@@ -42,29 +42,29 @@ class Ran:
 
 
 def run_measured(*args: str | Path, env: dict[str, str], timeout: float = 300) -> Ran:
-    """The real CLI in a subprocess: its output, wall time and peak RSS (``ru_maxrss`` from ``wait4``). ``timeout``
-    only guards a hang (the process is killed and the test fails)."""
+    """The real CLI in a subprocess: its output, wall time and peak RSS (``ru_maxrss`` from ``wait4``, taken by a
+    small launcher: see tests/peak_rss.py). ``timeout`` only guards a hang (the processes are killed and the test fails)."""
     full = {**os.environ, "PYTHONPATH": str(SRC), "OMP_WAIT_POLICY": "PASSIVE", **env}
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+    with (
+        tempfile.TemporaryFile("w+") as out,
+        tempfile.TemporaryFile("w+") as err,
+        tempfile.TemporaryDirectory() as scratch,
+    ):
+        rss = Path(scratch) / "rss"
+        command = measured([sys.executable, "-m", "pmakit", *map(str, args)], rss)
         start = time.monotonic()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pmakit", *map(str, args)], stdout=out, stderr=err, env=full
-        )
-        killed = threading.Event()
-
-        def kill() -> None:
-            killed.set()
-            proc.kill()
-
-        timer = threading.Timer(timeout, kill)
-        timer.start()
-        _, status, usage = os.wait4(proc.pid, 0)
-        timer.cancel()
-        proc.returncode = os.waitstatus_to_exitcode(status)
+        proc = subprocess.Popen(command, stdout=out, stderr=err, env=full, start_new_session=True)
+        try:
+            proc.wait(timeout)
+            killed = False
+        except subprocess.TimeoutExpired:
+            killed = True
+            os.killpg(proc.pid, 9)
+            proc.wait()
         out.seek(0)
         err.seek(0)
-        ran = Ran(proc.returncode, out.read(), err.read(), time.monotonic() - start, usage.ru_maxrss * 1024)
-    assert not killed.is_set(), f"hung: killed after {timeout} s; stderr: {ran.stderr[-2000:]}"
+        ran = Ran(proc.returncode, out.read(), err.read(), time.monotonic() - start, peak_bytes(rss))
+    assert not killed, f"hung: killed after {timeout} s; stderr: {ran.stderr[-2000:]}"
     return ran
 
 
@@ -73,7 +73,7 @@ def one_error(ran: Ran) -> str:
     assert "Traceback" not in ran.stderr, ran.stderr[-3000:]
     lines = [x for x in ran.stderr.splitlines() if x.startswith("Error:")]
     assert len(lines) == 1, ran.stderr[-3000:]
-    assert ran.peak_rss < RSS_BOUND, f"peak RSS {ran.peak_rss / MIB:.0f} MiB"
+    assert 0 < ran.peak_rss < RSS_BOUND, f"peak RSS {ran.peak_rss / MIB:.0f} MiB"
     return lines[0]
 
 
@@ -159,7 +159,7 @@ def test_only_what_the_layouts_need_is_fetched(tmp_path: Path, hostile: Any) -> 
     ran = run_measured("inspect", "s3://b/r", env=server.env(), timeout=180)
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert "2 complete snapshots" in ran.stdout, ran.stdout
-    assert ran.peak_rss < RSS_BOUND
+    assert 0 < ran.peak_rss < RSS_BOUND
     fetched = {key for key, _, _ in server.ranges()}
     assert not any("events.out" in k or "optimizer" in k for k in fetched), fetched
     warnings = [x for x in ran.stderr.splitlines() if "left out of the local mirror" in x]

@@ -68,12 +68,35 @@ def portable_math() -> None:
     same bits (measured: identical weights at 1, 2 and 8 threads).
     Only the commands that train (``experiment``, ``train``): their numbers are the ones a README or a paper
     quotes; the others keep the fastest kernels (``tune --compile``'s choices match its eager run's with them).
+
+    Inductor's compiled-kernel cache is not keyed by ``ATEN_CPU_CAPABILITY``: a kernel built under AVX-512 and loaded
+    under the AVX2 pin (or the reverse) gives wrong numbers without an error (measured with torch 2.13: -inf where
+    -17.91 was right, NaN losses in a compiled training step). So where pmakit sets the pin it also gives the pinned
+    processes a cache folder of their own, beside the user's (``TORCHINDUCTOR_CACHE_DIR`` or torch's default).
     """
     if sys.argv[1:2] not in (["experiment"], ["train"]):
         return
-    if platform.machine().lower() in ("x86_64", "amd64"):
-        os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+    if platform.machine().lower() in ("x86_64", "amd64") and "ATEN_CPU_CAPABILITY" not in os.environ:
+        os.environ["ATEN_CPU_CAPABILITY"] = "avx2"
         os.environ.setdefault("MKL_CBWR", "AVX2")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_inductor_cache_dir(), "pmakit-aten-avx2")
+
+
+def _inductor_cache_dir() -> str:
+    """The folder torch's inductor caches compiled kernels in: ``TORCHINDUCTOR_CACHE_DIR``, else torch's default
+    (``torch._inductor.runtime.cache_dir_utils.default_cache_dir``, repeated here: torch is not loaded yet)."""
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen:
+        return os.path.abspath(chosen)
+    import getpass
+    import re
+    import tempfile
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
 def run_cli() -> None:
