@@ -8,6 +8,8 @@
 # (pmakit-2w), `--device cuda`, and the CPU merge's in-process timers (timed).
 #   bash benchmarks/gpu_check.sh [OUT_DIR]   (results under OUT_DIR, default $OUT or /tmp/gpu-check;
 #                                             inputs under $BENCH_DATA, default /tmp/bench-data, ~14 GB)
+#   GPU_CHECK_QUICK=1 bash benchmarks/gpu_check.sh   the machine, the inputs and the benchmark only (~3.5 min:
+#                                             for a second look at the timings when the tests ran before)
 # The GPU image's python3 holds the CUDA build of torch and pmakit's dependencies (nothing can be installed
 # there: no network); PYTHON=... picks another interpreter. Each step is timed and logged; a failed step is
 # recorded and the next one runs; the exit status is non-zero if any failed. results.txt ends with a summary.
@@ -72,14 +74,16 @@ if [ ${#failed[@]} -ne 0 ]; then
   exit 1
 fi
 
-step tests 240 "$out/tests.log" "$py" -m pytest -p no:cacheprovider -q -ra --durations=10 tests/test_gpu.py \
+quick=${GPU_CHECK_QUICK:-0}
+[ "$quick" = 1 ] && note "GPU_CHECK_QUICK=1: the tests and the plan are skipped"
+[ "$quick" = 1 ] || step tests 240 "$out/tests.log" "$py" -m pytest -p no:cacheprovider -q -ra --durations=10 tests/test_gpu.py \
   "tests/test_saver.py::test_snapshot_of_a_gpu_model_is_its_weights" tests/test_merge_stream.py \
   tests/test_resources.py
 
 step make-inputs 240 "$out/bench.log" "$py" benchmarks/bench_merge.py --full --make-only --data "$data"
 
 run="$data/L15-H2048-I5632-V32000"
-step plan 90 "$out/plan.txt" bash -c "$py -m pmakit inspect --plan $run --last 8 && \
+[ "$quick" = 1 ] || step plan 90 "$out/plan.txt" bash -c "$py -m pmakit inspect --plan $run --last 8 && \
   $py -m pmakit merge $run --last 8 -o $data/dry --dry-run | tail -1"
 
 # Per repeat: a warming cat before each run (~2 s), the floor ~2 s, CPU merges ~3-9 s each, the CUDA merge, the
@@ -92,8 +96,8 @@ step bench 330 "$out/bench-run.log" "$py" benchmarks/bench_merge.py --full --cud
   echo "== summary =="
   head -1 "$out/machine.txt" | cut -c1-200
   grep -E "^(host->device|pmakit sees|nproc|gpu:|python)" "$out/machine.txt" || true
-  tail -3 "$out/tests.log"
-  grep -E "^fold per rank|^expected time|^one process|work memory" "$out/plan.txt" || true
+  tail -3 "$out/tests.log" 2>/dev/null || true
+  grep -E "^fold per rank|^expected time|^one process|work memory" "$out/plan.txt" 2>/dev/null || true
   sed -n '/snapshots x/,$p' "$out/bench-run.log"
   grep -E "FAILED" "$out/bench-run.log" || true
   echo "failed steps: ${failed[*]:-none}; total $(($(date +%s) - start)) s"
