@@ -243,9 +243,9 @@ def device_note(device: str, snapshots: Sequence[Snapshot]) -> str | None:
     if device != "cuda" or any(is_remote(origin(s.path)) for s in snapshots):
         return None
     return (
-        "--device cuda: on an H200 node (16 cores) the CPU fold measured as fast or faster (8 x 1.6 GB bf16 "
-        "from disk: 6.6 s on the CPU, 7.4 s on the GPU): such a merge is bound by reading, writing and "
-        "checksumming, not by the fp32 sums; folding on the GPU as asked (see docs/gpu.md)"
+        "--device cuda: on an H200 node (16 cores) the GPU fold measured within the CPU fold's run-to-run spread "
+        "(8 x 1.6 GB bf16 from disk, two runs: CPU 6.6 and 6.7 s, GPU 7.4 and 6.0 s): such a merge is bound by "
+        "reading, writing and checksumming, not by the fp32 sums; folding on the GPU as asked (see docs/gpu.md)"
     )
 
 
