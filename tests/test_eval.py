@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -409,8 +410,21 @@ def test_the_hf_callback_logs_the_merge_on_downstream_tasks(tiny: dict[str, Path
     again = tasks.scores(model_from_state(newest, callback.averager.average()))
     assert again["eval_merged/pmakit_next_line/acc"] == history[-1]["eval_merged/pmakit_next_line/acc"]
     model.train()
+
+    def seeded() -> None:
+        torch.manual_seed(7), random.seed(7), np.random.seed(7)
+
+    def draws() -> tuple[float, float, float]:
+        return torch.rand(1).item(), random.random(), float(np.random.rand())
+
+    seeded()
     tasks.scores(model)
     assert model.training  # scoring leaves the model in the mode the trainer had it in
+    after = draws()
+    seeded()
+    assert (
+        after == draws()
+    )  # and the run's random streams where they were (simple_evaluate reseeds all three)
 
 
 def test_tune_by_a_metric_chooses_on_selection_items_and_reports_on_test_items(tiny: dict[str, Path]) -> None:

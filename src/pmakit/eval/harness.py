@@ -1,4 +1,4 @@
-"""The lm-evaluation-harness bridge: an in-memory model through ``lm_eval.simple_evaluate``, per-item scores out.
+"""The lm-evaluation-harness bridge: an in-memory model through ``lm_eval.evaluator.evaluate``, per-item scores out.
 
 lm-eval runs offline here (``HF_DATASETS_OFFLINE``/``HF_HUB_OFFLINE`` are set before it is imported): tasks are
 lm-eval's own (``hellaswag``... when their data is in the local HF cache) or local YAML tasks found through
@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,11 +61,18 @@ def require_lm_eval() -> str:
     return str(lm_eval.__version__)
 
 
-def task_manager(include: Sequence[Path] = ()) -> Any:
+def task_manager(include: Sequence[Path] = (), tasks: Sequence[str] | None = None) -> Any:
+    """lm-eval's task index over the ``include`` folders, and over lm-eval's own ~14,000 task YAMLs only when
+    ``tasks`` names one the folders lack (or ``tasks`` is None): indexing those takes 10-25 s on 2 cores, each time,
+    and pmakit's own tasks never need them."""
     require_lm_eval()
     from lm_eval.tasks import TaskManager
 
     paths = [str(p) for p in include]
+    if paths and tasks is not None:
+        local = TaskManager(include_path=paths, include_defaults=False)
+        if set(tasks) <= set(local.all_tasks):
+            return local
     return TaskManager(include_path=paths or None)
 
 
@@ -98,23 +106,48 @@ def hflm(model: Any, tokenizer: Any, *, batch_size: int = 8, device: str | None 
 def run_tasks(
     lm: Any, tasks: Sequence[str], manager: Any, *, limit: int | None = None
 ) -> dict[str, dict[str, MetricScores]]:
-    """``simple_evaluate`` of ``tasks`` on ``lm``: ``{task: {metric: MetricScores}}``."""
-    import lm_eval
+    """lm-eval's ``evaluate`` of ``tasks`` on ``lm``: ``{task: {metric: MetricScores}}``.
+
+    What ``simple_evaluate`` adds around ``evaluate`` is left out, on purpose: it rebuilds the tasks (their data
+    read again) for each call, runs ``torch.utils.collect_env`` (a ``pip list`` subprocess: 1.7 s a call here, paid
+    for every model a study or a tuner scores), and reseeds Python's, NumPy's and torch's global generators, which
+    would change a training run's random stream each time a callback evaluates in the loop. The tasks are loaded
+    once per task manager and given what ``simple_evaluate`` gives them (zero-shot unless their config says
+    otherwise, lm-eval's fewshot seed); their requests are built anew by each ``evaluate``.
+    """
+    from lm_eval.evaluator import evaluate
 
     try:
-        out = lm_eval.simple_evaluate(
-            model=lm,
-            tasks=list(tasks),
-            task_manager=manager,
-            limit=limit,
-            log_samples=True,
-            verbosity="ERROR",
-        )
+        loaded = _loaded(manager, tuple(tasks))
+        out = evaluate(lm=lm, task_dict=loaded, limit=limit, log_samples=True, fewshot_as_multiturn=True)
     except PmakitError:
         raise
     except Exception as exc:  # a task whose data is missing offline, a malformed YAML
         raise PmakitError(f"lm-eval could not run {', '.join(tasks)}: {first_line(exc)}") from None
+    if out is None:  # a rank other than 0 of a distributed lm-eval model
+        return {}
     return {task: scores_of(out, task) for task in tasks if task in out["samples"]}
+
+
+_LOADED: weakref.WeakKeyDictionary[Any, dict[tuple[str, ...], Any]] = weakref.WeakKeyDictionary()
+FEWSHOT_SEED = 1234
+"""``simple_evaluate``'s default ``fewshot_random_seed``."""
+
+
+def _loaded(manager: Any, tasks: tuple[str, ...]) -> Any:
+    """``manager.load(tasks)``, once per manager and task list, prepared as ``simple_evaluate`` prepares them."""
+    cache = _LOADED.setdefault(manager, {})
+    if tasks not in cache:
+        try:
+            loaded = manager.load(list(tasks))
+        except Exception as exc:  # a task whose data is missing offline, a malformed YAML
+            raise PmakitError(f"lm-eval could not load {', '.join(tasks)}: {first_line(exc)}") from None
+        for task in loaded["tasks"].values():
+            if task.get_config("num_fewshot") is None:
+                task.set_config(key="num_fewshot", value=0)
+            task.set_fewshot_seed(seed=FEWSHOT_SEED)
+        cache[tasks] = loaded
+    return cache[tasks]
 
 
 def scores_of(out: Mapping[str, Any], task: str) -> dict[str, MetricScores]:
@@ -171,7 +204,7 @@ class LoopTasks:
     def scores(self, model: Any) -> dict[str, float]:
         """``{"eval_merged/<task>/<metric>": value}`` of ``model`` as it is (its training mode restored)."""
         if self._manager is None:
-            self._manager = task_manager(self.include)
+            self._manager = task_manager(self.include, self.tasks)
             check_tasks(self.tasks, self._manager)
             if isinstance(self.tokenizer, (str, os.PathLike)):
                 from transformers import AutoTokenizer

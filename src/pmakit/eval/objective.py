@@ -39,7 +39,7 @@ class Downstream:
         self.sign = -1.0 if self.metric in HIGHER_IS_BETTER else 1.0
         self.limit = limit
         tasks = build_tasks(corpus)
-        self.managers = {s: harness.task_manager([tasks.include(s)]) for s in SPLITS}
+        self.managers = {s: harness.task_manager([tasks.include(s)], [self.task]) for s in SPLITS}
         harness.check_tasks([self.task], self.managers["test"])
         self.model = model.load_folder(newest)
         self.tokenizer = model.load_tokenizer(newest)

@@ -167,7 +167,7 @@ def prepare_tasks(
         check_tokenizer(entry, snapshot)
     taskset = build_tasks(entry, items=spec.items) if entry is not None else None
     include = [*([taskset.include(spec.split)] if taskset else []), *spec.include]
-    manager = harness.task_manager(include)
+    manager = harness.task_manager(include, spec.tasks)
     harness.check_tasks(spec.tasks, manager)
     return manager, taskset
 

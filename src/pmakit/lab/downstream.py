@@ -90,7 +90,7 @@ def run_downstream(grid: Any, run_dir: Path, corpus_cache: Path) -> None:
     path = run_dir / DOWNSTREAM
     done = {(r["fork_tokens"], r["label"], r["task"]) for r in read_jsonl(path)}
     tasks = build_tasks(corpus_cache)
-    manager = harness.task_manager([tasks.include("test")])
+    manager = harness.task_manager([tasks.include("test")], TASKS)
     tokenizer = load_tokenizer(grid.trainer.corpus.tokenizer_dir)
     model = grid.trainer.model
     for fork in grid.study.forks:
