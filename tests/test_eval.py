@@ -270,6 +270,35 @@ def test_a_killed_eval_resumes_where_it_stopped(tiny: dict[str, Path]) -> None:
     assert len(keys) == len(set(keys)) == 16
 
 
+def test_report_on_an_eval_folder_shows_scores_paired_differences_and_the_noise_band(
+    tiny: dict[str, Path], evaluated: dict[str, Any]
+) -> None:
+    """`pmakit eval -o DIR --reference back:1` then `pmakit report DIR`: the table's numbers are the rows' own,
+    paired by hand through pmakit.eval.stats."""
+    folder = tiny["root"] / "report-folder"
+    again = _eval(tiny, tiny["run"], "--merge", "sma:4", "--tasks", TASKS, "--limit", "24", "--noise", "2",
+                  "--reference", "back:1", "-o", folder)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (folder / "evals.jsonl").is_file() and "evaluating" in again.stderr
+    proc = run_cli("report", folder, env=tiny["env"])  # type: ignore[arg-type]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    md = (folder / "report.md").read_text()
+    assert (folder / "report.html").is_file() and "Downstream evaluation (pmakit eval)" in md
+    rows = _rows(folder / "evals.jsonl")
+    row = {(r["recipe"], r["metric"]): r for r in rows if r["task"] == "pmakit_bpb"}
+    sma, latest, back = (row[(k, "bits_per_byte")] for k in ("sma:4", "latest", "back:1"))
+    value, se = stats.score("bits_per_byte", sma["items"])
+    vs_latest = stats.paired("bits_per_byte", *stats.aligned(sma, latest))
+    vs_ref = stats.paired("bits_per_byte", *stats.aligned(sma, back))
+    band = stats.noise_band([latest["value"], back["value"]])
+    (line,) = [x for x in md.splitlines() if x.startswith("| sma:4 |") and f"{value:.4f} ± {se:.4f}" in x]
+    assert f"{vs_latest.delta:+.4f} ± {vs_latest.se:.4f}" in line
+    assert f"[{vs_latest.low:+.4f}, {vs_latest.high:+.4f}]" in line
+    assert f"{vs_ref.delta:+.4f} ± {vs_ref.se:.4f}" in line and "reference `back:1`" in md
+    assert f"noise sd {band['sd']:.4f} over the 2 newest raw snapshots" in md
+    assert "sma:4" in proc.stdout and "Δ vs latest" in proc.stdout
+
+
 # --- known answers
 
 
