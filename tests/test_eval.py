@@ -366,6 +366,39 @@ def test_a_model_with_all_its_mass_on_the_answer_scores_100_percent(tiny: dict[s
     assert {r["metric"]: r["value"] for r in _rows(out)} == {"acc": 1.0, "acc_norm": 1.0}
 
 
+def test_a_continuation_longer_than_an_moe_models_context_is_scored_in_windows(tiny: dict[str, Path]) -> None:
+    """lm-eval's HFLM asserts that a continuation fits the model's context (an 8-token OLMoE here, the MoE smoke
+    preset's was 64); the bridge scores it in windows, equal to the log-probabilities taken from the model by hand,
+    and a request that fits is lm-eval's own number."""
+    from lm_eval.models.huggingface import HFLM
+    from transformers import AutoTokenizer
+
+    from pmakit.eval.lm import WindowedHFLM
+    from pmakit.train.model import ModelConfig, build_model
+
+    tok = AutoTokenizer.from_pretrained(gather([tiny["run"]])[0][-1].path)
+    cfg = ModelConfig(layers=1, hidden=32, heads=2, seq_len=8, experts=4, top_k=2, expert_width=16)
+    model = build_model(cfg, 300, seed=3).eval()
+    ours = WindowedHFLM(pretrained=model, tokenizer=tok, device="cpu", batch_size=4)
+    plain = HFLM(pretrained=model, tokenizer=tok, device="cpu", batch_size=4)
+    assert ours.max_length == plain.max_length == 8
+    context, continuation = list(range(5, 17)), list(range(20, 40))  # 20 tokens, 3 windows of at most 8
+    short, long = (("a", "b"), context, continuation[:6]), (("c", "d"), context, continuation)
+    with pytest.raises(AssertionError):
+        plain._loglikelihood_tokens([long])
+    assert ours._loglikelihood_tokens([short]) == plain._loglikelihood_tokens([short])
+    (ll, greedy), (ll_short, _) = ours._loglikelihood_tokens([long, short])
+    seq, expected = context + continuation, 0.0
+    with torch.no_grad():
+        for start in (0, 8, 16):  # each window predicts its tokens from the 8 tokens before its last one
+            end = len(context) + min(start + 8, len(continuation))
+            n = end - len(context) - start
+            logp = model(torch.tensor([seq[:end][-9:-1]])).logits.log_softmax(-1)[0, -n:]
+            expected += float(logp.gather(1, torch.tensor(seq[end - n : end])[:, None]).sum())
+    assert ll == pytest.approx(expected, rel=1e-5) and not greedy
+    assert ll_short == pytest.approx(plain._loglikelihood_tokens([short])[0][0], rel=1e-5)
+
+
 # --- mistakes
 
 

@@ -79,20 +79,22 @@ def check_tasks(names: Sequence[str], manager: Any) -> None:
 
 
 def hflm(model: Any, tokenizer: Any, *, batch_size: int = 8, device: str | None = "best") -> Any:
-    """lm-eval's ``HFLM`` around an in-memory model (nothing is loaded from disk).
+    """lm-eval's ``HFLM`` around an in-memory model (nothing is loaded from disk); a continuation longer than the
+    model's context is scored in windows (``pmakit.eval.lm``), not refused.
 
     ``device``: ``best`` moves the model to the GPU when there is one (a model built to be evaluated); None leaves
     it where it is (a trainer's model, evaluated in the loop)."""
     require_lm_eval()
     import torch
-    from lm_eval.models.huggingface import HFLM
+
+    from pmakit.eval.lm import WindowedHFLM
 
     if device == "best":
         device = "cuda" if torch.cuda.is_available() else "cpu"
         model = model.to(device)
     elif device is None:
         device = str(next(model.parameters()).device)
-    return HFLM(pretrained=model, tokenizer=tokenizer, device=device, batch_size=batch_size)
+    return WindowedHFLM(pretrained=model, tokenizer=tokenizer, device=device, batch_size=batch_size)
 
 
 def run_tasks(
