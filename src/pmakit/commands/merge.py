@@ -136,28 +136,14 @@ def _merge(
     world: Any,
 ) -> None:
     from pmakit.merge import merge as run_merge
-    from pmakit.weights import get_weights, uses_alpha
 
-    if alpha is not None and (custom is not None or not uses_alpha(method)):
-        raise PmakitError(
-            f"--alpha is the EMA factor: it does nothing with --{'weights' if custom else 'method ' + method}"
-        )
-    alpha = 0.2 if alpha is None else alpha
     if isinstance(output, str):
         output = _check_url_output(
             output, inputs, from_previous is not None or keep_fp32, world, force, resume
         )
-    if recipe is not None:
-        chosen, weights, (method, alpha, custom, last, every, until) = _from_recipe(
-            recipe, inputs, tokens_per_step, exclude
-        )
-    else:
-        chosen = _select(
-            inputs, last=last, every=every, until=until, tokens_per_step=tokens_per_step, exclude=exclude
-        )
-        weights = get_weights(
-            "custom" if custom is not None else method, len(chosen), alpha=alpha, custom=custom
-        )
+    chosen, weights, (method, alpha, custom, last, every, until) = _choose(
+        inputs, recipe, (method, alpha, custom, last, every, until), tokens_per_step, exclude
+    )
     terms, term_weights, window = chosen, weights, None
     extra: dict[str, Any] = {}
     if from_previous is not None:
@@ -170,9 +156,10 @@ def _merge(
         _print_plan(plan, incremental=window is not None)
     if dry_run:
         return
-    extra.update(_merge_record(inputs, method, alpha, custom, last, every, until))
-    if recipe is not None:
-        extra["recipe"] = recipe
+    extra.update(
+        _merge_record(inputs, method, alpha, custom, last, every, until),
+        **({"recipe": recipe} if recipe else {}),
+    )
     with opt.progress(_rank_input_bytes(plan, world.rank), quiet, "merging") as progress:
         result = run_merge(
             terms,
@@ -202,6 +189,35 @@ def _merge(
             click.echo(f"published {result.url}")
 
 
+Choice = tuple[str, float, "list[float] | None", "int | None", "int | None", "int | None"]
+"""What --method, --alpha, --weights, --last, --every and --until say."""
+
+
+def _choose(
+    inputs: Sequence[Path | str],
+    recipe: str | None,
+    options: tuple[str, float | None, list[float] | None, int | None, int | None, int | None],
+    tokens_per_step: int | None,
+    exclude: Sequence[Path],
+) -> tuple[list[Any], list[float], Choice]:
+    """The snapshots, their weights and the options they stand for: the recipe's, or the options'."""
+    from pmakit.weights import get_weights, uses_alpha
+
+    if recipe is not None:
+        return _from_recipe(recipe, inputs, tokens_per_step, exclude)
+    method, alpha, custom, last, every, until = options
+    if alpha is not None and (custom is not None or not uses_alpha(method)):
+        raise PmakitError(
+            f"--alpha is the EMA factor: it does nothing with --{'weights' if custom else 'method ' + method}"
+        )
+    a = 0.2 if alpha is None else alpha
+    chosen = _select(
+        inputs, last=last, every=every, until=until, tokens_per_step=tokens_per_step, exclude=exclude
+    )
+    weights = get_weights("custom" if custom is not None else method, len(chosen), alpha=a, custom=custom)
+    return chosen, weights, (method, a, custom, last, every, until)
+
+
 RECIPE_REPLACES = ("method", "alpha", "custom", "last", "every", "until")
 
 
@@ -217,7 +233,7 @@ def _check_recipe_alone(ctx: click.Context) -> None:
 
 def _from_recipe(
     text: str, inputs: Sequence[Path | str], tokens_per_step: int | None, exclude: Sequence[Path]
-) -> tuple[list[Any], list[float], tuple[str, float, list[float] | None, int | None, int | None, int | None]]:
+) -> tuple[list[Any], list[float], Choice]:
     """A recipe's snapshots and weights among the inputs' (``pmakit.eval.recipe``, as pmakit eval resolves it),
     and the --method/--alpha/--weights/--last/--every/--until it stands for (the manifest's record, and what
     --from-previous updates: a sma/ema recipe is the same merge as those options)."""

@@ -40,7 +40,7 @@ def windows(requests: list[Request], limit: int) -> tuple[list[Request], list[in
     return pieces, owner
 
 
-class WindowedHFLM(HFLM):  # type: ignore[misc]
+class WindowedHFLM(HFLM):
     """``HFLM`` that scores a continuation longer than the model's context in windows (module docstring)."""
 
     def _loglikelihood_tokens(
