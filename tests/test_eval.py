@@ -399,6 +399,37 @@ def test_a_continuation_longer_than_an_moe_models_context_is_scored_in_windows(t
     assert ll_short == pytest.approx(plain._loglikelihood_tokens([short])[0][0], rel=1e-5)
 
 
+def test_lm_evals_bars_are_off_during_its_run_and_back_after(
+    tiny: dict[str, Path], capfd: Any, monkeypatch: Any
+) -> None:
+    """lm-eval draws tqdm bars per request pass and task build (one set per model and task in a study's
+    downstream stage): none reach the output of a run; the environment is untouched and a bar after it draws."""
+    from tqdm import tqdm
+
+    from pmakit.eval import harness
+    from pmakit.eval.model import load_folder, load_tokenizer
+    from pmakit.eval.run import corpus_entry
+    from pmakit.eval.tasks import build_tasks
+
+    monkeypatch.setenv("PMAKIT_CACHE", tiny["env"]["PMAKIT_CACHE"])  # type: ignore[index]
+    include = build_tasks(corpus_entry([tiny["run"]])).include("test")
+    newest = gather([tiny["run"]])[0][-1].path
+    lm = harness.hflm(load_folder(newest), load_tokenizer(newest))
+    manager = harness.task_manager([include])
+    environment = {
+        k: v for k, v in os.environ.items() if k.startswith("TQDM")
+    }  # (sklearn, imported by lm-eval,
+    capfd.readouterr()  # sets KMP_DUPLICATE_LIB_OK on import)
+    scores = harness.run_tasks(lm, ["pmakit_next_line"], manager, limit=8)
+    printed = capfd.readouterr()
+    assert len(scores["pmakit_next_line"]["acc"].items) == 8
+    assert "it/s" not in printed.err + printed.out and "Running loglikelihood" not in printed.err
+    assert {k: v for k, v in os.environ.items() if k.startswith("TQDM")} == environment
+    for _ in tqdm(range(3), file=sys.stderr, disable=False, mininterval=0):
+        pass
+    assert "3/3" in capfd.readouterr().err
+
+
 # --- mistakes
 
 

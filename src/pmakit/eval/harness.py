@@ -13,7 +13,8 @@ from __future__ import annotations
 import difflib
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,27 @@ def hflm(model: Any, tokenizer: Any, *, batch_size: int = 8, device: str | None 
     return WindowedHFLM(pretrained=model, tokenizer=tokenizer, device=device, batch_size=batch_size)
 
 
+@contextmanager
+def quiet_bars() -> Iterator[None]:
+    """No tqdm bar inside the block (lm-eval's per-request and task-building bars, ``datasets``' split bars: one
+    per task and model would flood a study's output), each bar as before after it. The environment is not touched
+    (``TQDM_DISABLE`` would silence every later tqdm of the process, and tqdm reads it only at import); pmakit's own
+    progress is rich's, not tqdm's."""
+    from tqdm import std
+
+    original = std.tqdm.__init__
+
+    def disabled(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs["disable"] = True
+        original(self, *args, **kwargs)
+
+    std.tqdm.__init__ = disabled
+    try:
+        yield
+    finally:
+        std.tqdm.__init__ = original
+
+
 def run_tasks(
     lm: Any, tasks: Sequence[str], manager: Any, *, limit: int | None = None
 ) -> dict[str, dict[str, MetricScores]]:
@@ -104,18 +126,21 @@ def run_tasks(
     import lm_eval
 
     try:
-        out = lm_eval.simple_evaluate(
-            model=lm,
-            tasks=list(tasks),
-            task_manager=manager,
-            limit=limit,
-            log_samples=True,
-            verbosity="ERROR",
-        )
+        with quiet_bars():
+            out = lm_eval.simple_evaluate(
+                model=lm,
+                tasks=list(tasks),
+                task_manager=manager,
+                limit=limit,
+                log_samples=True,
+                verbosity="ERROR",
+            )
     except PmakitError:
         raise
     except Exception as exc:  # a task whose data is missing offline, a malformed YAML
         raise PmakitError(f"lm-eval could not run {', '.join(tasks)}: {first_line(exc)}") from None
+    if out is None:  # lm-eval returns the results on LOCAL_RANK 0 only (the other ranks of a torchrun job)
+        return {}
     return {task: scores_of(out, task) for task in tasks if task in out["samples"]}
 
 
