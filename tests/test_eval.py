@@ -507,7 +507,8 @@ def test_the_hf_callback_logs_the_merge_on_downstream_tasks(tiny: dict[str, Path
 
 
 def test_tune_by_a_metric_chooses_on_selection_items_and_reports_on_test_items(tiny: dict[str, Path]) -> None:
-    """Two trials (the baselines): each loss is minus the accuracy pmakit eval measures on that split's items."""
+    """Two trials (the baselines) and the learned weights over the best merge's window: each loss is minus the
+    accuracy pmakit eval measures on that split's items."""
     proc = run_cli("tune", tiny["run"], "-o", tiny["root"] / "tuned", "--metric", "pmakit_next_line/acc",
                    "--budget-evals", "2", "-q", env=tiny["env"], timeout=1200)  # type: ignore[arg-type]  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -525,3 +526,16 @@ def test_tune_by_a_metric_chooses_on_selection_items_and_reports_on_test_items(t
         assert last[f"{split}_loss"] == pytest.approx(
             -_value(_rows(out), "latest", "pmakit_next_line", "acc"), abs=1e-12
         )
+    # the learned-weights family: fitted on the held-out loss, scored by the metric on selection items
+    (learned,) = [t for t in record["trials"] if t.get("learn")]
+    assert record["learned"] == learned["learn"] and learned["learn"]["steps"] == 20
+    assert learned["merge"]["family"] == "learned" and len(learned["merge"]["tokens"]) > 1
+    recipe = tiny["root"] / "learned.json"
+    recipe.write_text(json.dumps({"models": {"tuned": {"merge": learned["merge"]}}}))
+    out = tiny["root"] / "learned-selection.jsonl"
+    done = _eval(tiny, tiny["run"], "--merge", recipe, "--tasks", "pmakit_next_line", "--split", "selection",
+                 "--noise", "0", "-o", out)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert learned["selection_loss"] == pytest.approx(
+        -_value(_rows(out), str(recipe), "pmakit_next_line", "acc"), abs=1e-12
+    )
