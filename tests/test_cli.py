@@ -64,6 +64,44 @@ def test_merge_selection_flags(make_run: Callable[..., Path], tmp_path: Path) ->
     assert manifest["dtype"] == "fp32"
 
 
+def test_merge_takes_the_recipe_grammar_of_eval_and_tune(
+    make_run: Callable[..., Path], tmp_path: Path
+) -> None:
+    """`pmakit merge RUN --recipe R` is the merge the options it stands for make (same inputs, weights, bytes);
+    latest, back:K and a tune output pick what `pmakit eval --merge` picks."""
+    run = make_run(10)  # tokens 1000, 2000, ..., 10000
+
+    def merged(name: str, *args: str) -> dict[str, object]:
+        proc = run_cli("merge", run, "-o", tmp_path / name, "--quiet", *args)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads((tmp_path / name / "pmakit-merge.json").read_text())
+
+    for recipe, options in (("sma:3", ["--last", "3"]),
+                            ("ema:0.5:3:every=2K:until=9.5K",
+                             ["--last", "3", "--every", "2K", "--until", "9.5K", "--method", "ema", "--alpha", "0.5"]),
+                            ("wsm:1-sqrt:4", ["--last", "4", "--method", "wsm-1sqrt"])):  # fmt: skip
+        a, b = merged(f"r-{recipe}", "--recipe", recipe), merged(f"o-{recipe}", *options)
+        assert a["inputs"] == b["inputs"] and a["weights"] == b["weights"] and a["recipe"] == recipe
+        assert (tmp_path / f"r-{recipe}" / "model.safetensors").read_bytes() == (
+            tmp_path / f"o-{recipe}" / "model.safetensors"
+        ).read_bytes()
+    latest, back = merged("latest", "--recipe", "latest"), merged("back", "--recipe", "back:2")
+    assert [i["tokens"] for i in latest["inputs"]] == [10000] and latest["weights"] == [1.0]
+    assert [i["tokens"] for i in back["inputs"]] == [8000]
+    tune = tmp_path / "tuned"
+    tune.mkdir()
+    (tune / "tune.json").write_text(json.dumps({"models": {"tuned": {"merge": {"tokens": [3000, 5000],
+                                                                              "weights": [0.25, 0.75]}}}}))  # fmt: skip
+    tuned = merged("from-tune", "--recipe", str(tune))
+    assert [i["tokens"] for i in tuned["inputs"]] == [3000, 5000] and tuned["weights"] == [0.25, 0.75]
+    for args, says in ((["--recipe", "sma:x"], "cannot read the recipe 'sma:x'"),
+                       (["--recipe", "sma:20"], "needs 20 snapshots; the run has 10"),
+                       (["--recipe", "sma:3", "--last", "4"], "does not take --last"),
+                       (["--recipe", "ema:0.5", "--alpha", "0.3"], "does not take --alpha")):  # fmt: skip
+        assert_one_line_error(run_cli("merge", run, "-o", tmp_path / "bad", *args), says)
+        assert not (tmp_path / "bad").exists()
+
+
 def test_explicit_snapshots_all_used_and_custom_weights(
     make_run: Callable[..., Path], tmp_path: Path
 ) -> None:

@@ -271,6 +271,35 @@ def test_a_killed_eval_resumes_where_it_stopped(tiny: dict[str, Path]) -> None:
     assert len(keys) == len(set(keys)) == 16
 
 
+def test_report_on_an_eval_folder_shows_scores_paired_differences_and_the_noise_band(
+    tiny: dict[str, Path], evaluated: dict[str, Any]
+) -> None:
+    """`pmakit eval -o DIR --reference back:1` then `pmakit report DIR`: the table's numbers are the rows' own,
+    paired by hand through pmakit.eval.stats."""
+    folder = tiny["root"] / "report-folder"
+    again = _eval(tiny, tiny["run"], "--merge", "sma:4", "--tasks", TASKS, "--limit", "24", "--noise", "2",
+                  "--reference", "back:1", "-o", folder)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (folder / "evals.jsonl").is_file() and "evaluating" in again.stderr
+    proc = run_cli("report", folder, env=tiny["env"])  # type: ignore[arg-type]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    md = (folder / "report.md").read_text()
+    assert (folder / "report.html").is_file() and "Downstream evaluation (pmakit eval)" in md
+    rows = _rows(folder / "evals.jsonl")
+    row = {(r["recipe"], r["metric"]): r for r in rows if r["task"] == "pmakit_bpb"}
+    sma, latest, back = (row[(k, "bits_per_byte")] for k in ("sma:4", "latest", "back:1"))
+    value, se = stats.score("bits_per_byte", sma["items"])
+    vs_latest = stats.paired("bits_per_byte", *stats.aligned(sma, latest))
+    vs_ref = stats.paired("bits_per_byte", *stats.aligned(sma, back))
+    band = stats.noise_band([latest["value"], back["value"]])
+    (line,) = [x for x in md.splitlines() if x.startswith("| sma:4 |") and f"{value:.4f} ± {se:.4f}" in x]
+    assert f"{vs_latest.delta:+.4f} ± {vs_latest.se:.4f}" in line
+    assert f"[{vs_latest.low:+.4f}, {vs_latest.high:+.4f}]" in line
+    assert f"{vs_ref.delta:+.4f} ± {vs_ref.se:.4f}" in line and "reference `back:1`" in md
+    assert f"noise sd {band['sd']:.4f} over the 2 newest raw snapshots" in md
+    assert "sma:4" in proc.stdout and "Δ vs latest" in proc.stdout
+
+
 # --- known answers
 
 
@@ -336,6 +365,70 @@ def test_a_model_with_all_its_mass_on_the_answer_scores_100_percent(tiny: dict[s
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert {r["metric"]: r["value"] for r in _rows(out)} == {"acc": 1.0, "acc_norm": 1.0}
+
+
+def test_a_continuation_longer_than_an_moe_models_context_is_scored_in_windows(tiny: dict[str, Path]) -> None:
+    """lm-eval's HFLM asserts that a continuation fits the model's context (an 8-token OLMoE here, the MoE smoke
+    preset's was 64); the bridge scores it in windows, equal to the log-probabilities taken from the model by hand,
+    and a request that fits is lm-eval's own number."""
+    from lm_eval.models.huggingface import HFLM
+    from transformers import AutoTokenizer
+
+    from pmakit.eval.lm import WindowedHFLM
+    from pmakit.train.model import ModelConfig, build_model
+
+    tok = AutoTokenizer.from_pretrained(gather([tiny["run"]])[0][-1].path)
+    cfg = ModelConfig(layers=1, hidden=32, heads=2, seq_len=8, experts=4, top_k=2, expert_width=16)
+    model = build_model(cfg, 300, seed=3).eval()
+    ours = WindowedHFLM(pretrained=model, tokenizer=tok, device="cpu", batch_size=4)
+    plain = HFLM(pretrained=model, tokenizer=tok, device="cpu", batch_size=4)
+    assert ours.max_length == plain.max_length == 8
+    context, continuation = list(range(5, 17)), list(range(20, 40))  # 20 tokens, 3 windows of at most 8
+    short, long = (("a", "b"), context, continuation[:6]), (("c", "d"), context, continuation)
+    with pytest.raises(AssertionError):
+        plain._loglikelihood_tokens([long])
+    assert ours._loglikelihood_tokens([short]) == plain._loglikelihood_tokens([short])
+    (ll, greedy), (ll_short, _) = ours._loglikelihood_tokens([long, short])
+    seq, expected = context + continuation, 0.0
+    with torch.no_grad():
+        for start in (0, 8, 16):  # each window predicts its tokens from the 8 tokens before its last one
+            end = len(context) + min(start + 8, len(continuation))
+            n = end - len(context) - start
+            logp = model(torch.tensor([seq[:end][-9:-1]])).logits.log_softmax(-1)[0, -n:]
+            expected += float(logp.gather(1, torch.tensor(seq[end - n : end])[:, None]).sum())
+    assert ll == pytest.approx(expected, rel=1e-5) and not greedy
+    assert ll_short == pytest.approx(plain._loglikelihood_tokens([short])[0][0], rel=1e-5)
+
+
+def test_lm_evals_bars_are_off_during_its_run_and_back_after(
+    tiny: dict[str, Path], capfd: Any, monkeypatch: Any
+) -> None:
+    """lm-eval draws tqdm bars per request pass and task build (one set per model and task in a study's
+    downstream stage): none reach the output of a run; the environment is untouched and a bar after it draws."""
+    from tqdm import tqdm
+
+    from pmakit.eval import harness
+    from pmakit.eval.model import load_folder, load_tokenizer
+    from pmakit.eval.run import corpus_entry
+    from pmakit.eval.tasks import build_tasks
+
+    monkeypatch.setenv("PMAKIT_CACHE", tiny["env"]["PMAKIT_CACHE"])  # type: ignore[index]
+    include = build_tasks(corpus_entry([tiny["run"]])).include("test")
+    newest = gather([tiny["run"]])[0][-1].path
+    lm = harness.hflm(load_folder(newest), load_tokenizer(newest))
+    manager = harness.task_manager([include])
+    environment = {
+        k: v for k, v in os.environ.items() if k.startswith("TQDM")
+    }  # (sklearn, imported by lm-eval,
+    capfd.readouterr()  # sets KMP_DUPLICATE_LIB_OK on import)
+    scores = harness.run_tasks(lm, ["pmakit_next_line"], manager, limit=8)
+    printed = capfd.readouterr()
+    assert len(scores["pmakit_next_line"]["acc"].items) == 8
+    assert "it/s" not in printed.err + printed.out and "Running loglikelihood" not in printed.err
+    assert {k: v for k, v in os.environ.items() if k.startswith("TQDM")} == environment
+    for _ in tqdm(range(3), file=sys.stderr, disable=False, mininterval=0):
+        pass
+    assert "3/3" in capfd.readouterr().err
 
 
 # --- mistakes
@@ -428,7 +521,8 @@ def test_the_hf_callback_logs_the_merge_on_downstream_tasks(tiny: dict[str, Path
 
 
 def test_tune_by_a_metric_chooses_on_selection_items_and_reports_on_test_items(tiny: dict[str, Path]) -> None:
-    """Two trials (the baselines): each loss is minus the accuracy pmakit eval measures on that split's items."""
+    """Two trials (the baselines) and the learned weights over the best merge's window: each loss is minus the
+    accuracy pmakit eval measures on that split's items."""
     proc = run_cli("tune", tiny["run"], "-o", tiny["root"] / "tuned", "--metric", "pmakit_next_line/acc",
                    "--budget-evals", "2", "-q", env=tiny["env"], timeout=1200)  # type: ignore[arg-type]  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -446,3 +540,16 @@ def test_tune_by_a_metric_chooses_on_selection_items_and_reports_on_test_items(t
         assert last[f"{split}_loss"] == pytest.approx(
             -_value(_rows(out), "latest", "pmakit_next_line", "acc"), abs=1e-12
         )
+    # the learned-weights family: fitted on the held-out loss, scored by the metric on selection items
+    (learned,) = [t for t in record["trials"] if t.get("learn")]
+    assert record["learned"] == learned["learn"] and learned["learn"]["steps"] == 20
+    assert learned["merge"]["family"] == "learned" and len(learned["merge"]["tokens"]) > 1
+    recipe = tiny["root"] / "learned.json"
+    recipe.write_text(json.dumps({"models": {"tuned": {"merge": learned["merge"]}}}))
+    out = tiny["root"] / "learned-selection.jsonl"
+    done = _eval(tiny, tiny["run"], "--merge", recipe, "--tasks", "pmakit_next_line", "--split", "selection",
+                 "--noise", "0", "-o", out)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert learned["selection_loss"] == pytest.approx(
+        -_value(_rows(out), str(recipe), "pmakit_next_line", "acc"), abs=1e-12
+    )

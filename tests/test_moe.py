@@ -130,3 +130,17 @@ def test_moe_smoke_report_has_the_section(moe_smoke: tuple[Path, str]) -> None:
     assert "## Mixture of experts: routing health and the router-bias rule" in md
     assert "plots/moe_routing.png" in md and (run / "plots" / "moe_routing.png").stat().st_size > 1000
     assert "model (test split)" in md and "Compute: the anneal trains" in md
+
+
+def test_moe_smoke_scores_its_models_downstream(moe_smoke: tuple[Path, str]) -> None:
+    """lm-eval's HFLM stopped on this OLMoE (a 64-token context; a few candidate lines are longer): every headline
+    model and the noise band's raw snapshots now have both tasks' scores, and the report shows the table."""
+    from pmakit.runs import read_jsonl
+
+    run, _ = moe_smoke
+    rows = read_jsonl(run / "downstream.jsonl")
+    assert {r["task"] for r in rows} == {"pmakit_next_line", "pmakit_bpb"}
+    latest = [r for r in rows if r["model"] == "latest" and r["metric"] == "acc"]
+    assert latest and all(len(r["items"]) > 100 for r in latest)
+    assert any(r["model"] == "annealed" for r in rows) and any(r["role"] == "noise" for r in rows)
+    assert "Downstream tasks (lm-evaluation-harness, test items)" in (run / "report.md").read_text()

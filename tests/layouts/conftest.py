@@ -63,7 +63,8 @@ def olmo_core_all(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     - ``ws2``: the last 4 of them loaded and saved again by OLMo-core under FSDP over 2 ranks (same weights);
     - ``cb-full``, ``cb-resumed``, ``cb-ws2``: pmakit's PMACallback on the Trainer, 8 steps, uninterrupted; killed
       after step 5 (its last checkpoint is step 4) and resumed by the Trainer; under FSDP over 2 ranks. Each has
-      ``save`` (OLMo-core's checkpoints) and ``pma`` (pmakit's snapshots and metrics.jsonl).
+      ``save`` (OLMo-core's checkpoints) and ``pma`` (pmakit's snapshots and metrics.jsonl); ``cb-full`` also
+      ``score-step2.json``, its step-2 snapshot scored on the callback's lm-eval task outside the trainer.
     """
     pytest.importorskip("olmo_core")
     root = tmp_path_factory.mktemp("olmo_core")
@@ -79,6 +80,13 @@ def olmo_core_all(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         p["cb-full"] / "save",
         p["cb-full"] / "pma",
         8,
+        *(
+            "+",
+            "score",
+            p["cb-full"] / "pma" / "step-00000002",
+            root / "work",
+            p["cb-full"] / "score-step2.json",
+        ),
     )
     run_framework(
         script,

@@ -12,8 +12,10 @@ Modes (several, separated by ``+``, run in one process one after the other):
   pma-init CKPT SAVE DUMP Trainer.load_checkpoint(CKPT), its loaded weights saved to DUMP, then one training step
   experts E               the jobs after this one use the MoE model of E experts (0: dense), as ``--experts``
   cli ARGS...             ``python -m pmakit ARGS`` (rank 0), e.g. the merge the next job loads
+  score SNAPSHOT WORK OUT  a pmakit snapshot's weights in a fresh model, on the callback's lm-eval task (JSON to OUT)
   callback SAVE PMA STEPS [CRASH]  pmakit's OLMo-core PMACallback (snapshots into PMA every 2 steps' tokens, online
-                          merge of 3 evaluated by an LM evaluator every 2 steps, checkpoints every 2 steps);
+                          merge of 3 evaluated by an LM evaluator and on an lm-eval task every 2 steps,
+                          checkpoints every 2 steps);
                           with CRASH, the process dies (os._exit) right after step CRASH
 
 OLMo-core 3.0.0 trains, checkpoints and loads on CPU with gloo as it is, with two exceptions patched here: the MoE
@@ -24,6 +26,7 @@ OLMo-core's module-level FSDP world mesh between them (``build_world_mesh`` refu
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -233,6 +236,53 @@ class Crash(Callback):
             os._exit(17)
 
 
+CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 "  # ids 1..63, 0 is EOS
+
+
+def downstream_tasks(work: Path) -> Any:
+    """The callback's lm-eval tasks: a 32-item multiple choice (lm-eval YAML, local data) read by a character
+    tokenizer of the model's 64 ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from pmakit.eval.harness import LoopTasks
+    from pmakit.eval.tasks import choice_task_yaml
+
+    folder = work / "downstream"
+    if get_rank() == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        words = ["abc", "xyz", "klm", "QRS", "tuv", "DEF", "ghi", "nop"]
+        items = [{"context": f"w{i} is ", "choices": [words[(i + j) % 8] for j in range(4)], "label": i % 4}
+                 for i in range(32)]  # fmt: skip
+        (folder / "data.jsonl").write_text("".join(json.dumps(x) + "\n" for x in items))
+        (folder / "olmo_choice.yaml").write_text(choice_task_yaml("olmo_choice", folder / "data.jsonl"))
+    torch.distributed.barrier()
+    chars = Tokenizer(models.WordLevel({"~": 0, **{c: i + 1 for i, c in enumerate(CHARS)}}, unk_token="~"))
+    chars.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=chars, eos_token="~")
+    return LoopTasks(["olmo_choice"], tokenizer, limit=None, include=[folder])
+
+
+class Spy(Callback):
+    """After the callbacks of each step, the trainer's own ``eval_merged/`` metrics (what its loggers get) into
+    ``PMA/trainer_metrics.jsonl``."""
+
+    priority = -5
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def post_step(self) -> None:
+        found = {
+            k: float(v)
+            for k, v in self.trainer._metrics.get(self.step, {}).items()
+            if k.startswith("eval_merged/")
+        }
+        if found and get_rank() == 0:
+            with open(self.out, "a") as f:
+                f.write(json.dumps({"step": self.step, **found}) + "\n")
+
+
 def callback(save: Path, pma: Path, steps: int, crash: int | None) -> None:
     from pmakit.integrations.olmo_core import PMACallback
 
@@ -251,11 +301,28 @@ def callback(save: Path, pma: Path, steps: int, crash: int | None) -> None:
     callbacks: dict[str, Any] = {
         "checkpointer": CheckpointerCallback(save_interval=2, ephemeral_save_interval=None, save_async=False),
         "lm_evaluator": evaluator,
-        "pma": PMACallback(save_dir=str(pma), every_tokens=2 * TOKENS_PER_STEP, last=3),
+        "pma": PMACallback(
+            save_dir=str(pma), every_tokens=2 * TOKENS_PER_STEP, last=3, downstream=downstream_tasks(work)
+        ),
     }
+    callbacks["spy"] = Spy(pma / "trainer_metrics.jsonl")
     if crash is not None:
         callbacks["crash"] = Crash(crash)
     trainer(save, steps, callbacks).fit()
+
+
+def score(snapshot: Path, work: Path, out: Path) -> None:
+    """``snapshot``'s weights (pmakit's, in OLMo-core's names) in a freshly built model, scored by the callback's
+    lm-eval tasks outside any trainer: what the callback logged for a merge of that one snapshot."""
+    from safetensors.torch import load_file
+
+    from pmakit.integrations.olmo_core import CausalLMView
+
+    model = model_config().build(init_device="cpu")
+    model.load_state_dict(load_file(snapshot / "model.safetensors"))
+    scores = downstream_tasks(work).scores(CausalLMView(model.eval(), SEQ))
+    if get_rank() == 0:
+        out.write_text(json.dumps(scores))
 
 
 def run_job(mode: str, args: list[str]) -> None:
@@ -283,6 +350,8 @@ def run_job(mode: str, args: list[str]) -> None:
         pma_init(args[0], Path(args[1]), Path(args[2]))
     elif mode == "train-to":
         train(args[1], int(args[2]), Path(args[0]))
+    elif mode == "score":  # a pmakit snapshot of the model in a fresh Transformer, on the callback's tasks
+        score(Path(args[0]), Path(args[1]), Path(args[2]))
     elif mode == "callback":
         crash = int(args[3]) if len(args) > 3 else None
         callback(Path(args[0]), Path(args[1]), int(args[2]), crash)

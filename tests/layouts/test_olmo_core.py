@@ -240,3 +240,20 @@ def test_callback_resumes_the_interrupted_window(olmo_core_callback_runs: dict[s
     for step in (6, 8):
         assert resumed[step]["metrics"] == full[step]["metrics"], step
     assert [s.step for s in discover(olmo_core_callback_runs["resumed"] / "pma")] == [2, 4, 6, 8]
+
+
+def test_callback_scores_the_average_on_lm_eval_tasks(olmo_core_callback_runs: dict[str, Path]) -> None:
+    """At each evaluation the average is scored on an lm-eval task (OLMo-core's Transformer seen by HFLM through
+    CausalLMView): in metrics.jsonl and the trainer's own metrics, alike; at step 2 the average is the step-2
+    snapshot alone and scores what its weights score in a fresh model outside the trainer; a resumed run and the
+    FSDP run over 2 ranks log the same scores."""
+    keys = ("eval_merged/olmo_choice/acc", "eval_merged/olmo_choice/acc_norm")
+    run = olmo_core_callback_runs["full"]
+    logged = {s: {k: r[k] for k in keys} for s, r in evals(run).items()}
+    assert sorted(logged) == [2, 4, 6, 8] and all(0 <= v <= 1 for x in logged.values() for v in x.values())
+    lines = (run / "pma" / "trainer_metrics.jsonl").read_text().splitlines()
+    assert {r["step"]: {k: r[k] for k in keys} for r in map(json.loads, lines)} == logged
+    assert json.loads((run / "score-step2.json").read_text()) == logged[2]
+    resumed, ws2 = evals(olmo_core_callback_runs["resumed"]), evals(olmo_core_callback_runs["ws2"])
+    assert all(resumed[s][k] == logged[s][k] for s in (6, 8) for k in keys)
+    assert all(ws2[s][k] == logged[s][k] for s in logged for k in keys)

@@ -43,6 +43,14 @@ def _select(inputs: Sequence[Path | str], **selection: Any) -> list[Any]:
     "sum is not 1. Replaces --method.",
 )
 @opt.selection
+@click.option(
+    "--recipe",
+    default=None,
+    metavar="RECIPE",
+    help="The snapshots and weights in the grammar pmakit eval, tune and sweep-rank use: latest, back:K, sma:N, "
+    "wma:N, ema:ALPHA[:N], wsm:SHAPE:N (+ :every=V :until=T), or a pmakit tune output. Replaces --method, "
+    "--alpha, --weights, --last, --every and --until.",
+)
 @opt.dtype("Output dtype of float tensors (accumulation is always fp32).", show_default=True)
 @click.option(
     "--max-shard-size",
@@ -94,6 +102,8 @@ def _select(inputs: Sequence[Path | str], **selection: Any) -> list[Any]:
 def merge(device: str, quiet: bool, **options: Any) -> None:
     from pmakit.world import init_from_env, shutdown
 
+    if options["recipe"] is not None:
+        _check_recipe_alone(click.get_current_context())
     world = init_from_env(device)
     try:
         _merge(**options, quiet=quiet or world.rank != 0, world=world)
@@ -112,6 +122,7 @@ def _merge(
     until: int | None,
     tokens_per_step: int | None,
     exclude: tuple[Path, ...],
+    recipe: str | None,
     dtype: str,
     max_shard_size: int,
     force: bool,
@@ -125,21 +136,14 @@ def _merge(
     world: Any,
 ) -> None:
     from pmakit.merge import merge as run_merge
-    from pmakit.weights import get_weights, uses_alpha
 
-    if alpha is not None and (custom is not None or not uses_alpha(method)):
-        raise PmakitError(
-            f"--alpha is the EMA factor: it does nothing with --{'weights' if custom else 'method ' + method}"
-        )
-    alpha = 0.2 if alpha is None else alpha
     if isinstance(output, str):
         output = _check_url_output(
             output, inputs, from_previous is not None or keep_fp32, world, force, resume
         )
-    chosen = _select(
-        inputs, last=last, every=every, until=until, tokens_per_step=tokens_per_step, exclude=exclude
+    chosen, weights, (method, alpha, custom, last, every, until) = _choose(
+        inputs, recipe, (method, alpha, custom, last, every, until), tokens_per_step, exclude
     )
-    weights = get_weights("custom" if custom is not None else method, len(chosen), alpha=alpha, custom=custom)
     terms, term_weights, window = chosen, weights, None
     extra: dict[str, Any] = {}
     if from_previous is not None:
@@ -152,7 +156,10 @@ def _merge(
         _print_plan(plan, incremental=window is not None)
     if dry_run:
         return
-    extra.update(_merge_record(inputs, method, alpha, custom, last, every, until))
+    extra.update(
+        _merge_record(inputs, method, alpha, custom, last, every, until),
+        **({"recipe": recipe} if recipe else {}),
+    )
     with opt.progress(_rank_input_bytes(plan, world.rank), quiet, "merging") as progress:
         result = run_merge(
             terms,
@@ -180,6 +187,68 @@ def _merge(
         _print_result(plan, result, output)
         if result.url is not None:
             click.echo(f"published {result.url}")
+
+
+Choice = tuple[str, float, "list[float] | None", "int | None", "int | None", "int | None"]
+"""What --method, --alpha, --weights, --last, --every and --until say."""
+
+
+def _choose(
+    inputs: Sequence[Path | str],
+    recipe: str | None,
+    options: tuple[str, float | None, list[float] | None, int | None, int | None, int | None],
+    tokens_per_step: int | None,
+    exclude: Sequence[Path],
+) -> tuple[list[Any], list[float], Choice]:
+    """The snapshots, their weights and the options they stand for: the recipe's, or the options'."""
+    from pmakit.weights import get_weights, uses_alpha
+
+    if recipe is not None:
+        return _from_recipe(recipe, inputs, tokens_per_step, exclude)
+    method, alpha, custom, last, every, until = options
+    if alpha is not None and (custom is not None or not uses_alpha(method)):
+        raise PmakitError(
+            f"--alpha is the EMA factor: it does nothing with --{'weights' if custom else 'method ' + method}"
+        )
+    a = 0.2 if alpha is None else alpha
+    chosen = _select(
+        inputs, last=last, every=every, until=until, tokens_per_step=tokens_per_step, exclude=exclude
+    )
+    weights = get_weights("custom" if custom is not None else method, len(chosen), alpha=a, custom=custom)
+    return chosen, weights, (method, a, custom, last, every, until)
+
+
+RECIPE_REPLACES = ("method", "alpha", "custom", "last", "every", "until")
+
+
+def _check_recipe_alone(ctx: click.Context) -> None:
+    """--recipe says the window and the weights: an option that says them too is one error, not a silent pick."""
+    from click.core import ParameterSource
+
+    given = [p for p in RECIPE_REPLACES if ctx.get_parameter_source(p) not in (None, ParameterSource.DEFAULT)]
+    if given:
+        flag = {"custom": "weights"}.get(given[0], given[0])
+        raise PmakitError(f"--recipe says the snapshots and weights: it does not take --{flag} too")
+
+
+def _from_recipe(
+    text: str, inputs: Sequence[Path | str], tokens_per_step: int | None, exclude: Sequence[Path]
+) -> tuple[list[Any], list[float], Choice]:
+    """A recipe's snapshots and weights among the inputs' (``pmakit.eval.recipe``, as pmakit eval resolves it),
+    and the --method/--alpha/--weights/--last/--every/--until it stands for (the manifest's record, and what
+    --from-previous updates: a sma/ema recipe is the same merge as those options)."""
+    from pmakit.eval.recipe import parse_recipe, resolve
+    from pmakit.snapshot import gather
+    from pmakit.weights import uses_alpha
+
+    recipe = parse_recipe(text)
+    snapshots, _ = gather(opt.local(inputs), tokens_per_step, exclude)
+    resolved = resolve(recipe, snapshots)
+    chosen, weights = list(resolved.snapshots), list(resolved.weights)
+    if recipe.raw or recipe.method == "tune":  # one raw snapshot, or a tuned set: its weights as they are
+        return chosen, weights, ("custom", 0.2, weights, None, None, recipe.until)
+    alpha = recipe.alpha if uses_alpha(recipe.method) else 0.2
+    return chosen, weights, (recipe.method, alpha, None, recipe.n, recipe.every, recipe.until)
 
 
 def _check_url_output(

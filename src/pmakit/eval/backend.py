@@ -17,15 +17,15 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval.api.registry import register_model
-from lm_eval.models.huggingface import HFLM
 
+from pmakit.eval.lm import WindowedHFLM
 from pmakit.eval.model import build, build_path
 from pmakit.eval.recipe import parse_recipe, resolve
 
 
 @register_model("pmakit")
-class PmakitLM(HFLM):
-    """lm-eval's ``HFLM`` on a pmakit merge built in memory (``pmakit.eval.model.build``)."""
+class PmakitLM(WindowedHFLM):
+    """lm-eval's ``HFLM`` (``WindowedHFLM``) on a pmakit merge built in memory (``pmakit.eval.model.build``)."""
 
     def __init__(
         self, run: str | None = None, merge: str = "latest", path: str | None = None, **kwargs: Any

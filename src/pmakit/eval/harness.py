@@ -14,7 +14,8 @@ import difflib
 import logging
 import os
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,20 +88,43 @@ def check_tasks(names: Sequence[str], manager: Any) -> None:
 
 
 def hflm(model: Any, tokenizer: Any, *, batch_size: int = 8, device: str | None = "best") -> Any:
-    """lm-eval's ``HFLM`` around an in-memory model (nothing is loaded from disk).
+    """lm-eval's ``HFLM`` around an in-memory model (nothing is loaded from disk); a continuation longer than the
+    model's context is scored in windows (``pmakit.eval.lm``), not refused.
 
     ``device``: ``best`` moves the model to the GPU when there is one (a model built to be evaluated); None leaves
     it where it is (a trainer's model, evaluated in the loop)."""
     require_lm_eval()
     import torch
-    from lm_eval.models.huggingface import HFLM
+
+    from pmakit.eval.lm import WindowedHFLM
 
     if device == "best":
         device = "cuda" if torch.cuda.is_available() else "cpu"
         model = model.to(device)
     elif device is None:
         device = str(next(model.parameters()).device)
-    return HFLM(pretrained=model, tokenizer=tokenizer, device=device, batch_size=batch_size)
+    return WindowedHFLM(pretrained=model, tokenizer=tokenizer, device=device, batch_size=batch_size)
+
+
+@contextmanager
+def quiet_bars() -> Iterator[None]:
+    """No tqdm bar inside the block (lm-eval's per-request and task-building bars, ``datasets``' split bars: one
+    per task and model would flood a study's output), each bar as before after it. The environment is not touched
+    (``TQDM_DISABLE`` would silence every later tqdm of the process, and tqdm reads it only at import); pmakit's own
+    progress is rich's, not tqdm's."""
+    from tqdm import std
+
+    original = std.tqdm.__init__
+
+    def disabled(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs["disable"] = True
+        original(self, *args, **kwargs)
+
+    std.tqdm.__init__ = disabled
+    try:
+        yield
+    finally:
+        std.tqdm.__init__ = original
 
 
 def run_tasks(
@@ -118,13 +142,14 @@ def run_tasks(
     from lm_eval.evaluator import evaluate
 
     try:
-        loaded = _loaded(manager, tuple(tasks))
-        out = evaluate(lm=lm, task_dict=loaded, limit=limit, log_samples=True, fewshot_as_multiturn=True)
+        with quiet_bars():
+            loaded = _loaded(manager, tuple(tasks))
+            out = evaluate(lm=lm, task_dict=loaded, limit=limit, log_samples=True, fewshot_as_multiturn=True)
     except PmakitError:
         raise
     except Exception as exc:  # a task whose data is missing offline, a malformed YAML
         raise PmakitError(f"lm-eval could not run {', '.join(tasks)}: {first_line(exc)}") from None
-    if out is None:  # a rank other than 0 of a distributed lm-eval model
+    if out is None:  # lm-eval returns the results on rank 0 only (the other ranks of a torchrun job)
         return {}
     return {task: scores_of(out, task) for task in tasks if task in out["samples"]}
 

@@ -24,11 +24,13 @@ from pmakit.errors import PmakitError
 from pmakit.eval import harness, model, stats
 from pmakit.eval.recipe import Resolved, parse_recipe, resolve
 from pmakit.eval.tasks import TASKS, TaskSet, build_tasks
-from pmakit.runs import read_jsonl
+from pmakit.runs import atomic_write_text, read_jsonl
 
 log = logging.getLogger(__name__)
 
 EVALS = "evals.jsonl"
+REFERENCE = "evals.reference.json"
+"""Beside the rows: the reference of the last command that named one (``pmakit report`` compares with it)."""
 KEY_FIELDS = ("target", "recipe", "window", "v", "n", "weights_sha", "task", "metric", "limit", "split", "build",
               "lm_eval")  # fmt: skip
 
@@ -344,7 +346,7 @@ def command(
     from rich.console import Console
 
     out = output or default_output(targets)
-    out = out / EVALS if out.is_dir() else out
+    out = out / EVALS if out.is_dir() or out.suffix != ".jsonl" else out  # a new folder too: `-o results`
     spec = Spec(tasks=tuple(tasks), include=tuple(include), **options)
     err = Console(stderr=True)
     corpus = corpus_entry([corpus_of]) if corpus_of and any(t in TASKS for t in tasks) else None
@@ -353,6 +355,8 @@ def command(
     )
     if reference is not None and Path(reference).exists():
         reference = str(Path(reference).resolve())  # rows name targets by their resolved path
+    if reference is not None:  # what `pmakit report` compares with, beside the rows
+        atomic_write_text(out.parent / REFERENCE, json.dumps({"reference": reference}) + "\n", fsync=False)
     summary = summarize(rows, reference)
     console = Console(width=None if sys.stdout.isatty() else 200)
     console.print(render(summary))

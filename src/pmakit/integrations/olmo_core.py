@@ -9,6 +9,12 @@ evaluate (every ``eval_every``-th time), the average is loaded into the model, t
 metric prefix ``eval/pmakit`` (e.g. ``eval/pmakit/lm/CE loss``), and the trained weights are put back. Records
 also go to ``save_dir/metrics.jsonl``.
 
+With ``downstream=LoopTasks(tasks, tokenizer, limit=..., every=...)`` (``pmakit.eval.harness``) the loaded average is
+also scored on lm-eval tasks, as the HF and Lightning callbacks do: lm-eval's ``HFLM`` sees OLMo-core's
+``Transformer`` through a view that gives it ``forward(ids).logits`` and a config with the trainer's
+``max_sequence_length``. The scores are recorded as trainer metrics ``eval_merged/<task>/<metric>`` and in the
+merged record of metrics.jsonl. Every rank runs the same lm-eval pass (an FSDP model's forward needs them all).
+
 Resume-safe: the callback's state (the saver's token marks and the averager's window) is saved in OLMo-core's
 trainer state (``train/rankR.pt``), and on a resume the running sums are rebuilt from the window's snapshots on
 disk, so a window interrupted by a restart is completed, not skipped (OLMo-core's ``ModelMergeCallback`` skips
@@ -77,6 +83,9 @@ class PMACallback(Callback):
     """MoE router biases in the average: ``average`` or the newest snapshot's (``latest``), as ``merge --buffers``."""
     prefix: str = "eval/pmakit"
     """Metric prefix of the average's evaluation."""
+    downstream: Any = None
+    """lm-eval tasks the average is also scored on (``pmakit.eval.harness.LoopTasks``: tasks, tokenizer, limit,
+    every); None: none."""
     enabled: bool = True
 
     _core: PMACore | None = field(default=None, init=False, repr=False)
@@ -199,8 +208,21 @@ class PMACallback(Callback):
                 value = self.trainer.get_metric(name)
                 if value is not None:
                     metrics[name.removeprefix(self.prefix + "/")] = float(value)
+            scores = self._downstream_scores()
+        for key, score in scores.items():
+            self.trainer.record_metric(key, score)
         if _rank() == 0:
-            core.write(core.merged_record(tokens, self.step, {"metrics": metrics}))
+            core.write(core.merged_record(tokens, self.step, {"metrics": metrics, **scores}))
+
+    def _downstream_scores(self) -> dict[str, float]:
+        """``eval_merged/<task>/<metric>`` of the model as it is (the average), when the tasks are due."""
+        if self.downstream is None or not self.downstream.due():
+            return {}
+        context = int(getattr(self.trainer.train_module, "max_sequence_length", 0) or 2048)
+        box = [dict(self.downstream.scores(CausalLMView(self._model(), context)))]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)  # lm-eval gives the results to rank 0 only
+        return box[0]
 
     def _metric_names(self) -> list[str]:
         names = []
@@ -225,3 +247,29 @@ class PMACallback(Callback):
             yield
         finally:
             set_model_state_dict(model, backup, options=StateDictOptions(strict=False))
+
+
+class CausalLMView(torch.nn.Module):
+    """OLMo-core's ``Transformer`` as lm-eval's ``HFLM`` takes an in-memory model: ``forward(input_ids).logits``,
+    a ``config`` whose ``max_position_embeddings`` is the context lm-eval cuts inputs to, and ``tie_weights`` (a
+    no-op: the model is used as it is)."""
+
+    def __init__(self, model: torch.nn.Module, context: int) -> None:
+        from transformers import PretrainedConfig
+
+        super().__init__()
+        self.model = model
+        self.config = PretrainedConfig()
+        self.config.max_position_embeddings = context
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def tie_weights(self) -> None:
+        pass
+
+    def forward(self, input_ids: torch.Tensor, **_: Any) -> Any:
+        from transformers.modeling_outputs import CausalLMOutput
+
+        return CausalLMOutput(logits=self.model(input_ids))

@@ -590,7 +590,7 @@ def _evaluator(
         scratch.mkdir(parents=True, exist_ok=True)
         return Command(config.eval_cmd, scratch), {"eval_cmd": config.eval_cmd}, scratch
     if config.metric is not None:
-        return _downstream(run, newest, config)
+        return _downstream(run, newest, data, config)
     found = load_eval_data(data, run, newest, config)
     batches = split_batches(
         found.held, batch_size=found.batch_size, seq_len=found.seq_len, max_batches=config.batches
@@ -606,25 +606,47 @@ def _evaluator(
     return InMemory(newest.path, batches, compiled=config.compile), source, None
 
 
-def _downstream(run: Path, newest: Snapshot, config: TuneConfig) -> tuple[Losses, dict[str, Any], None]:
-    """Per-item losses of a downstream metric (``pmakit.eval.objective``) on the run's held-out tasks."""
+class DownstreamLosses:
+    """Per-item losses of a downstream metric (``pmakit.eval.objective``) on the run's held-out tasks, and the
+    learned-weights family for it: an accuracy has no gradient, so ``learn`` fits the weights on the held-out
+    next-token loss of the selection split (``learn_weights``, the selection side of the same held-out documents);
+    the learned trial is then scored by the metric on the selection items and kept only if it is better there."""
+
+    def __init__(self, objective: Any, learner: InMemory) -> None:
+        self.objective = objective
+        self.learner = learner
+
+    def __call__(self, candidate: Candidate, split: str) -> Generator[float, None, None]:
+        from pmakit.merge import average_states
+
+        states = [self.learner._state(s) for s in candidate.snapshots]  # one cache for scoring and learning
+        yield from self.objective.losses(average_states(states, list(candidate.weights)), split)
+
+    def learn(self, candidate: Candidate, steps: int) -> tuple[list[float], int]:
+        return self.learner.learn(candidate, steps)
+
+
+def _downstream(
+    run: Path, newest: Snapshot, data: str | None, config: TuneConfig
+) -> tuple[Losses, dict[str, Any], None]:
+    """The downstream metric's losses, with held-out batches of the selection split to learn weights on."""
     from pmakit.eval.objective import Downstream, describe
     from pmakit.eval.run import corpus_entry
-    from pmakit.formats import read_state
-    from pmakit.merge import average_states
+    from pmakit.train.data import split_batches
 
     assert config.metric is not None
     objective = Downstream(config.metric, newest.path, corpus_entry([run]))
-    states: dict[int, dict[str, torch.Tensor]] = {}
-
-    def losses(candidate: Candidate, split: str) -> Generator[float, None, None]:
-        for s in candidate.snapshots:
-            if s.tokens not in states:
-                states[s.tokens] = read_state(s.path)
-        merged = average_states([states[s.tokens] for s in candidate.snapshots], list(candidate.weights))
-        yield from objective.losses(merged, split)
-
-    return losses, {"source": "the run's held-out tasks (lm-eval)", **describe(objective)}, None
+    batches: dict[str, Any] = {}
+    source = {"source": "the run's held-out tasks (lm-eval)", **describe(objective)}
+    if config.learn_steps:
+        found = load_eval_data(data, run, newest, config)
+        held = split_batches(
+            found.held, batch_size=found.batch_size, seq_len=found.seq_len, max_batches=config.batches
+        )
+        batches = {"selection": held["selection"]}
+        source["learned_weights"] = "fitted on the held-out loss of the selection split, kept by the metric"
+    learner = InMemory(newest.path, batches)
+    return DownstreamLosses(objective, learner), source, None
 
 
 def _check_memory(snapshots: Sequence[Snapshot]) -> None:

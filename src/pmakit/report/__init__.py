@@ -114,8 +114,10 @@ def write_report(run_dir: str | Path) -> ReportPaths:
     """
     run_dir = Path(run_dir)
     _check_dir(run_dir)
-    from pmakit.report import recovery, replicas, scaling, sweep, train_run
+    from pmakit.report import evals, recovery, replicas, scaling, sweep, train_run
 
+    if evals.is_evals_only(run_dir):
+        return _render(run_dir, *evals.build(run_dir))
     if sweep.is_sweep(run_dir):
         return _render(run_dir, *sweep.build(run_dir))
     if recovery.study_of(run_dir):  # the spike / init studies have their own sections
@@ -126,7 +128,8 @@ def write_report(run_dir: str | Path) -> ReportPaths:
     if scaling.is_scaling(run_dir):
         return _render(run_dir, *scaling.build(run_dir))
     if train_run.is_train_run(run_dir):
-        return _render(run_dir, *train_run.build(run_dir))
+        blocks, drawn = train_run.build(run_dir)
+        return _render(run_dir, blocks + evals.blocks(run_dir), drawn)
     data = load_run(run_dir)
     forks = summarize_forks(data)
     base = base_interval(data)
@@ -231,8 +234,10 @@ def summary_text(run_dir: str | Path) -> str:
     """The headline numbers and the report's paths, in one terminal screen (about 25 lines at most)."""
     run_dir = Path(run_dir)
     _check_dir(run_dir)
-    from pmakit.report import recovery, replicas, scaling, sweep, train_run
+    from pmakit.report import evals, recovery, replicas, scaling, sweep, train_run
 
+    if evals.is_evals_only(run_dir):
+        return evals.summary(run_dir)
     if sweep.is_sweep(run_dir):
         return sweep.summary(run_dir)
     if recovery.study_of(run_dir):

@@ -789,9 +789,10 @@ def build(
     from pmakit.report import spectrum
 
     blocks += spectrum.blocks(data.run_dir, figs.spectrum)
-    from pmakit.report import downstream, moe
+    from pmakit.report import downstream, evals, moe
 
     blocks += downstream.blocks(data.run_dir)
+    blocks += evals.blocks(data.run_dir)
     blocks += moe.blocks(data.run_dir)
     blocks += run_blocks(exp, data.run_dir)
     blocks.append(Heading("Files"))
