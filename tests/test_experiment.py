@@ -29,7 +29,7 @@ def rows(run: Path) -> list[dict[str, str]]:
 def test_results_have_the_contract_columns_and_every_kind_of_model(smoke: tuple[Path, str]) -> None:
     run, _ = smoke
     with open(run / "results.csv") as f:
-        assert next(csv.reader(f))[: len(RESULT_COLUMNS)] == RESULT_COLUMNS
+        assert next(csv.reader(f))[: len(RESULT_COLUMNS)] == list(RESULT_COLUMNS)
     kinds = {(r["model"], r["method"]) for r in rows(run)}
     assert {
         ("latest", ""),

@@ -110,7 +110,9 @@ def test_merge_on_the_gpu_matches_the_cpu_merge(tmp_path: Path) -> None:
         # The user's --device cuda stands, with one line on what was measured (the CPU fold is not told anything).
         notes = [line for line in r.stderr.splitlines() if line.startswith("info: --device cuda: ")]
         assert len(notes) == (1 if device == "cuda" else 0), r.stderr
-        assert all("the GPU fold measured within the CPU fold's run-to-run spread" in note for note in notes), notes
+        assert all(
+            "the GPU fold measured within the CPU fold's run-to-run spread" in note for note in notes
+        ), notes
     cpu, gpu = _merged(tmp_path / "cpu"), _merged(tmp_path / "cuda")
     assert cpu.keys() == gpu.keys()
     for k in cpu:

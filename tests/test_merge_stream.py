@@ -243,7 +243,10 @@ def test_the_device_note_for_a_merge_from_disk(make_run: Callable[..., Path]) ->
     snaps = discover(make_run(2))
     note = merge_mod.device_note("cuda", snaps)
     assert note is not None and note.startswith("--device cuda: ") and "\n" not in note
-    assert "the GPU fold measured within the CPU fold's run-to-run spread" in note and "folding on the GPU as asked" in note
+    assert (
+        "the GPU fold measured within the CPU fold's run-to-run spread" in note
+        and "folding on the GPU as asked" in note
+    )
     assert merge_mod.device_note("cpu", snaps) is None
 
 

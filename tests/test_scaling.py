@@ -17,7 +17,8 @@ import torch
 
 from conftest import SRC, run_cli
 from pmakit.config import load
-from pmakit.lab.scaling import Plan, Recipe, _section, plans, split_batches, window
+from pmakit.lab.evaldata import split_batches
+from pmakit.lab.scaling import Plan, Recipe, _section, plans, window
 from pmakit.train.loop import TrainConfig
 
 KINDS = {"merge", "anneal", "latest"}

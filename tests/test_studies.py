@@ -121,7 +121,7 @@ def test_spike_writes_every_output_with_the_documented_columns(spike: tuple[Path
                  "report.md", "report.html", "plots/spike_val_loss.png", "plots/spike_train_loss.png"):  # fmt: skip
         assert (run / name).is_file(), name
     with open(run / "results.csv") as f:
-        assert next(csv.reader(f)) == STUDY_COLUMNS
+        assert next(csv.reader(f)) == list(STUDY_COLUMNS)
     exp = json.loads((run / "experiment.json").read_text())
     assert exp["study"] == "spike" and exp["preset"] == "spike"
     assert "stable-phase LR x 1 = 0.005" in exp["resume_lr"]

@@ -18,7 +18,8 @@ import torch
 
 from conftest import SRC, run_cli
 from pmakit.config import load
-from pmakit.lab.scaling import Recipe, split_batches
+from pmakit.lab.evaldata import split_batches
+from pmakit.lab.scaling import Recipe
 from pmakit.lab.sweep import KINDS, _section, fixed_window, plans, recipe_window
 from pmakit.report.sweep import PAIRS, agreement, rank_table
 from pmakit.train.loop import TrainConfig
@@ -54,6 +55,22 @@ def test_every_candidate_has_every_estimate_at_every_point(smoke: Path) -> None:
             assert r["merged"] == 4 and r["window_start_tokens"] == r["tokens"] - 3 * 2048
         if r["kind"] == "tuned":
             assert 0 < r["window_start_tokens"] < r["tokens"] and r["merged"] >= 2
+
+
+def test_results_csv_is_the_sweep_table_of_results_jsonl(smoke: Path) -> None:
+    import csv
+
+    from pmakit.report.schema import SWEEP_COLUMNS
+
+    with open(smoke / "results.csv", newline="") as f:
+        table = list(csv.DictReader(f))
+    assert list(table[0]) == list(
+        SWEEP_COLUMNS
+    )  # its own columns (it once had the scaling study's, all but empty)
+    rows = jsonl(smoke / "results.jsonl")
+    assert [(r["candidate"], r["kind"], r["tokens"]) for r in table] == [
+        (r["candidate"], r["kind"], str(r["tokens"])) for r in rows
+    ]
 
 
 def test_tuned_recipe_is_chosen_on_the_selection_split_only(smoke: Path) -> None:

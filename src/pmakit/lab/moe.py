@@ -55,19 +55,27 @@ RULES = ("average", "latest")
 """The merge's rules for router biases (``pmakit.layouts.kinds``, ``pmakit merge --buffers``)."""
 
 
-def run_moe_study(
+def resolve(data: Mapping[str, Any]) -> Any:
+    """The config ``data`` checked whole: the PMA study's, on a mixture-of-experts model."""
+    from pmakit.lab import pma
+
+    study = pma.resolve(data)
+    if not study.train.model.moe:
+        raise PmakitError("the moe study needs a mixture-of-experts model: set train.model.experts")
+    return study
+
+
+def run_study(
     data: Mapping[str, Any], run_dir: str | Path, *, fresh: bool = False, progress: bool = True
 ) -> Path:
     """The PMA study on the MoE model, then the MoE tables and the report; returns the report's path."""
-    from pmakit.lab.pma import resolve, run_pma_study
+    from pmakit.lab import pma
     from pmakit.report import write_report
     from pmakit.train.loop import load_corpus
 
     study = resolve(data)
-    if not study.train.model.moe:
-        raise PmakitError("the moe study needs a mixture-of-experts model: set train.model.experts")
     run_dir = Path(run_dir)
-    run_pma_study(data, run_dir, fresh=fresh, progress=progress)
+    pma.run_study(data, run_dir, fresh=fresh, progress=progress)
     if not (run_dir / MOE_JSON).is_file():
         atomic_write_json(run_dir / MOE_JSON, moe_tables(study, run_dir, load_corpus(study.train)))
     paths = write_report(run_dir)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import datetime
 import json
 import logging
 import math
@@ -46,24 +45,25 @@ from pmakit.config import (
     from_mapping,
 )
 from pmakit.errors import PmakitError
-from pmakit.evaluate import EvalResult, batch_losses, paired_difference, result_of
+from pmakit.evaluate import EvalResult, paired_difference
 from pmakit.formats import read_state
-from pmakit.lab.results import remove_run
+from pmakit.lab.context import StudyRun, check_same_config, jsonable, open_run, utc_now
+from pmakit.lab.results import ResultRows, write_csv
+from pmakit.lab.scoring import SplitScorer
+from pmakit.lab.trunk import anneal_fork, log_phase
 from pmakit.merge import average_states
+from pmakit.report.schema import PMA_COLUMNS
 from pmakit.runs import (
     MAIN_RUN,
     RESULTS,
     RESULTS_CSV,
     anneal_run,
-    append_jsonl,
-    atomic_open,
     checkpoint_dir,
-    kept_checkpoint_dir,
     read_jsonl,
     run_relative,
     snapshots_dir,
 )
-from pmakit.schedule import DECAY_SHAPES, WSD
+from pmakit.schedule import DECAY_SHAPES
 from pmakit.snapshot import Snapshot, discover
 from pmakit.train.loop import TrainConfig, Trainer
 from pmakit.units import format_tokens
@@ -77,10 +77,7 @@ FIXED_N = 10
 
 log = logging.getLogger(__name__)
 
-RESULT_COLUMNS = [
-    "fork_tokens", "model", "method", "n", "v_tokens", "alpha", "tokens", "window_start_tokens",
-    "val_loss", "val_loss_se", "bpb", "delta_vs_latest", "delta_se", "label", "split", "role",
-]  # fmt: skip
+RESULT_COLUMNS = PMA_COLUMNS
 
 
 @dataclass(frozen=True)
@@ -200,20 +197,16 @@ def resolve(data: Mapping[str, Any]) -> Study:
 # Running
 
 
-def run_pma_study(
+def run_study(
     data: Mapping[str, Any], run_dir: str | Path, *, fresh: bool = False, progress: bool = True
 ) -> Path:
     """Run (or resume) the PMA study into ``run_dir``; returns the report's path."""
     from pmakit.train.loop import load_corpus
 
     study = resolve(data)
-    run_dir = Path(run_dir)
-    if fresh and run_dir.exists():
-        remove_run(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _check_same_config(run_dir, study)
+    run = open_run(run_dir, _config_stamp(study), fresh=fresh, **_stamp_rules())
+    run_dir = run.dir
     seconds: dict[str, float] = {}
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     t = time.perf_counter()
     cfg = study.train
     corpus = load_corpus(cfg)
@@ -222,7 +215,7 @@ def run_pma_study(
     t = time.perf_counter()
     main = Trainer(cfg, run_dir / MAIN_RUN, corpus=corpus, progress=progress)
     model = main.describe()
-    _log_phase(
+    log_phase(
         f"constant-LR run to {format_tokens(cfg.total_tokens)} tokens "
         f"({model['parameters'] / 1e6:.2f}M parameters, {model['precision']})",
         main.tokens,
@@ -234,7 +227,8 @@ def run_pma_study(
 
     t = time.perf_counter()
     for fork in study.forks:
-        _anneal(study, fork, run_dir, corpus, progress)
+        anneal_fork(cfg, study.exp.anneal_shape, fork.fork_tokens, fork.anneal_tokens, run_dir, run_dir / MAIN_RUN,
+                    corpus, progress)  # fmt: skip
     seconds["anneal"] = time.perf_counter() - t
 
     grid, heldout = _evaluate(study, run_dir, main, corpus, progress, seconds)
@@ -250,7 +244,7 @@ def run_pma_study(
     _write_curves(run_dir, study)
     headline = grid.write_headline_merge()
     seconds["total"] = sum(seconds.values())
-    _write_experiment_json(run_dir, study, main, corpus, seconds, started, headline, heldout)
+    _write_experiment_json(run, study, main, corpus, seconds, headline, heldout)
     from pmakit.report import write_report
 
     paths = write_report(run_dir)
@@ -286,44 +280,6 @@ def _evaluate(
     return grid, {**held.describe(), "batches": {k: len(v) for k, v in batches.items()}}
 
 
-def _log_phase(what: str, done: int, total: int) -> None:
-    if done >= total:
-        log.info("%s: already done", what)
-    else:
-        log.info("%s", what)
-
-
-def _anneal(study: Study, fork: Fork, run_dir: Path, corpus: Any, progress: bool) -> None:
-    cfg = study.train
-    branch = anneal_run(run_dir, fork.fork_tokens)
-    schedule = WSD(
-        peak_lr=cfg.lr,
-        warmup=cfg.warmup_tokens,
-        decay_start=fork.fork_tokens,
-        decay_end=fork.eval_tokens,
-        shape=study.exp.anneal_shape,
-    )
-    resume_from = (
-        None if checkpoint_dir(branch).exists() else kept_checkpoint_dir(run_dir / MAIN_RUN, fork.fork_tokens)
-    )
-    # About five evaluations along each branch, so its curve shows the anneal's shape.
-    eval_every = max(1, fork.anneal_tokens // cfg.every_tokens // 5)
-    branch_cfg = replace(cfg, keep_checkpoints_at=(), total_tokens=fork.eval_tokens, eval_every=eval_every)
-    trainer = Trainer(
-        branch_cfg, branch, corpus=corpus, schedule=schedule, resume_from=resume_from, progress=progress
-    )
-    _log_phase(
-        f"anneal branch from {format_tokens(fork.fork_tokens)} over {format_tokens(fork.anneal_tokens)} "
-        "tokens",
-        trainer.tokens,
-        fork.eval_tokens,
-    )
-    try:
-        trainer.fit(until_tokens=fork.eval_tokens)
-    finally:
-        trainer.close()
-
-
 class _Grid:
     """Evaluates latest, annealed and merged models at each fork's end, appending rows as they finish.
 
@@ -347,10 +303,11 @@ class _Grid:
         self.bytes_per_token = bytes_per_token
         self.snapshots = {s.tokens: s for s in discover(snapshots_dir(run_dir / MAIN_RUN))}
         self._states: dict[int, dict[str, torch.Tensor]] = {}
-        self.rows = _current_rows(run_dir)
-        self._done = {_key(r) for r in self.rows}
+        self.results = ResultRows(run_dir / RESULTS, _key, _current_rows(run_dir))
+        self.rows = self.results.rows
         self._latest: dict[tuple[int, str], EvalResult] = {}
         self.compiled = study.exp.compiled
+        self.scorer = SplitScorer(trainer.model, batches, bytes_per_token, compiled=self.compiled)
 
     # -- what to evaluate
 
@@ -430,12 +387,12 @@ class _Grid:
 
     def run(self, progress: bool, plan: list[dict[str, Any]] | None = None) -> None:
         plan = self.plan() if plan is None else plan
-        todo = [i for i in plan if _key(i) not in self._done]
+        todo = [i for i in plan if _key(i) not in self.results]
         split = plan[0]["split"] if plan else "selection"
         if not todo:
             log.info("evaluations on the %s split: already done", split)
             return
-        log.info("evaluating %d models on %d %s batches", len(todo), len(self._batches(split)), split)
+        log.info("evaluating %d models on %d %s batches", len(todo), len(self.scorer.batches[split]), split)
         with _bar(len(todo), progress, f"evaluating ({split} split)") as advance:
             for item in todo:
                 row = self._evaluate(item)
@@ -479,18 +436,12 @@ class _Grid:
             "batch_losses": result.batch_losses,
         }
 
-    def _batches(self, split: str) -> Sequence[Any]:
-        return self.test_batches if split == "test" else self.batches
-
     def _score(self, state: Mapping[str, torch.Tensor], split: str) -> EvalResult:
-        return result_of(list(self._losses(state, split)), self.bytes_per_token)
+        return self.scorer(state, split)
 
     def _losses(self, state: Mapping[str, torch.Tensor], split: str) -> Generator[float, None, None]:
         """``state``'s loss on each batch of ``split`` in turn (the tuner may stop part way)."""
-        from pmakit.train.loop import swapped
-
-        with swapped(self.trainer.model, state):
-            yield from batch_losses(self.trainer.model, self._batches(split), compiled=self.compiled)
+        return self.scorer.losses(state, split)
 
     def _grid_cells(self, item: Mapping[str, Any], space: Space, scorer: Scorer) -> list[dict[str, Any]]:
         """The fork's grid merges as the tuner's parameters, best first on the selection split, each primed into
@@ -621,10 +572,10 @@ class _Grid:
         return average_states([self._state(s) for s in chosen], weights)
 
     def _append(self, row: dict[str, Any]) -> None:
-        self.rows.append(row)
-        self._done.add(_key(row))
-        append_jsonl(self.run_dir / RESULTS, row)
-        _write_results_csv(self.run_dir, self.rows)
+        self.results.add(row)
+        write_csv(
+            self.run_dir / RESULTS_CSV, RESULT_COLUMNS, self.rows
+        )  # rewritten from results.jsonl on resume
 
     # -- the headline merge, written by the real engine
 
@@ -710,14 +661,6 @@ def _label(item: Mapping[str, Any], cfg: TrainConfig) -> str:
     return f"{method}{alpha} N={item['n']} V={vm}x ({format_tokens(item['v_tokens'])})"
 
 
-def _write_results_csv(run_dir: Path, rows: Sequence[Mapping[str, Any]]) -> None:
-    with atomic_open(run_dir / RESULTS_CSV, fsync=False) as f:  # rewritten from results.jsonl on resume
-        w = csv.writer(f)
-        w.writerow(RESULT_COLUMNS)
-        for r in rows:
-            w.writerow(["" if r.get(c) is None else r[c] for c in RESULT_COLUMNS])
-
-
 def _write_curves(run_dir: Path, study: Study) -> None:
     """Loss-vs-tokens of the constant-LR run, its online merge, and each anneal branch (from metrics.jsonl)."""
     from pmakit.metrics import read_metrics
@@ -742,28 +685,24 @@ def _write_curves(run_dir: Path, study: Study) -> None:
 
 
 def _write_experiment_json(
-    run_dir: Path,
+    run: StudyRun,
     study: Study,
     trainer: Trainer,
     corpus: Any,
     seconds: dict[str, float],
-    started: str,
     headline: dict[str, Any] | None,
     heldout: dict[str, Any],
 ) -> None:
-    previous = {}
-    path = run_dir / "experiment.json"
-    if path.exists():
-        previous = json.loads(path.read_text())
+    previous = run.previous()
     record = {
         "preset": study.preset,
-        "config": {"train": _jsonable(study.train.to_dict()), "experiment": _jsonable(asdict(study.exp))},
-        "started": previous.get("started", started),
-        "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "config": _config_stamp(study),
+        "started": previous.get("started", run.started),
+        "finished": utc_now(),
         # Time spent over every invocation: a resumed study adds what this one did to what the earlier ones did.
         "seconds": {k: round(v + previous.get("seconds", {}).get(k, 0.0), 1) for k, v in seconds.items()},
         "model": trainer.describe(),
-        "corpus": _jsonable(corpus.files),
+        "corpus": jsonable(corpus.files),
         "forks": [{**asdict(f), "eval_tokens": f.eval_tokens} for f in study.forks],
         "base_every_tokens": study.train.every_tokens,
         "tokens_per_step": study.train.tokens_per_step,
@@ -774,11 +713,7 @@ def _write_experiment_json(
         "torch_version": torch.__version__,
         "threads": torch.get_num_threads(),
     }
-    path.write_text(json.dumps(record, indent=2) + "\n")
-
-
-def _jsonable(x: Any) -> Any:
-    return json.loads(json.dumps(x, default=str))
+    (run.dir / "experiment.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
 _ANALYSIS_ONLY = ("plane_grid", "plane_batches", "compile_eval", "oracle", "downstream")
@@ -787,38 +722,22 @@ _ANALYSIS_ONLY = ("plane_grid", "plane_batches", "compile_eval", "oracle", "down
 _BEFORE_THE_KEY: dict[str, dict[str, Any]] = {"experiment": {"tune_learn_steps": 0}}
 
 
+def _config_stamp(study: Study) -> dict[str, Any]:
+    """What RUN/config.json holds: the resolved train and experiment sections."""
+    return {"train": jsonable(study.train.to_dict()), "experiment": jsonable(asdict(study.exp))}
+
+
+def _stamp_rules() -> dict[str, Any]:
+    """How a resumed study's config is compared with its stamp (``pmakit.lab.context.check_same_config``)."""
+    defaults = {"train": _defaults(TrainConfig), "experiment": _defaults(ExperimentConfig)}
+    for section, values in _BEFORE_THE_KEY.items():
+        defaults[section] = {**defaults[section], **values}
+    return {"ignore": {"experiment": _ANALYSIS_ONLY}, "defaults": defaults, "indent": 2}
+
+
 def _check_same_config(run_dir: Path, study: Study) -> None:
     """Resuming with another config would mix two studies in one results file: refuse it."""
-    stamp = run_dir / "config.json"
-    current = {"train": _jsonable(study.train.to_dict()), "experiment": _jsonable(asdict(study.exp))}
-    if stamp.exists():
-        saved = json.loads(stamp.read_text())
-        for key in _ANALYSIS_ONLY:  # they change no result row, so a resumed study may turn them on or off
-            for d in (saved.get("experiment", {}), current["experiment"]):
-                d.pop(key, None)
-        defaults = {"train": _defaults(TrainConfig), "experiment": _defaults(ExperimentConfig)}
-        newer: dict[str, Any] = {}  # keys newer than the saved run: what it did instead
-        for section, values in current.items():
-            for key in values.keys() - saved.get(section, {}).keys():
-                newer[f"{section}.{key}"] = _BEFORE_THE_KEY.get(section, {}).get(
-                    key, defaults[section].get(key)
-                )
-                saved.setdefault(section, {})[key] = newer[f"{section}.{key}"]
-        if saved != current:
-            changed = sorted(
-                f"{section}.{k}"
-                for section in current
-                for k in current[section]
-                if saved.get(section, {}).get(k) != current[section][k]
-            )
-            older = [f"{k}: {json.dumps(newer[k])}" for k in changed if k in newer]
-            raise PmakitError(
-                f"{run_dir} holds a study with another config (changed: {', '.join(changed)}); "
-                + (f"it is from an older pmakit that ran as {', '.join(older)}; " if older else "")
-                + "pass --fresh to start over or use another -o"
-            )
-    else:
-        stamp.write_text(json.dumps(current, indent=2) + "\n")
+    check_same_config(run_dir, _config_stamp(study), **_stamp_rules())
 
 
 def _defaults(cls: type) -> dict[str, Any]:
@@ -829,7 +748,7 @@ def _defaults(cls: type) -> dict[str, Any]:
             out[f.name] = f.default
         elif f.default_factory is not dataclasses.MISSING:
             out[f.name] = f.default_factory()
-    return _jsonable(out)
+    return jsonable(out)
 
 
 class _bar:

@@ -40,8 +40,6 @@ gradient-norm curves.
 
 from __future__ import annotations
 
-import csv
-import datetime
 import json
 import logging
 import math
@@ -70,16 +68,17 @@ from pmakit.config import (
 )
 from pmakit.errors import PmakitError
 from pmakit.evaluate import EvalResult, paired_difference
+from pmakit.lab.context import jsonable, open_run, utc_now
+from pmakit.lab.results import ResultRows, write_csv
+from pmakit.lab.scoring import SplitScorer
 from pmakit.merge import average_states
+from pmakit.report.schema import RECOVERY_COLUMNS, RECOVERY_CURVE_COLUMNS, RECOVERY_TRAIN_CURVE_COLUMNS
 from pmakit.runs import (
     RESULTS,
     RESULTS_CSV,
-    append_jsonl,
-    atomic_open,
     atomic_write_text,
     checkpoint_dir,
     kept_checkpoint_dir,
-    read_jsonl,
     snapshots_dir,
     trainer_state,
 )
@@ -92,24 +91,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STUDIES = ("spike", "init")
-STUDY_COLUMNS = [
-    "study", "seed", "stage", "model", "method", "n", "optimizer", "resume_lr", "start_tokens", "tokens",
-    "window_start_tokens", "val_loss", "val_loss_se", "bpb", "delta_vs_latest", "delta_se", "delta_vs_control",
-    "delta_control_se", "grad_norm_mean", "grad_norm_max", "grad_norm_tv", "label",
-]  # fmt: skip
-"""results.csv columns. study: spike|init; seed: the training seed; stage: ``start`` (the weights an arm starts
-from, before any training), ``early`` (init study: after ``early_tokens``), ``final`` (at the end); model: the arm
-(``no-intervention``, ``latest/reset``, ``sma3/keep``, ... ; init: ``latest``, ``sma8``); method/n: the merge
-(``latest`` for one snapshot); optimizer: reset|keep (empty for the no-intervention run and start rows); resume_lr:
-the LR policy of the arm in words; start_tokens: where the arm starts; tokens: the training tokens of the scored
-weights; window_start_tokens: the oldest merged snapshot; val_loss/val_loss_se/bpb: mean nats per token on the
-fixed held-out batches and its s.e. over batches; delta_vs_latest/delta_se: this arm minus the latest-snapshot arm
-with the same optimizer, seed, stage (paired s.e. over batches; 0 for the latest arms); delta_vs_control/
-delta_control_se: this arm minus the no-intervention run at the same tokens (spike study); grad_norm_mean/max/tv:
-the arm's gradient norm over its first ``early_tokens`` (tv = mean absolute step-to-step change, a roughness
-measure); label: short human text."""
-CURVE_COLUMNS = ["series", "tokens", "val_loss", "val_loss_se", "arm", "seed"]
-TRAIN_CURVE_COLUMNS = ["arm", "seed", "step", "tokens", "loss", "grad_norm", "lr"]
+STUDY_COLUMNS = RECOVERY_COLUMNS
+"""results.csv columns (``pmakit.report.schema.RECOVERY_COLUMNS`` says what each holds)."""
+CURVE_COLUMNS = RECOVERY_CURVE_COLUMNS
+TRAIN_CURVE_COLUMNS = RECOVERY_TRAIN_CURVE_COLUMNS
 NO_INTERVENTION = "no-intervention"
 
 
@@ -206,6 +191,11 @@ class ResolvedStudy:
     train: TrainConfig
     spec: SpikeStudyConfig | InitStudyConfig
     preset: str
+
+
+def resolve(data: Mapping[str, Any]) -> ResolvedStudy:
+    """The config ``data`` checked whole (``resolve_study``): what ``pmakit experiment`` validates first."""
+    return resolve_study(data)
 
 
 def resolve_study(data: Mapping[str, Any]) -> ResolvedStudy:
@@ -317,28 +307,6 @@ def describe_resume_lr(train: TrainConfig, spec: SpikeStudyConfig) -> str:
 # --------------------------------------------------------------------------------------------------- running
 
 
-class _Scorer:
-    """Scores a state dict on the study's fixed held-out batches (the same ones every Trainer of the study uses)."""
-
-    def __init__(self, cfg: TrainConfig, corpus: Any) -> None:
-        from pmakit.train.data import val_batches
-        from pmakit.train.model import build_model, count_parameters
-
-        self.model = build_model(cfg.model, corpus.vocab_size, seed=0)
-        self.parameters = count_parameters(self.model)
-        self.batches = val_batches(
-            corpus.val, batch_size=cfg.batch_size, seq_len=cfg.model.seq_len, max_batches=cfg.eval_batches
-        )
-        self.bytes_per_token = corpus.bytes_per_token
-
-    def __call__(self, state: Mapping[str, torch.Tensor]) -> EvalResult:
-        from pmakit.evaluate import evaluate
-        from pmakit.train.loop import swapped
-
-        with swapped(self.model, state):
-            return evaluate(self.model, self.batches, bytes_per_token=self.bytes_per_token)
-
-
 @dataclass
 class _Ctx:
     """What every arm of a study shares."""
@@ -347,8 +315,12 @@ class _Ctx:
     run_dir: Path
     corpus: Any
     progress: bool
-    rows: list[dict[str, Any]]
-    scorer: _Scorer
+    results: ResultRows
+    scorer: SplitScorer
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        return self.results.rows
 
     def done(self, seed: int, stage: str, model: str) -> dict[str, Any] | None:
         return next(
@@ -359,32 +331,32 @@ class _Ctx:
         return EvalResult(row["val_loss"], row["val_loss_se"], row["bpb"], row["batch_losses"])
 
     def append(self, row: dict[str, Any]) -> None:
-        full = {**{c: None for c in STUDY_COLUMNS}, "study": self.study.kind, **row}
-        self.rows.append(full)
-        append_jsonl(self.run_dir / RESULTS, full)
-        _write_csv(self.run_dir / RESULTS_CSV, STUDY_COLUMNS, self.rows)
+        self.results.add({**{c: None for c in STUDY_COLUMNS}, "study": self.study.kind, **row})
+        write_csv(self.run_dir / RESULTS_CSV, STUDY_COLUMNS, self.rows)
 
 
 def run_study(
     data: Mapping[str, Any], run_dir: str | Path, *, fresh: bool = False, progress: bool = True
 ) -> Path:
     """Run (or resume) a spike or init study into ``run_dir``; returns the report's path."""
-    from pmakit.lab.results import remove_run
+    from pmakit.train.data import val_batches
     from pmakit.train.loop import load_corpus
 
     study = resolve_study(data)
-    run_dir = Path(run_dir)
-    if fresh and run_dir.exists():
-        remove_run(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _check_same_config(run_dir, study)
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    run = open_run(run_dir, _config_record(study), fresh=fresh, grows=(study.kind, "seeds"), indent=2)
+    run_dir, started = run.dir, run.started
     t0, cpu0 = time.perf_counter(), _cpu_seconds()
     load0 = os.getloadavg()
     cfg = study.train
     # One corpus (and so one held-out set) for every seed: the seed changes only the init and the data order.
     corpus = load_corpus(cfg)
-    ctx = _Ctx(study, run_dir, corpus, progress, read_jsonl(run_dir / RESULTS), _Scorer(cfg, corpus))
+    batches = val_batches(
+        corpus.val, batch_size=cfg.batch_size, seq_len=cfg.model.seq_len, max_batches=cfg.eval_batches
+    )
+    scorer = SplitScorer.build(
+        cfg.model, corpus, {"val": batches}
+    )  # the batches every Trainer of the study uses
+    ctx = _Ctx(study, run_dir, corpus, progress, ResultRows(run_dir / RESULTS, _row_key), scorer)
     per_seed: dict[str, Any] = {}
     for seed in study.spec.seeds:
         if study.kind == "spike":
@@ -554,7 +526,7 @@ def _detect_spikes(
     spikes = find_spikes(records, detector)
     info: dict[str, Any] = {
         "spikes": [s.to_dict() for s in spikes],
-        "detector": _jsonable(asdict(detector)),
+        "detector": jsonable(asdict(detector)),
         "push": {"at": spec.push_at, "tokens": spec.push_tokens, "factor": spec.push_factor},
     }
     return records, spikes, info
@@ -567,7 +539,7 @@ def _score_starts(
     start = chosen[-1].tokens
     for name, state in states.items():
         if ctx.done(seed, "start", name) is None:
-            res = ctx.scorer(state)
+            res = ctx.scorer(state, "val")
             ctx.append(
                 {
                     "seed": seed,
@@ -681,7 +653,7 @@ def _paired_final(ctx: _Ctx, seed: int, sma: str, optimizers: Sequence[str]) -> 
 
 def _rewrite(ctx: _Ctx) -> None:
     atomic_write_text(ctx.run_dir / RESULTS, "".join(json.dumps(r) + "\n" for r in ctx.rows))
-    _write_csv(ctx.run_dir / RESULTS_CSV, STUDY_COLUMNS, ctx.rows)
+    write_csv(ctx.run_dir / RESULTS_CSV, STUDY_COLUMNS, ctx.rows)
 
 
 # -------------------------------------------------------------------------------------------------- init study
@@ -761,7 +733,7 @@ def _continue_init_arm(
     }
     try:
         if ctx.done(seed, "start", arm) is None:
-            ctx.append({**common, "stage": "start", "tokens": spec.init_at, **_scores(ctx.scorer(state)),
+            ctx.append({**common, "stage": "start", "tokens": spec.init_at, **_scores(ctx.scorer(state, "val")),
                         "label": f"{arm} weights before continued training (seed {seed})"})  # fmt: skip
         early_end = spec.init_at + spec.early_tokens
         if ctx.done(seed, "early", arm) is None:
@@ -846,24 +818,17 @@ def _write_curves(ctx: _Ctx) -> None:
                               "loss": r["loss"], "grad_norm": r.get("grad_norm"), "lr": r.get("lr")})  # fmt: skip
     curves.sort(key=lambda r: (r["seed"], r["arm"], r["tokens"]))
     steps.sort(key=lambda r: (r["seed"], r["arm"], r["step"]))
-    _write_csv(ctx.run_dir / "curves.csv", CURVE_COLUMNS, curves)
-    _write_csv(ctx.run_dir / "train_curves.csv", TRAIN_CURVE_COLUMNS, steps)
-
-
-def _write_csv(path: Path, columns: Sequence[str], rows: Sequence[Mapping[str, Any]]) -> None:
-    with atomic_open(path, fsync=False) as f:  # tables of results.jsonl and the runs' metrics, written again
-        w = csv.writer(f)
-        w.writerow(columns)
-        for r in rows:
-            w.writerow(["" if r.get(c) is None else r[c] for c in columns])
-
-
-def _jsonable(x: Any) -> Any:
-    return json.loads(json.dumps(x, default=str))
+    write_csv(ctx.run_dir / "curves.csv", CURVE_COLUMNS, curves)
+    write_csv(ctx.run_dir / "train_curves.csv", TRAIN_CURVE_COLUMNS, steps)
 
 
 def _config_record(study: ResolvedStudy) -> dict[str, Any]:
-    return {"train": _jsonable(study.train.to_dict()), study.kind: _jsonable(asdict(study.spec))}
+    return {"train": jsonable(study.train.to_dict()), study.kind: jsonable(asdict(study.spec))}
+
+
+def _row_key(row: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What a result row measured: one seed's stage of one arm."""
+    return row["seed"], row["stage"], row["model"]
 
 
 def _write_experiment_json(
@@ -874,6 +839,8 @@ def _write_experiment_json(
     cpu_seconds: float,
     load_before: tuple[float, float, float],
 ) -> None:
+    from pmakit.train.model import count_parameters
+
     path = ctx.run_dir / "experiment.json"
     previous = json.loads(path.read_text()) if path.exists() else {}
     study = ctx.study
@@ -882,13 +849,13 @@ def _write_experiment_json(
         "preset": study.preset,
         "config": _config_record(study),
         "started": previous.get("started", started),
-        "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "finished": utc_now(),
         "seconds": {"total": round(seconds, 1), "cpu": round(cpu_seconds, 1)},
         # every invocation (a resumed or extended study adds one), so that the whole cost stays traceable
         "invocations": [
             *previous.get("invocations", []),
             {
-                "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "finished": utc_now(),
                 "seconds": round(seconds, 1),
                 "cpu_seconds": round(cpu_seconds, 1),
                 "seeds": list(study.spec.seeds),
@@ -902,16 +869,16 @@ def _write_experiment_json(
         },
         "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "model": {
-            "parameters": ctx.scorer.parameters,
+            "parameters": count_parameters(ctx.scorer.model),
             "layers": study.train.model.layers,
             "hidden": study.train.model.hidden,
             "vocab_size": ctx.corpus.vocab_size,
             "seq_len": study.train.model.seq_len,
         },
-        "corpus": _jsonable(ctx.corpus.files),
+        "corpus": jsonable(ctx.corpus.files),
         "base_every_tokens": study.train.every_tokens,
         "tokens_per_step": study.train.tokens_per_step,
-        "eval_batches": len(ctx.scorer.batches),
+        "eval_batches": len(ctx.scorer.batches["val"]),
         "seeds": per_seed,
         "pmakit_version": pmakit.__version__,
         "torch_version": torch.__version__,
@@ -920,35 +887,4 @@ def _write_experiment_json(
     if study.kind == "spike":
         assert isinstance(study.spec, SpikeStudyConfig)
         record["resume_lr"] = describe_resume_lr(study.train, study.spec)
-    path.write_text(json.dumps(_jsonable(record), indent=2) + "\n")
-
-
-def _check_same_config(run_dir: Path, study: ResolvedStudy) -> None:
-    stamp = run_dir / "config.json"
-    current = _config_record(study)
-    if stamp.exists():
-        saved = json.loads(stamp.read_text())
-        kind = study.kind
-        old_seeds, new_seeds = saved.get(kind, {}).get("seeds", []), current[kind]["seeds"]
-        if (
-            saved != current
-            and {**saved, kind: {**saved.get(kind, {}), "seeds": new_seeds}} == current
-            and set(old_seeds) <= set(new_seeds)
-        ):
-            # More seeds for a finished study: the seeds already done are kept, the new ones are run.
-            log.info("adding seeds %s to the study in %s", sorted(set(new_seeds) - set(old_seeds)), run_dir)
-            stamp.write_text(json.dumps(current, indent=2) + "\n")
-            return
-        if saved != current:
-            changed = sorted(
-                f"{section}.{k}"
-                for section in current
-                for k in current[section]
-                if saved.get(section, {}).get(k) != current[section][k]
-            ) or ["study"]
-            raise PmakitError(
-                f"{run_dir} holds a study with another config (changed: {', '.join(changed)}); "
-                "pass --fresh to start over or use another -o"
-            )
-    else:
-        stamp.write_text(json.dumps(current, indent=2) + "\n")
+    path.write_text(json.dumps(jsonable(record), indent=2) + "\n")

@@ -19,7 +19,6 @@ Re-running resumes: a finished arm is not trained again, an interrupted one resu
 from __future__ import annotations
 
 import csv
-import datetime
 import json
 import logging
 import os
@@ -31,12 +30,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
-import torch
-
 import pmakit
 from pmakit.config import AT_LEAST_2, check_fields, from_mapping
 from pmakit.errors import PmakitError
-from pmakit.evaluate import EvalResult, evaluate, paired_difference
+from pmakit.evaluate import EvalResult, paired_difference
+from pmakit.lab.context import utc_now
+from pmakit.lab.scoring import SplitScorer
+from pmakit.report.schema import REPLICAS_COLUMNS, REPLICAS_CURVE_COLUMNS
 from pmakit.runs import atomic_open, atomic_write_text, checkpoint_dir, replica_dir, snapshots_dir
 from pmakit.train.replicas import ReplicaConfig
 
@@ -171,32 +171,19 @@ def _snapshots(directory: Path) -> list[Path]:
     return [s.path for s in discover(directory)] if directory.is_dir() else []
 
 
-class _Scorer:
-    """Scores states on the fixed held-out batches with one model instance."""
+def _scorer(train: Any, study: ReplicaStudy) -> SplitScorer:
+    """One model (every state scored is swapped into it) on the fixed held-out batches (split ``val``)."""
+    from pmakit.train.data import val_batches
+    from pmakit.train.loop import load_corpus
 
-    def __init__(self, train: Any, study: ReplicaStudy) -> None:
-        from pmakit.train.data import val_batches
-        from pmakit.train.loop import load_corpus
-        from pmakit.train.model import build_model
-
-        corpus = load_corpus(train)
-        self.batches = val_batches(
-            corpus.val,
-            batch_size=train.batch_size,
-            seq_len=train.model.seq_len,
-            max_batches=study.eval_batches,
-        )
-        self.bytes_per_token = corpus.bytes_per_token
-        self.model = build_model(train.model, corpus.vocab_size)  # every state scored is swapped into it
-
-    def __call__(self, state: Mapping[str, torch.Tensor]) -> EvalResult:
-        from pmakit.train.loop import swapped
-
-        with swapped(self.model, state):
-            return evaluate(self.model, self.batches, bytes_per_token=self.bytes_per_token)
+    corpus = load_corpus(train)
+    batches = val_batches(
+        corpus.val, batch_size=train.batch_size, seq_len=train.model.seq_len, max_batches=study.eval_batches
+    )
+    return SplitScorer.build(train.model, corpus, {"val": batches})
 
 
-def _score_arm(scorer: _Scorer, run_dir: Path, arm: Arm, study: ReplicaStudy) -> dict[str, EvalResult]:
+def _score_arm(scorer: SplitScorer, run_dir: Path, arm: Arm, study: ReplicaStudy) -> dict[str, EvalResult]:
     """Latest, PMA over time, and (with per-copy snapshots) PMA over copies and time."""
     from pmakit.formats import read_state
     from pmakit.merge import average_states
@@ -208,15 +195,17 @@ def _score_arm(scorer: _Scorer, run_dir: Path, arm: Arm, study: ReplicaStudy) ->
         )
     window = [read_state(p) for p in snaps[-study.last :]]
     out = {
-        "latest": scorer(window[-1]),
-        f"pma{study.last}": scorer(average_states(window, [1 / study.last] * study.last)),
+        "latest": scorer(window[-1], "val"),
+        f"pma{study.last}": scorer(average_states(window, [1 / study.last] * study.last), "val"),
     }
     copies = [
         _snapshots(snapshots_dir(replica_dir(run_dir / "arms" / arm.name, r))) for r in range(arm.replicas)
     ]
     if arm.sync.save_replicas and all(len(c) >= study.last for c in copies):
         states = [read_state(p) for c in copies for p in c[-study.last :]]
-        out[f"pma{study.last}-copies"] = scorer(average_states(states, [1 / len(states)] * len(states)))
+        out[f"pma{study.last}-copies"] = scorer(
+            average_states(states, [1 / len(states)] * len(states)), "val"
+        )
     return out
 
 
@@ -277,14 +266,11 @@ def _write(run_dir: Path, name: str, rows: Sequence[Mapping[str, Any]], columns:
         writer.writerows(rows)
 
 
-RESULT_COLUMNS = (
-    "arm", "model", "tokens", "all_reduces", "val_loss", "val_loss_se", "bpb",
-    "delta_vs_sync", "delta_vs_sync_se", "delta_vs_single", "delta_vs_single_se",
-)  # fmt: skip
-CURVE_COLUMNS = ("arm", "model", "tokens", "all_reduces", "val_loss", "val_loss_se")
+RESULT_COLUMNS = REPLICAS_COLUMNS
+CURVE_COLUMNS = REPLICAS_CURVE_COLUMNS
 
 
-def run_replica_study(
+def run_study(
     data: Mapping[str, Any], run_dir: str | Path, *, fresh: bool = False, progress: bool = True
 ) -> Path:
     """Run (or resume) the study into ``run_dir``; returns the report's path."""
@@ -295,13 +281,13 @@ def run_replica_study(
 
         shutil.rmtree(run_dir / "arms")
     run_dir.mkdir(parents=True, exist_ok=True)
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    started = utc_now()
     previous = _previous_seconds(run_dir)
     seconds = {
         arm.name: _run_arm(run_dir, train, arm, study) or previous.get(arm.name, 0.0) for arm in study.arms
     }
     t = time.perf_counter()
-    scorer = _Scorer(train, study)
+    scorer = _scorer(train, study)
     scores = {arm.name: _score_arm(scorer, run_dir, arm, study) for arm in study.arms}
     seconds["evaluation"] = time.perf_counter() - t
     _write(run_dir, "results", _rows(scores, study.arms, train), RESULT_COLUMNS)

@@ -1,12 +1,15 @@
 """``pmakit experiment``: which study a config asks for, run (or resumed) into a run directory.
 
-A config's ``study`` key picks the study: none is the paper's PMA study (``pma``), ``spike`` and ``init`` the
-recovery studies (``recovery``), ``replicas`` model copies (``replicas``), ``scaling`` scaling laws from merges
-(``scaling``), ``moe`` the PMA study on a mixture of experts plus its routing health (``moe``), ``sweep`` a hyper-parameter sweep ranked early by merges (``sweep``). ``--seeds K`` repeats the PMA study over K training seeds (``seeds``).
+A config's ``study`` key picks the study in ``STUDIES``: none is the paper's PMA study (``pma``), ``spike`` and
+``init`` the recovery studies (``recovery``), ``replicas`` model copies (``replicas``), ``scaling`` scaling laws from
+merges (``scaling``), ``moe`` the PMA study on a mixture of experts plus its routing health (``moe``), ``sweep`` a
+hyper-parameter sweep ranked early by merges (``sweep``). ``--seeds K`` repeats the PMA study over K training seeds
+(``seeds``).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 from collections.abc import Mapping
@@ -16,6 +19,36 @@ from typing import Any
 from pmakit.errors import PmakitError
 
 log = logging.getLogger(__name__)
+
+
+STUDIES: dict[str, str] = {
+    "pma": "pmakit.lab.pma",
+    "moe": "pmakit.lab.moe",
+    "spike": "pmakit.lab.recovery",
+    "init": "pmakit.lab.recovery",
+    "replicas": "pmakit.lab.replicas",
+    "scaling": "pmakit.lab.scaling",
+    "sweep": "pmakit.lab.sweep",
+}
+"""A config's ``study`` (none: ``pma``) -> the lab module that runs it. The module has ``resolve(data)`` (the config
+checked whole, before anything is written) and ``run_study(data, run_dir, *, fresh, progress)`` (run or resume it;
+returns the report's path); its report section is ``pmakit.report.sections.SECTIONS``'s entry of the same name."""
+
+SEEDED = ("pma", "moe")
+"""The studies ``--seeds`` repeats (the others have their own seeds or replicas)."""
+
+
+def study_name(data: Mapping[str, Any]) -> str:
+    """The study a config asks for (``pma`` when it names none)."""
+    return str(data.get("study") or "pma")
+
+
+def study_module(data: Mapping[str, Any]) -> Any:
+    """The lab module of the study ``data`` asks for; an unknown study is one error naming the known ones."""
+    name = study_name(data)
+    if name not in STUDIES:
+        raise PmakitError(f"unknown study {name!r}; known: {', '.join(s for s in STUDIES if s != 'pma')}")
+    return importlib.import_module(STUDIES[name])
 
 
 def run_experiment(
@@ -37,59 +70,14 @@ def run_experiment(
     check_study_dir(Path(run_dir), data.get("study"))
     if seeds > 1:
         return _run_seeds(data, Path(run_dir), seeds, fresh=fresh, progress=progress)
-    study = data.get("study")
-    if study == "replicas":
-        from pmakit.lab.replicas import run_replica_study
-
-        return run_replica_study(data, run_dir, fresh=fresh, progress=progress)
-    if study == "scaling":
-        from pmakit.lab.scaling import run_scaling_study
-
-        return run_scaling_study(data, run_dir, fresh=fresh, progress=progress)
-    if study == "sweep":
-        from pmakit.lab.sweep import run_sweep_study
-
-        return run_sweep_study(data, run_dir, fresh=fresh, progress=progress)
-    if study == "moe":
-        from pmakit.lab.moe import run_moe_study
-
-        return run_moe_study(data, run_dir, fresh=fresh, progress=progress)
-    if study:  # spike, init
-        from pmakit.lab.recovery import run_study
-
-        return run_study(data, run_dir, fresh=fresh, progress=progress)
-    from pmakit.lab.pma import run_pma_study
-
-    return run_pma_study(data, run_dir, fresh=fresh, progress=progress)
+    return Path(study_module(data).run_study(data, run_dir, fresh=fresh, progress=progress))
 
 
 def validate(data: Mapping[str, Any]) -> None:
     """Every value of the config ``data``, checked before anything is written or trained: the sections of the
     study it asks for, built as the study builds them (each section's bounds are declared on its dataclass's
     fields, ``pmakit.config.check_fields``; the checks that tie fields together run after them)."""
-    study = data.get("study")
-    if study == "replicas":
-        from pmakit.lab.replicas import resolve as resolve_replicas
-
-        resolve_replicas(data)
-    elif study == "scaling":
-        from pmakit.lab.scaling import resolve as resolve_scaling
-
-        resolve_scaling(data)
-    elif study == "sweep":
-        from pmakit.lab.sweep import resolve as resolve_sweep
-
-        resolve_sweep(data)
-    elif study and study != "moe":  # spike, init; an unknown study is named here
-        from pmakit.lab.recovery import resolve_study
-
-        resolve_study(data)
-    else:
-        from pmakit.lab.pma import resolve
-
-        found = resolve(data)
-        if study == "moe" and not found.train.model.moe:
-            raise PmakitError("the moe study needs a mixture-of-experts model: set train.model.experts")
+    study_module(data).resolve(data)
 
 
 OTHER_RUNS = (
@@ -113,12 +101,13 @@ def check_study_dir(run_dir: Path, study: str | None) -> None:
                 f"{run_dir} holds {what} (its {name}), not a study; give pmakit experiment another -o"
             )
     try:
-        found = json.loads((run_dir / "experiment.json").read_text()).get("study")
+        found = json.loads((run_dir / "experiment.json").read_text()).get("study") or "pma"
     except (OSError, ValueError, AttributeError):
         return
-    if found != study and not {found, study} <= {None, "moe"}:  # the moe study writes the PMA study's record
-        raise PmakitError(f"{run_dir} holds the {found or 'pma'} study, not the {study or 'pma'} study this config "
-                          "asks for; give pmakit experiment another -o")  # fmt: skip
+    study = study or "pma"
+    if found != study and not {found, study} <= {"pma", "moe"}:  # the moe study writes the PMA study's record
+        raise PmakitError(f"{run_dir} holds the {found} study, not the {study} study this config asks for; give "
+                          "pmakit experiment another -o")  # fmt: skip
 
 
 def _run_seeds(data: Mapping[str, Any], run_dir: Path, seeds: int, *, fresh: bool, progress: bool) -> Path:
@@ -127,7 +116,7 @@ def _run_seeds(data: Mapping[str, Any], run_dir: Path, seeds: int, *, fresh: boo
     from pmakit.report import write_report
     from pmakit.runs import atomic_write_json
 
-    if data.get("study") not in (None, "moe"):
+    if study_name(data) not in SEEDED:
         raise PmakitError(
             "--seeds repeats the PMA study; the spike, init, replicas, scaling and sweep studies have their own"
         )

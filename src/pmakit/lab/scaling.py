@@ -24,21 +24,16 @@ last checkpoint.
 
 from __future__ import annotations
 
-import csv
-import datetime
-import json
 import logging
 import math
-import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any
 
 import torch
 
-import pmakit
 from pmakit.config import (
     AT_LEAST_1,
     AT_LEAST_2,
@@ -52,31 +47,24 @@ from pmakit.config import (
     from_mapping,
 )
 from pmakit.errors import PmakitError
-from pmakit.evaluate import EvalResult, evaluate
-from pmakit.lab.results import Clock, check_same_config, jsonable, remove_run, trained_tokens
+from pmakit.evaluate import EvalResult
+from pmakit.lab.context import Clock, StudyRun, jsonable, open_run
+from pmakit.lab.evaldata import study_batches
+from pmakit.lab.results import ResultRows, write_csv
+from pmakit.lab.scoring import SnapshotStates, SplitScorer
+from pmakit.lab.trunk import anneal_branch, train_trunk
 from pmakit.limits import BOOTSTRAP_RESAMPLES
-from pmakit.runs import (
-    RESULTS,
-    RESULTS_CSV,
-    anneal_run,
-    append_jsonl,
-    atomic_open,
-    atomic_write_json,
-    checkpoint_dir,
-    kept_checkpoint_dir,
-    read_jsonl,
-    snapshots_dir,
-)
-from pmakit.schedule import DECAY_SHAPES, WSD
-from pmakit.train.loop import TrainConfig, Trainer
+from pmakit.report.schema import SCALING_COLUMNS
+from pmakit.runs import RESULTS, RESULTS_CSV, anneal_run, atomic_write_json, checkpoint_dir
+from pmakit.schedule import DECAY_SHAPES
+from pmakit.train.loop import TrainConfig
 from pmakit.train.model import ModelConfig
 from pmakit.units import format_tokens
 from pmakit.weights import get_weights
 
 log = logging.getLogger(__name__)
 STUDY = "scaling"
-RESULT_COLUMNS = ("size", "params", "params_total", "tokens", "kind", "recipe", "val_loss", "val_loss_se", "bpb",
-                  "window_start_tokens", "merged", "label")  # fmt: skip
+RESULT_COLUMNS = SCALING_COLUMNS
 
 
 # --------------------------------------------------------------------------------------------------- config
@@ -232,88 +220,7 @@ def plans(base: TrainConfig, study: ScalingConfig, vocab: int) -> list[Plan]:
     return out
 
 
-# --------------------------------------------------------------------------------------------------- training
-
-
-def train_trunk(
-    name: str, cfg: TrainConfig, run_dir: Path, corpus: Any, clock: Clock, progress: bool
-) -> None:
-    """A study's constant-LR trunk ``run_dir/name/trunk`` (resumed; nothing to do once trained), timed as
-    ``name/trunk``. Shared with the sweep study."""
-    trunk = run_dir / name / "trunk"
-    if trained_tokens(trunk) >= cfg.total_tokens:
-        return
-    log.info("%s: constant-LR trunk to %s tokens", name, format_tokens(cfg.total_tokens))
-    t = time.perf_counter()
-    trainer = Trainer(cfg, trunk, corpus=corpus, progress=progress)
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
-        clock.add(f"{name}/trunk", time.perf_counter() - t)
-
-
-def anneal_branch(name: str, cfg: TrainConfig, shape: str, budget: int, fork: int, run_dir: Path, corpus: Any,
-                  clock: Clock, progress: bool) -> None:  # fmt: skip
-    """The budget's ground truth: the trunk's state at the fork, LR decayed to 0 by the budget (``shape``),
-    resumed like the trunk. Shared with the sweep study."""
-    branch = anneal_run(run_dir / name, budget)
-    if trained_tokens(branch) >= budget:
-        return
-    schedule = WSD(cfg.lr, warmup=cfg.warmup_tokens, decay_start=fork, decay_end=budget, shape=shape)
-    start = None if checkpoint_dir(branch).exists() else kept_checkpoint_dir(run_dir / name / "trunk", fork)
-    branch_cfg = replace(cfg, keep_checkpoints_at=(), total_tokens=budget)
-    log.info("%s: anneal from %s to %s", name, format_tokens(fork), format_tokens(budget))
-    t = time.perf_counter()
-    trainer = Trainer(
-        branch_cfg, branch, corpus=corpus, schedule=schedule, resume_from=start, progress=progress
-    )
-    try:
-        trainer.fit(until_tokens=budget)
-    finally:
-        trainer.close()
-        clock.add(f"{name}/anneal-{budget}", time.perf_counter() - t)
-
-
 # --------------------------------------------------------------------------------------------------- scoring
-
-
-def split_batches(batches: Sequence[Any], selection: int, test: int) -> tuple[list[Any], list[Any]]:
-    """Disjoint (selection, test) batches, both spread over the whole held-out set (every held-out file has a say
-    in both)."""
-    total = selection + test
-    if len(batches) < total:
-        raise PmakitError(
-            f"the held-out split has {len(batches)} batches, fewer than selection_batches + test_batches = {total}; "
-            "lower them or raise train.val_fraction"
-        )
-    test_idx = {k * total // test for k in range(test)}
-    return [b for i, b in enumerate(batches[:total]) if i not in test_idx], [
-        batches[i] for i in sorted(test_idx)
-    ]
-
-
-@dataclass
-class _Scorer:
-    """Scores states of one size on the fixed selection and test batches."""
-
-    plan: Plan
-    corpus: Any
-    selection: list[Any]
-    test: list[Any]
-    model: Any = field(init=False)
-
-    def __post_init__(self) -> None:
-        from pmakit.train.model import build_model
-
-        self.model = build_model(self.plan.train.model, self.corpus.vocab_size, seed=self.plan.train.seed)
-
-    def __call__(self, state: Mapping[str, torch.Tensor], split: str) -> EvalResult:
-        from pmakit.train.loop import swapped
-
-        batches = self.selection if split == "selection" else self.test
-        with swapped(self.model, state):
-            return evaluate(self.model, batches, bytes_per_token=self.corpus.bytes_per_token)
 
 
 def window(plan: Plan, recipe: Recipe, budget: int, max_merged: int) -> list[int]:
@@ -330,43 +237,22 @@ def window(plan: Plan, recipe: Recipe, budget: int, max_merged: int) -> list[int
     return [budget - k * spacing for k in range(count)][::-1]
 
 
-def _snapshot_states(trunk: Path, tokens: Sequence[int]) -> list[dict[str, torch.Tensor]]:
-    from pmakit.formats import read_state
-    from pmakit.snapshot import discover
-
-    found = {s.tokens: s.path for s in discover(snapshots_dir(trunk))}
-    missing = [t for t in tokens if t not in found]
-    if missing:
-        raise PmakitError(f"{trunk}: no snapshot at {format_tokens(missing[0])} tokens")
-    return [read_state(found[t]) for t in tokens]
+def _key(row: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What a result row measured: a resumed study skips it."""
+    return row["size"], row["tokens"], row["kind"], row.get("recipe") or ""
 
 
-def _merged(
-    plan: Plan, run_dir: Path, recipe: Recipe, budget: int, max_merged: int
-) -> tuple[dict[str, Any], list[int]]:
-    from pmakit.merge import average_states
+@dataclass
+class _Size:
+    """What one size is scored with: its plan, a scorer and its trunk's snapshots."""
 
-    tokens = window(plan, recipe, budget, max_merged)
-    states = _snapshot_states(run_dir / plan.size.name / "trunk", tokens)
-    return average_states(states, get_weights(recipe.method, len(states))), tokens
+    plan: Plan
+    score: SplitScorer
+    snapshots: SnapshotStates
 
-
-class _Rows:
-    """Result rows of one split (a JSONL file), appended as they are measured; a resumed study skips done ones."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.rows = read_jsonl(path)
-        self.done = {self.key(r) for r in self.rows}
-
-    @staticmethod
-    def key(row: Mapping[str, Any]) -> tuple[Any, ...]:
-        return row["size"], row["tokens"], row["kind"], row.get("recipe") or ""
-
-    def add(self, row: dict[str, Any]) -> None:
-        self.rows.append(row)
-        self.done.add(self.key(row))
-        append_jsonl(self.path, row)
+    def merged(self, recipe: Recipe, budget: int, max_merged: int) -> tuple[dict[str, Any], list[int]]:
+        tokens = window(self.plan, recipe, budget, max_merged)
+        return self.snapshots.merged(tokens, recipe.method), tokens
 
 
 def _row(plan: Plan, budget: int, kind: str, result: EvalResult, **extra: Any) -> dict[str, Any]:
@@ -377,25 +263,26 @@ def _row(plan: Plan, budget: int, kind: str, result: EvalResult, **extra: Any) -
     }  # fmt: skip
 
 
-def _score_references(plan: Plan, study: ScalingConfig, run_dir: Path, score: _Scorer, test: _Rows,
-                      selection: _Rows) -> None:  # fmt: skip
+def _score_references(size: _Size, study: ScalingConfig, run_dir: Path, test: ResultRows,
+                      selection: ResultRows) -> None:  # fmt: skip
     """Test rows of the anneal and the latest snapshot, selection rows of every candidate recipe."""
     from pmakit.formats import read_state
 
-    name = plan.size.name
+    plan, score, name = size.plan, size.score, size.plan.size.name
     for budget in plan.budgets:
-        if (name, budget, "anneal", "") not in test.done:
+        if (name, budget, "anneal", "") not in test:
             result = score(read_state(checkpoint_dir(anneal_run(run_dir / name, budget))), "test")
             test.add(_row(plan, budget, "anneal", result, label=f"anneal from {format_tokens(budget)}"))
-        if (name, budget, "latest", "") not in test.done:
-            state = _snapshot_states(run_dir / name / "trunk", [budget])[0]
+        if (name, budget, "latest", "") not in test:
+            state = size.snapshots.merged([budget])
             test.add(_row(plan, budget, "latest", score(state, "test"), label="latest snapshot"))
         for recipe in study.recipes:
-            if (name, budget, "candidate", recipe.label) in selection.done:
+            if (name, budget, "candidate", recipe.label) in selection:
                 continue
-            state, tokens = _merged(plan, run_dir, recipe, budget, study.max_merged)
+            state, tokens = size.merged(recipe, budget, study.max_merged)
             selection.add(_row(plan, budget, "candidate", score(state, "selection"), recipe=recipe.label,
                                window_start_tokens=tokens[0], merged=len(tokens)))  # fmt: skip
+            size.snapshots.clear()  # one window's states in memory at a time (a size may be large)
 
 
 def choose_recipe(
@@ -413,17 +300,18 @@ def choose_recipe(
     return study.recipes[best], table
 
 
-def _score_merges(plan: Plan, study: ScalingConfig, recipe: Recipe, run_dir: Path, score: _Scorer, test: _Rows,
-                  clock: Clock) -> None:  # fmt: skip
+def _score_merges(size: _Size, study: ScalingConfig, recipe: Recipe, test: ResultRows, clock: Clock) -> None:
     """The chosen recipe's merge at every budget, on the test split; the merge (reads + average) is timed."""
+    plan = size.plan
     for budget in plan.budgets:
-        if (plan.size.name, budget, "merge", recipe.label) in test.done:
+        if (plan.size.name, budget, "merge", recipe.label) in test:
             continue
         t = time.perf_counter()
-        state, tokens = _merged(plan, run_dir, recipe, budget, study.max_merged)
+        state, tokens = size.merged(recipe, budget, study.max_merged)
+        size.snapshots.clear()  # timed as a merge from disk: every snapshot read
         clock.add(f"{plan.size.name}/merge-{budget}", time.perf_counter() - t)
         label = f"{recipe.method.upper()} of {len(tokens)} snapshots, {format_tokens(tokens[0])}..{format_tokens(budget)}"
-        test.add(_row(plan, budget, "merge", score(state, "test"), recipe=recipe.label,
+        test.add(_row(plan, budget, "merge", size.score(state, "test"), recipe=recipe.label,
                       window_start_tokens=tokens[0], merged=len(tokens), label=label))  # fmt: skip
 
 
@@ -444,58 +332,43 @@ def _size_record(plan: Plan, clock: Clock) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def write_results_csv(run_dir: Path, rows: Sequence[Mapping[str, Any]]) -> None:
-    with atomic_open(run_dir / RESULTS_CSV, fsync=False) as f:  # the table of results.jsonl
-        writer = csv.DictWriter(f, fieldnames=list(RESULT_COLUMNS), extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-
-
-def run_scaling_study(
+def run_study(
     data: Mapping[str, Any], run_dir: str | Path, *, fresh: bool = False, progress: bool = True
 ) -> Path:
     """Run (or resume) the study into ``run_dir``; returns the report's path."""
-    from pmakit.train.data import val_batches
     from pmakit.train.loop import load_corpus
 
     base, study = resolve(data)
-    run_dir = Path(run_dir)
-    if fresh and run_dir.exists():
-        remove_run(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    check_same_config(run_dir, jsonable({"train": base.to_dict(), STUDY: asdict(study)}))
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    run = open_run(run_dir, jsonable({"train": base.to_dict(), STUDY: asdict(study)}), fresh=fresh)
+    run_dir, clock = run.dir, run.clock
     corpus = load_corpus(base)
     all_plans = plans(base, study, corpus.vocab_size)
-    clock = Clock(run_dir / "timings.json")
-    batches = val_batches(corpus.val, batch_size=base.batch_size, seq_len=base.model.seq_len,
-                          max_batches=study.selection_batches + study.test_batches)  # fmt: skip
-    selection_batches, test_batches = split_batches(batches, study.selection_batches, study.test_batches)
-    test, selection = _Rows(run_dir / RESULTS), _Rows(run_dir / "selection.jsonl")
-    scorers = {}
+    batches = study_batches(corpus, base.batch_size, base.model.seq_len, study.selection_batches,
+                            study.test_batches)  # fmt: skip
+    test, selection = ResultRows(run_dir / RESULTS, _key), ResultRows(run_dir / "selection.jsonl", _key)
+    sizes = []
     for plan in all_plans:
-        train_trunk(plan.size.name, plan.train, run_dir, corpus, clock, progress)
+        name, cfg = plan.size.name, plan.train
+        train_trunk(name, cfg, run_dir, corpus, clock, progress)
         for budget, fork in zip(plan.budgets, plan.forks):
-            anneal_branch(plan.size.name, plan.train, study.anneal_shape, budget, fork, run_dir, corpus, clock,
-                          progress)  # fmt: skip
-        scorers[plan.size.name] = _Scorer(plan, corpus, selection_batches, test_batches)
-        _score_references(plan, study, run_dir, scorers[plan.size.name], test, selection)
+            anneal_branch(name, cfg, study.anneal_shape, budget, fork, run_dir, corpus, clock, progress)
+        score = SplitScorer.build(cfg.model, corpus, batches, seed=cfg.seed)
+        sizes.append(_Size(plan, score, SnapshotStates(run_dir / name / "trunk")))
+        _score_references(sizes[-1], study, run_dir, test, selection)
     recipe, table = choose_recipe(study, all_plans, selection.rows)
     log.info("merge recipe chosen on the selection split: %s", recipe.label)
-    for plan in all_plans:
-        _score_merges(plan, study, recipe, run_dir, scorers[plan.size.name], test, clock)
-    write_results_csv(run_dir, test.rows)
-    _write_record(run_dir, data, base, study, all_plans, clock, recipe, table, started)
+    for size in sizes:
+        _score_merges(size, study, recipe, test, clock)
+    write_csv(run_dir / RESULTS_CSV, RESULT_COLUMNS, test.rows)
+    _write_record(run, data, base, study, all_plans, recipe, table)
     from pmakit.report import write_report
 
     return Path(write_report(run_dir).html)
 
 
-def _write_record(run_dir: Path, data: Mapping[str, Any], base: TrainConfig, study: ScalingConfig,
-                  all_plans: Sequence[Plan], clock: Clock, recipe: Recipe, table: list[dict[str, Any]],
-                  started: str) -> None:  # fmt: skip
-    path = run_dir / "experiment.json"
-    previous = json.loads(path.read_text()) if path.exists() else {}
+def _write_record(run: StudyRun, data: Mapping[str, Any], base: TrainConfig, study: ScalingConfig,
+                  all_plans: Sequence[Plan], recipe: Recipe, table: list[dict[str, Any]]) -> None:  # fmt: skip
+    clock = run.clock
     record = {
         "study": STUDY,
         "preset": data.get("preset"),
@@ -504,11 +377,6 @@ def _write_record(run_dir: Path, data: Mapping[str, Any], base: TrainConfig, stu
         "recipe": {**asdict(recipe), "label": recipe.label},
         "selection": table,
         "seconds": dict(clock.seconds),
-        "started": previous.get("started", started),
-        "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "load_average": os.getloadavg(),
-        "threads": torch.get_num_threads(),
-        "pmakit": pmakit.__version__,
-        "torch": torch.__version__,
+        **run.stamp(),
     }
-    atomic_write_json(path, record)
+    atomic_write_json(run.dir / "experiment.json", record)

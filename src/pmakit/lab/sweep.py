@@ -24,21 +24,16 @@ Re-running resumes: finished trunks, anneals and evaluations are not redone.
 
 from __future__ import annotations
 
-import datetime
 import itertools
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any
 
-import torch
-
-import pmakit
 from pmakit.config import (
     AT_LEAST_1,
     AT_LEAST_2,
@@ -52,19 +47,16 @@ from pmakit.config import (
     from_mapping,
 )
 from pmakit.errors import PmakitError
-from pmakit.evaluate import EvalResult, evaluate
-from pmakit.lab.results import Clock, check_same_config, jsonable, remove_run
-from pmakit.lab.scaling import Recipe, anneal_branch, split_batches, train_trunk, write_results_csv
+from pmakit.evaluate import EvalResult
+from pmakit.lab.context import Clock, StudyRun, jsonable, open_run
+from pmakit.lab.evaldata import study_batches
+from pmakit.lab.results import ResultRows, write_csv
+from pmakit.lab.scaling import Recipe
+from pmakit.lab.scoring import SnapshotStates, SplitScorer
+from pmakit.lab.trunk import anneal_branch, train_trunk
 from pmakit.limits import BOOTSTRAP_RESAMPLES, refuse
-from pmakit.runs import (
-    RESULTS,
-    anneal_run,
-    append_jsonl,
-    atomic_write_json,
-    checkpoint_dir,
-    read_jsonl,
-    snapshots_dir,
-)
+from pmakit.report.schema import SWEEP_COLUMNS
+from pmakit.runs import RESULTS, RESULTS_CSV, anneal_run, atomic_write_json, checkpoint_dir
 from pmakit.schedule import DECAY_SHAPES
 from pmakit.train.loop import TrainConfig
 from pmakit.units import format_tokens
@@ -74,8 +66,7 @@ log = logging.getLogger(__name__)
 STUDY = "sweep"
 KINDS = ("latest", "fixed", "tuned", "anneal")
 """The estimates scored at every point (the anneal at the full budget is the truth)."""
-RESULT_COLUMNS = ("candidate", "lr", "weight_decay", "batch_size", "tokens", "kind", "recipe", "val_loss",
-                  "val_loss_se", "bpb", "window_start_tokens", "merged")  # fmt: skip
+RESULT_COLUMNS = SWEEP_COLUMNS
 
 
 # --------------------------------------------------------------------------------------------------- config
@@ -206,9 +197,6 @@ def plans(base: TrainConfig, study: SweepConfig) -> list[Plan]:
     return out
 
 
-# --------------------------------------------------------------------------------------------------- training
-
-
 # --------------------------------------------------------------------------------------------------- scoring
 
 
@@ -227,62 +215,9 @@ def recipe_window(v: int, recipe: Recipe, budget: int, max_merged: int) -> list[
     return [budget - k * spacing for k in range(count)][::-1]
 
 
-@dataclass
-class _Scorer:
-    """Scores one candidate's states on the fixed selection and test batches; reads its snapshots once each."""
-
-    plan: Plan
-    run_dir: Path
-    corpus: Any
-    batches: Mapping[str, list[Any]]
-    model: Any = field(init=False)
-    cache: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        from pmakit.train.model import build_model
-
-        self.model = build_model(self.plan.train.model, self.corpus.vocab_size, seed=self.plan.train.seed)
-
-    def state(self, tokens: Sequence[int], method: str = "sma") -> dict[str, torch.Tensor]:
-        from pmakit.formats import read_state
-        from pmakit.merge import average_states
-        from pmakit.snapshot import discover
-
-        missing = [t for t in tokens if t not in self.cache]
-        if missing:
-            found = {
-                s.tokens: s.path for s in discover(snapshots_dir(self.run_dir / self.plan.name / "trunk"))
-            }
-            for t in missing:
-                if t not in found:
-                    raise PmakitError(f"{self.plan.name}: no snapshot at {format_tokens(t)} tokens")
-                self.cache[t] = read_state(found[t])
-        states = [self.cache[t] for t in tokens]
-        return states[0] if len(states) == 1 else average_states(states, get_weights(method, len(states)))
-
-    def __call__(self, state: Mapping[str, torch.Tensor], split: str) -> EvalResult:
-        from pmakit.train.loop import swapped
-
-        with swapped(self.model, state):
-            return evaluate(self.model, self.batches[split], bytes_per_token=self.corpus.bytes_per_token)
-
-
-class _Rows:
-    """Result rows of one split (a JSONL file), appended as they are measured; a resumed study skips done ones."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.rows = read_jsonl(path)
-        self.done = {self.key(r) for r in self.rows}
-
-    @staticmethod
-    def key(row: Mapping[str, Any]) -> tuple[Any, ...]:
-        return row["candidate"], row["tokens"], row["kind"], row.get("recipe") or ""
-
-    def add(self, row: dict[str, Any]) -> None:
-        self.rows.append(row)
-        self.done.add(self.key(row))
-        append_jsonl(self.path, row)
+def _key(row: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What a result row measured: a resumed study skips it."""
+    return row["candidate"], row["tokens"], row["kind"], row.get("recipe") or ""
 
 
 def _row(plan: Plan, budget: int, kind: str, result: EvalResult, recipe: str = "", window: Sequence[int] = ()
@@ -308,16 +243,18 @@ def _windows(plan: Plan, study: SweepConfig, budget: int) -> dict[str, tuple[str
     return out
 
 
-def score_candidate(plan: Plan, study: SweepConfig, score: _Scorer, test: _Rows, selection: _Rows,
-                    clock: Clock) -> None:  # fmt: skip
+def score_candidate(plan: Plan, study: SweepConfig, run_dir: Path, score: SplitScorer, test: ResultRows,
+                    selection: ResultRows, clock: Clock) -> None:  # fmt: skip
     """Every estimate of one candidate at every budget: test rows, and the tuned recipe's selection rows."""
     from pmakit.formats import read_state
+
+    snapshots = SnapshotStates(run_dir / plan.name / "trunk")  # read once each per budget
 
     for budget in plan.budgets:
         merges = _windows(plan, study, budget)
         for label, (method, tokens) in merges.items():
-            if (plan.name, budget, "candidate", label) not in selection.done:
-                selection.add(_row(plan, budget, "candidate", score(score.state(tokens, method), "selection"),
+            if (plan.name, budget, "candidate", label) not in selection:
+                selection.add(_row(plan, budget, "candidate", score(snapshots.merged(tokens, method), "selection"),
                                    label, tokens))  # fmt: skip
         rows = [r for r in selection.rows if r["candidate"] == plan.name and r["tokens"] == budget]
         best = min(rows, key=lambda r: r["val_loss"])["recipe"]
@@ -327,62 +264,54 @@ def score_candidate(plan: Plan, study: SweepConfig, score: _Scorer, test: _Rows,
             "tuned": (best, *merges[best]),
         }
         for kind, (label, method, tokens) in todo.items():
-            if (plan.name, budget, kind, label) in test.done:
+            if (plan.name, budget, kind, label) in test:
                 continue
             t = time.perf_counter()
-            state = score.state(tokens, method)
+            state = snapshots.merged(tokens, method)
             clock.add(f"{plan.name}/{kind}-{budget}", time.perf_counter() - t)  # reading (+ averaging)
             test.add(
                 _row(plan, budget, kind, score(state, "test"), label, tokens if kind != "latest" else ())
             )
-        if (plan.name, budget, "anneal", "") not in test.done:
-            branch = checkpoint_dir(anneal_run(score.run_dir / plan.name, budget))
+        if (plan.name, budget, "anneal", "") not in test:
+            branch = checkpoint_dir(anneal_run(run_dir / plan.name, budget))
             test.add(_row(plan, budget, "anneal", score(read_state(branch), "test")))
-        score.cache.clear()  # the next budget's windows are mostly other snapshots
+        snapshots.clear()  # the next budget's windows are mostly other snapshots
 
 
 # --------------------------------------------------------------------------------------------------- the run
 
 
-def run_sweep_study(
+def run_study(
     data: Mapping[str, Any], run_dir: str | Path, *, fresh: bool = False, progress: bool = True
 ) -> Path:
     """Run (or resume) the study into ``run_dir``; returns the report's path."""
-    from pmakit.train.data import val_batches
     from pmakit.train.loop import load_corpus
 
     base, study, all_plans = resolve(data)  # a bad value or grid fails before anything is written
-    run_dir = Path(run_dir)
-    if fresh and run_dir.exists():
-        remove_run(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    check_same_config(run_dir, jsonable({"train": base.to_dict(), STUDY: asdict(study)}))
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    run = open_run(run_dir, jsonable({"train": base.to_dict(), STUDY: asdict(study)}), fresh=fresh)
+    run_dir, clock = run.dir, run.clock
     corpus = load_corpus(base)
-    clock = Clock(run_dir / "timings.json")
-    batches = val_batches(corpus.val, batch_size=base.batch_size, seq_len=base.model.seq_len,
-                          max_batches=study.selection_batches + study.test_batches)  # fmt: skip
-    sel, tst = split_batches(batches, study.selection_batches, study.test_batches)
-    test, selection = _Rows(run_dir / RESULTS), _Rows(run_dir / "selection.jsonl")
+    batches = study_batches(corpus, base.batch_size, base.model.seq_len, study.selection_batches,
+                            study.test_batches)  # fmt: skip
+    test, selection = ResultRows(run_dir / RESULTS, _key), ResultRows(run_dir / "selection.jsonl", _key)
     for plan in all_plans:
         train_trunk(plan.name, plan.train, run_dir, corpus, clock, progress)
         for budget, fork in zip(plan.budgets, plan.forks):
             anneal_branch(
                 plan.name, plan.train, study.anneal_shape, budget, fork, run_dir, corpus, clock, progress
             )
-        scorer = _Scorer(plan, run_dir, corpus, {"selection": sel, "test": tst})
-        score_candidate(plan, study, scorer, test, selection, clock)
-    write_results_csv(run_dir, test.rows)
-    _write_record(run_dir, data, base, study, all_plans, clock, started)
+        scorer = SplitScorer.build(plan.train.model, corpus, batches, seed=plan.train.seed)
+        score_candidate(plan, study, run_dir, scorer, test, selection, clock)
+    write_csv(run_dir / RESULTS_CSV, RESULT_COLUMNS, test.rows)
+    _write_record(run, data, base, study, all_plans)
     from pmakit.report import write_report
 
     return Path(write_report(run_dir).html)
 
 
-def _write_record(run_dir: Path, data: Mapping[str, Any], base: TrainConfig, study: SweepConfig,
-                  all_plans: Sequence[Plan], clock: Clock, started: str) -> None:  # fmt: skip
-    path = run_dir / "experiment.json"
-    previous = read_json(path)
+def _write_record(run: StudyRun, data: Mapping[str, Any], base: TrainConfig, study: SweepConfig,
+                  all_plans: Sequence[Plan]) -> None:  # fmt: skip
+    clock = run.clock
     record = {
         "study": STUDY,
         "preset": data.get("preset"),
@@ -390,23 +319,9 @@ def _write_record(run_dir: Path, data: Mapping[str, Any], base: TrainConfig, stu
         "candidates": [p.record() for p in all_plans],
         "budgets": list(budgets_of(study)),
         "seconds": dict(clock.seconds),
-        "started": previous.get("started", started),
-        "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "load_average": os.getloadavg(),
-        "threads": torch.get_num_threads(),
-        "pmakit": pmakit.__version__,
-        "torch": torch.__version__,
+        **run.stamp(),
     }
-    atomic_write_json(path, record)
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    """A JSON object file, or {} when it is missing or not one."""
-    try:
-        out = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return out if isinstance(out, dict) else {}
+    atomic_write_json(run.dir / "experiment.json", record)
 
 
 # --------------------------------------------------------------------------------------------------- sweep-rank
@@ -556,7 +471,8 @@ def rank_runs(runs: Sequence[Path], *, at: int | None = None, n: int = 10, data:
     """``pmakit sweep-rank``: each run's fixed-recipe merge (SMA of its last ``n`` snapshots at or before ``at``;
     default: the newest token count every run has reached) scored on the same held-out test batches, ranked with
     bootstrap uncertainty over the batches (``pmakit.report.sweep.rank_table``)."""
-    from pmakit.lab.tune import TuneConfig, load_eval_data
+    from pmakit.lab.evaldata import load_eval_data
+    from pmakit.lab.tune import TuneConfig
     from pmakit.report.sweep import rank_table
     from pmakit.train.data import split_batches as heldout_batches
 

@@ -13,26 +13,10 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from pmakit.report.schema import PMA_COLUMNS
 from pmakit.runs import RESULTS, RESULTS_CSV, read_jsonl
 
-RESULT_COLUMNS = (
-    "fork_tokens",
-    "model",
-    "method",
-    "n",
-    "v_tokens",
-    "alpha",
-    "tokens",
-    "window_start_tokens",
-    "val_loss",
-    "val_loss_se",
-    "bpb",
-    "delta_vs_latest",
-    "delta_se",
-    "label",
-    "split",
-    "role",
-)
+RESULT_COLUMNS = PMA_COLUMNS
 
 
 @dataclass(frozen=True)

@@ -37,18 +37,6 @@ PLOTS = {
 COLORS = {"no-intervention": "#D55E00", "latest": "#000000", "merge": "#0072B2", "run": "#999999"}
 
 
-def study_of(run_dir: Path) -> str | None:
-    """The study named in RUN/experiment.json (spike or init), or None for the main PMA study."""
-    path = run_dir / "experiment.json"
-    if not path.is_file():
-        return None
-    try:
-        value = json.loads(path.read_text()).get("study")
-    except (ValueError, AttributeError):
-        return None
-    return value if value in STUDIES else None
-
-
 @dataclass
 class StudyData:
     """A study run's files, loaded."""

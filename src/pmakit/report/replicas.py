@@ -21,13 +21,6 @@ STUDY = "replicas"
 DILOCO_TARGET = 0.02  # the bar: DiLoCo with H=100 within 2% of synchronous training's loss
 
 
-def is_replicas(run_dir: Path) -> bool:
-    try:
-        return json.loads((run_dir / "experiment.json").read_text()).get("study") == STUDY
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 def _load(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, str]]]:
     exp = json.loads((run_dir / "experiment.json").read_text())
     if not (run_dir / RESULTS).is_file() or not (run_dir / "curves.csv").is_file():

@@ -345,13 +345,6 @@ def plot(points: Sequence[Point], study: StudyFit, path: Path) -> Path:
 # --------------------------------------------------------------------------------------------------- the study
 
 
-def is_scaling(run_dir: Path) -> bool:
-    try:
-        return json.loads((run_dir / "experiment.json").read_text()).get("study") == STUDY
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 def _load(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     exp = json.loads((run_dir / "experiment.json").read_text())
     return exp, read_jsonl(run_dir / RESULTS)

@@ -109,13 +109,6 @@ def rank_table(
 # --------------------------------------------------------------------------------------------------- the study
 
 
-def is_sweep(run_dir: Path) -> bool:
-    try:
-        return json.loads((run_dir / "experiment.json").read_text()).get("study") == STUDY
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 def _costs(exp: Mapping[str, Any], budget: int, kind: str) -> tuple[float, float]:
     """(tokens trained by every candidate, wall seconds) for an estimate at ``budget``: the trunks to it; a short
     anneal also its branches; a merge also the merging. Against the truth: every candidate a WSD run of D."""

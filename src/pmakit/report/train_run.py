@@ -160,7 +160,9 @@ def build(run_dir: Path) -> tuple[list[Block], list[Path]]:
     plot = _plot(run_dir, records, evals) if evals or trained else None
     if plot is not None:
         blocks.append(FigureBlock(plot.relative_to(run_dir), "Loss vs tokens"))
-    return blocks, [plot] if plot else []
+    from pmakit.report import evals as downstream_evals  # `pmakit eval RUN` wrote RUN/evals.jsonl
+
+    return blocks + downstream_evals.blocks(run_dir), [plot] if plot else []
 
 
 def summary(run_dir: Path) -> str:

@@ -1,0 +1,170 @@
+"""What every study's run does before and around its own work: one copy for ``pmakit experiment``'s studies.
+
+``open_run`` resolves the run directory, clears it on ``--fresh`` (only what an earlier study wrote), creates it,
+stamps its config (or refuses to resume one with another config: one results file would mix two studies) and
+starts the clock; the returned ``StudyRun`` carries the directory, when this invocation started and the wall
+seconds of each part of the work (RUN/timings.json, summed over invocations).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import shutil
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pmakit.errors import PmakitError
+from pmakit.runs import atomic_write_json
+
+log = logging.getLogger(__name__)
+
+TIMINGS = "timings.json"
+"""Wall seconds of each piece of a study's work, summed over invocations."""
+
+
+def utc_now() -> str:
+    """The time now, as every study's record writes it (UTC, whole seconds)."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def jsonable(x: Any) -> Any:
+    """``x`` as it reads back from JSON (tuples as lists, paths as strings): what a config stamp compares."""
+    return json.loads(json.dumps(x, default=str))
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object file, or {} when it is missing or not one."""
+    try:
+        out = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return out if isinstance(out, dict) else {}
+
+
+class Clock:
+    """Wall seconds of each piece of work, summed over invocations (RUN/timings.json)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.seconds: dict[str, float] = json.loads(path.read_text()) if path.exists() else {}
+
+    def add(self, key: str, seconds: float) -> None:
+        self.seconds[key] = self.seconds.get(key, 0.0) + seconds
+        atomic_write_json(self.path, self.seconds)
+
+
+@dataclass
+class StudyRun:
+    """A study's run directory, opened: where it is, when this invocation started, the clock of its parts."""
+
+    dir: Path
+    """The run directory (created)."""
+    started: str
+    """When this invocation started (``utc_now``); a record keeps the first invocation's."""
+    clock: Clock
+    """RUN/timings.json."""
+
+    def previous(self) -> dict[str, Any]:
+        """RUN/experiment.json as an earlier invocation wrote it ({} when there is none)."""
+        return read_json(self.dir / "experiment.json")
+
+    def stamp(self) -> dict[str, Any]:
+        """The end of a study's record: when it started (its first invocation) and finished, the machine's load,
+        torch's threads and the versions."""
+        import torch
+
+        import pmakit
+
+        return {
+            "started": self.previous().get("started", self.started),
+            "finished": utc_now(),
+            "load_average": os.getloadavg(),
+            "threads": torch.get_num_threads(),
+            "pmakit": pmakit.__version__,
+            "torch": torch.__version__,
+        }
+
+
+def open_run(
+    run_dir: str | Path,
+    config: Mapping[str, Mapping[str, Any]],
+    *,
+    fresh: bool,
+    ignore: Mapping[str, Collection[str]] | None = None,
+    defaults: Mapping[str, Mapping[str, Any]] | None = None,
+    grows: tuple[str, str] | None = None,
+    indent: int = 1,
+) -> StudyRun:
+    """Open ``run_dir`` for a study whose config stamp is ``config`` (``check_same_config``'s rules)."""
+    path = Path(run_dir)
+    if fresh and path.exists():
+        remove_run(path)
+    path.mkdir(parents=True, exist_ok=True)
+    check_same_config(path, config, ignore=ignore, defaults=defaults, grows=grows, indent=indent)
+    return StudyRun(path, utc_now(), Clock(path / TIMINGS))
+
+
+def remove_run(run_dir: Path) -> None:
+    """--fresh: remove what an earlier study wrote (only that), so nothing unrelated is deleted."""
+    if not (run_dir / "config.json").exists() and any(run_dir.iterdir()):
+        raise PmakitError(f"{run_dir} is not empty and not a pmakit experiment; refusing to clear it")
+    shutil.rmtree(run_dir)
+
+
+def check_same_config(
+    run_dir: Path,
+    config: Mapping[str, Mapping[str, Any]],
+    *,
+    ignore: Mapping[str, Collection[str]] | None = None,
+    defaults: Mapping[str, Mapping[str, Any]] | None = None,
+    grows: tuple[str, str] | None = None,
+    indent: int = 1,
+) -> None:
+    """Stamp RUN/config.json, or refuse to resume a study with another config: one results file would mix two.
+
+    ``ignore``: keys per section that change no result row (a resumed study may change them). ``defaults``: what a
+    run stamped before a key existed did (keys newer than the stamp compare as these). ``grows``: a (section, key)
+    list that may gain entries (more seeds for a finished study: the stamp is rewritten, the done ones kept).
+    """
+    stamp = run_dir / "config.json"
+    if not stamp.exists():
+        stamp.write_text(json.dumps(config, indent=indent) + "\n")
+        return
+    saved = json.loads(stamp.read_text())
+    added = _grown(saved, config, *grows) if grows is not None else None
+    if added is not None:
+        log.info("adding %s %s to the study in %s", grows and grows[1], added, run_dir)
+        stamp.write_text(json.dumps(config, indent=indent) + "\n")
+        return
+    current = {section: dict(values) for section, values in config.items()}
+    for section, keys in (ignore or {}).items():
+        for key in keys:
+            for d in (saved.get(section, {}), current.get(section, {})):
+                d.pop(key, None)
+    newer: dict[str, Any] = {}  # keys newer than the saved run: what it did instead
+    for section, values in current.items() if defaults is not None else ():
+        for key in values.keys() - saved.get(section, {}).keys():
+            newer[f"{section}.{key}"] = (defaults or {}).get(section, {}).get(key)
+            saved.setdefault(section, {})[key] = newer[f"{section}.{key}"]
+    if saved != current:
+        changed = sorted(
+            f"{s}.{k}" for s in current for k in current[s] if saved.get(s, {}).get(k) != current[s][k]
+        )
+        older = [f"{k}: {json.dumps(newer[k])}" for k in changed if k in newer]
+        raise PmakitError(
+            f"{run_dir} holds a study with another config (changed: {', '.join(changed) or 'sections'}); "
+            + (f"it is from an older pmakit that ran as {', '.join(older)}; " if older else "")
+            + "pass --fresh to start over or use another -o"
+        )
+
+
+def _grown(saved: Mapping[str, Any], config: Mapping[str, Any], section: str, key: str) -> list[Any] | None:
+    """The entries ``config`` adds to ``saved``'s ``section.key`` list when nothing else changed, else None."""
+    old, new = saved.get(section, {}).get(key, []), config[section][key]
+    same_else = {**saved, section: {**saved.get(section, {}), key: new}} == config
+    return sorted(set(new) - set(old)) if saved != config and same_else and set(old) <= set(new) else None
