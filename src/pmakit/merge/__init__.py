@@ -57,8 +57,9 @@ from pmakit.merge.output import (
 )
 from pmakit.merge.plan import MergePlan, MergeResult, plan_merge, window_dtypes
 from pmakit.merge.url import url_outputs
-from pmakit.remote import is_remote, origin
 from pmakit.snapshot import Snapshot
+from pmakit.storage.mirror import origin
+from pmakit.storage.registry import is_remote
 from pmakit.world import RankLost, World
 
 __all__ = [

@@ -1,5 +1,5 @@
 """A merge into object storage (``s3://``, ``gs://``): the rules of a folder output, then the local merge in a
-private staging folder, then the publish (``pmakit.remote``: the manifest last).
+private staging folder, then the publish (``pmakit.storage.publish``: the manifest last).
 
 ``merge(..., out="s3://...")`` comes here (``url_outputs`` wraps it). The output may not be, lie inside or contain
 an input (the snapshots and the runs they were mirrored from); a finished merge there is replaced only with
@@ -19,11 +19,12 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, ParamSpec
 
-from pmakit import remote
 from pmakit.errors import PmakitError, redact
 from pmakit.guard import output_lock
 from pmakit.layouts.base import MERGE_MANIFEST
 from pmakit.merge.plan import MergeResult, plan_merge
+from pmakit.storage import mirror, publish
+from pmakit.storage.registry import is_remote
 
 P = ParamSpec("P")
 UNKEYED = ("progress", "threads", "fsync", "force", "resume", "world", "manifest_extra")
@@ -41,9 +42,9 @@ def check_url_output(
     mirrors of remote inputs included), a missing bucket, bad credentials, a finished merge or foreign objects
     under the prefix without ``force``. Returns the URL as the merge writes it (normalised)."""
     items = list(inputs)
-    urls = [x for x in items if isinstance(x, str) and remote.is_remote(x)]
-    urls += remote.input_urls(Path(x) for x in items if not (isinstance(x, str) and remote.is_remote(x)))
-    return remote.check_output(url, MERGE_MANIFEST, force, resume, urls).url
+    urls = [x for x in items if isinstance(x, str) and is_remote(x)]
+    urls += mirror.input_urls(Path(x) for x in items if not (isinstance(x, str) and is_remote(x)))
+    return publish.check_output(url, MERGE_MANIFEST, force, resume, urls).url
 
 
 def url_outputs(merge: Callable[P, MergeResult]) -> Callable[P, MergeResult]:
@@ -53,7 +54,7 @@ def url_outputs(merge: Callable[P, MergeResult]) -> Callable[P, MergeResult]:
     @functools.wraps(merge)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> MergeResult:
         bound = signature.bind(*args, **kwargs)
-        if not remote.is_remote(bound.arguments["out"]):
+        if not is_remote(bound.arguments["out"]):
             return merge(*args, **kwargs)
         bound.apply_defaults()
         return merge_to_url(merge, dict(bound.arguments))
@@ -74,8 +75,8 @@ def merge_to_url(merge: Callable[..., MergeResult], args: dict[str, Any]) -> Mer
     url = check_url_output(args["out"], force=args["force"], resume=args["resume"], inputs=paths)
     extra = {**(args["manifest_extra"] or {}), "output_url": redact(url)}
     keyed = {k: str(v) for k, v in args.items() if k not in ("snapshots", "out", *UNKEYED)}
-    folder = remote.staging_dir(url, json.dumps([[remote.origin(p) for p in paths], keyed, extra]))
-    staged = folder / remote.STAGED
+    folder = publish.staging_dir(url, json.dumps([[mirror.origin(p) for p in paths], keyed, extra]))
+    staged = folder / publish.STAGED
     # One merge into this staging folder at a time, its publish included.
     with output_lock(folder / "publish"):
         if args["resume"] and (staged / MERGE_MANIFEST).is_file():  # merged already; the upload was cut
@@ -85,6 +86,6 @@ def merge_to_url(merge: Callable[..., MergeResult], args: dict[str, Any]) -> Mer
         else:  # an interrupted staging merge is continued as a folder's is, unless forced; a finished one replaced
             restart = args["force"] or staged.exists()
             result = merge(**{**args, "out": staged, "force": restart, "manifest_extra": extra})
-        remote.publish(staged, url, MERGE_MANIFEST, args["resume"])
-    remote.remove_staging(folder)
+        publish.publish(staged, url, MERGE_MANIFEST, args["resume"])
+    publish.remove_staging(folder)
     return dataclasses.replace(result, url=url)
