@@ -347,8 +347,8 @@ def test_the_library_merges_into_a_url_with_the_folder_rules_and_the_device(
     s3_server: Any, make_run: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from pmakit.merge import merge
-    from pmakit.storage import localize, registry
     from pmakit.snapshot import discover
+    from pmakit.storage import localize, registry
     from pmakit.world import World
 
     run = make_run(n=3)
@@ -387,8 +387,8 @@ def test_the_library_resumes_a_cut_publish_without_merging_again(
     s3_server: Any, make_run: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from pmakit.merge import merge
-    from pmakit.storage import localize, registry
     from pmakit.snapshot import discover
+    from pmakit.storage import localize, registry
 
     bucket = Bucket("s3", s3_server)
     bucket.put_tree(make_run(n=2), "run")

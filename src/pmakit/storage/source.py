@@ -154,6 +154,12 @@ class ByteSource(ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release what reading holds (maps, descriptors, blocks fetched ahead)."""
 
+    def __enter__(self) -> ByteSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 class LocalSource(ByteSource):
     """A local file: one read-only map, made on the first read; the kernel asked to read ahead."""
