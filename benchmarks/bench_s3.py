@@ -99,20 +99,21 @@ def get_floor(server: MotoServer, bucket: str, prefix: str, steps: list[str]) ->
 BREAKDOWN = r"""
 import json, sys, time
 t0 = time.perf_counter()
-from pmakit import remote
+from pmakit import storage
+from pmakit.storage import mirror, registry
 from pmakit.cli import cli
 from pmakit.merge.stream import timed
 marks = {"import": time.perf_counter() - t0}
-localize = remote.localize
+localize = storage.localize
 def timed_localize(url):
     start = time.perf_counter()
     try:
         return localize(url)
     finally:
         marks["mirror"] = marks.get("mirror", 0.0) + time.perf_counter() - start
-remote.localize = timed_localize
+storage.localize = timed_localize
 get_busy = [0.0, 0, 0]
-read = remote.RemoteFile.read
+read = mirror.RemoteFile.read
 def timed_read(self, start, stop):
     t = time.perf_counter()
     data = read(self, start, stop)
@@ -120,7 +121,7 @@ def timed_read(self, start, stop):
     get_busy[1] += 1
     get_busy[2] += len(data)
     return data
-remote.RemoteFile.read = timed_read
+mirror.RemoteFile.read = timed_read
 t1 = time.perf_counter()
 with timed() as stats:
     cli.main(sys.argv[1:], standalone_mode=False)
@@ -128,7 +129,7 @@ marks["command"] = time.perf_counter() - t1
 marks["total"] = time.perf_counter() - t0
 import resource
 print(json.dumps({**marks, **stats.as_dict(), "get_seconds": get_busy[0], "gets": get_busy[1],
-                  "get_bytes": get_busy[2], "requests": remote.request_count(),
+                  "get_bytes": get_busy[2], "requests": registry.request_count(),
                   "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
 

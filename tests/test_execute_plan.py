@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -43,3 +44,32 @@ def test_execute_refuses_a_plan_for_other_ranks(make_run: Callable[..., Path], t
     with pytest.raises(PmakitError, match="among 2 rank"):
         execute(plan, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_merge_command_runs_the_plan_it_made(
+    make_run: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`pmakit merge` plans once (the plan it prints) and writes that plan: the library's planner is called once,
+    and the output is the library's merge of the same snapshots."""
+    from click.testing import CliRunner
+
+    import pmakit.merge
+    from pmakit.cli import cli
+
+    run = make_run(3)
+    plans: list[Any] = []
+    planner = pmakit.merge.plan_merge
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        plans.append(planner(*args, **kwargs))
+        return plans[-1]
+
+    monkeypatch.setattr(pmakit.merge, "plan_merge", counted)
+    r = CliRunner().invoke(cli, ["merge", str(run), "-o", str(tmp_path / "out"), "--max-shard-size", "4KB"])
+    assert r.exit_code == 0, r.output
+    assert len(plans) == 1 and len(plans[0].shards) > 1
+    monkeypatch.undo()
+    want = merge(discover(run), [1 / 3] * 3, tmp_path / "lib", max_shard_size=4096)
+    got = load_dir(tmp_path / "out")
+    assert got.keys() == load_dir(want.path).keys()
+    assert all(torch.equal(got[k], v) for k, v in load_dir(want.path).items())

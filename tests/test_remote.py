@@ -228,13 +228,13 @@ def test_wrong_credentials_are_one_line(authenticating_server: Any, tmp_path: Pa
 def test_snapshot_saver_uploads_off_the_training_thread(
     s3_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pmakit import remote
     from pmakit.saver import SnapshotSaver
+    from pmakit.storage import registry
 
     bucket = _bucket(s3_server)
     for k, v in s3_server.env().items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(remote, "_STORES", {})  # a client made under this test's endpoint
+    monkeypatch.setattr(registry, "_STORES", {})  # a client made under this test's endpoint
     url = f"s3://{bucket}/run/snapshots"
     with SnapshotSaver(tmp_path / "snaps", every_tokens=10, keep_last=1, upload_to=url) as saver:
         for step in (1, 2, 3):
@@ -302,30 +302,33 @@ def test_gs_run_merged_into_gs(gcs_server: Any, make_run: Callable[..., Path], t
 def test_a_dcp_record_is_one_ranged_get_and_no_file_is_fetched(
     s3_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pmakit import remote
     from pmakit.layouts import open_weights
+    from pmakit.storage import localize, open_source, registry
+    from pmakit.storage.mirror import remote_file
 
     run = _dcp_run(tmp_path / "run", n=1)
     bucket = _bucket(s3_server)
     upload_tree(s3_server.client(), run, bucket, "titan")
     for k, v in s3_server.env().items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(remote, "_STORES", {})
-    mirror = remote.localize(f"s3://{bucket}/titan")
-    data = next((mirror / "step-100").glob("*.distcp"))
-    assert remote.lookup(data) is not None and data.stat().st_blocks == 0  # a placeholder: no disk
-    before = remote.request_count()
+    monkeypatch.setattr(registry, "_STORES", {})
+    mirror = localize(f"s3://{bucket}/titan")
+    files = list((mirror / "step-100").glob("*.distcp"))
+    assert files and all(open_source(f).remote and f.stat().st_blocks == 0 for f in files)  # no disk
+    before = registry.request_count()
     with open_weights(mirror / "step-100") as reader:
         for name, info in reader.tensors.items():
             assert torch.equal(reader.read(name, 0, info.numel).reshape(info.shape), state(1)[name]), name
-    assert remote.request_count() - before == len(reader.tensors)  # one GET per saved record
-    assert data.stat().st_blocks == 0 and not remote._FILLED  # nothing was written into the placeholder
+    assert registry.request_count() - before == len(reader.tensors)  # one GET per saved record
+    for f in files:  # nothing was written into the placeholders
+        assert f.stat().st_blocks == 0 and not remote_file(f).filled()
 
 
 def test_a_large_input_is_read_in_aligned_blocks(s3_server: Any, tmp_path: Path) -> None:
     """A file bigger than a block: its bytes come in aligned 16 MiB ranged GETs (chunks spanning two blocks are
     joined), the merge byte-equal to the merge of the same files on disk."""
-    from pmakit.remote import BLOCK_BYTES, HEAD_BYTES
+    from pmakit.storage.mirror import HEAD_BYTES
+    from pmakit.storage.source import BLOCK_BYTES
 
     shapes = {"big.weight": (4096, 4200), "norm.weight": (4096,), "small.weight": (300, 7)}
     root = tmp_path / "run"

@@ -336,19 +336,19 @@ def test_every_output_overlapping_an_input_is_refused(case: tuple[str, str]) -> 
 @settings(max_examples=100, deadline=None)
 @given(st.lists(_SEGMENT, min_size=1, max_size=3), st.lists(_SEGMENT, min_size=1, max_size=3))
 def test_a_sibling_prefix_does_not_overlap(base: list[str], tail: list[str]) -> None:
-    from pmakit import remote
+    from pmakit.storage.publish import output_location, overlap
 
-    out = remote.output_location(f"s3://bkt/{'/'.join([*base, 'out', *tail])}").url
-    assert remote.overlap(out, [f"s3://bkt/{'/'.join([*base, 'in'])}", f"gs://bkt/{'/'.join(base)}"]) is None
-    assert remote.overlap(out, [f"s3://bkt/{'/'.join([*base, 'ou'])}"]) is None  # segments, not characters
+    out = output_location(f"s3://bkt/{'/'.join([*base, 'out', *tail])}").url
+    assert overlap(out, [f"s3://bkt/{'/'.join([*base, 'in'])}", f"gs://bkt/{'/'.join(base)}"]) is None
+    assert overlap(out, [f"s3://bkt/{'/'.join([*base, 'ou'])}"]) is None  # segments, not characters
 
 
 def test_the_library_merges_into_a_url_with_the_folder_rules_and_the_device(
     s3_server: Any, make_run: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pmakit import remote
     from pmakit.merge import merge
     from pmakit.snapshot import discover
+    from pmakit.storage import localize, registry
     from pmakit.world import World
 
     run = make_run(n=3)
@@ -356,8 +356,8 @@ def test_the_library_merges_into_a_url_with_the_folder_rules_and_the_device(
     bucket.put_tree(run, "run")
     for k, v in _env(bucket, tmp_path).items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(remote, "_STORES", {})  # a client made under this test's endpoint
-    snaps = discover(remote.localize(bucket.url("run")))
+    monkeypatch.setattr(registry, "_STORES", {})  # a client made under this test's endpoint
+    snaps = discover(localize(bucket.url("run")))
     weights = [1 / 3] * 3
 
     # Inside an input: found through the mirror the snapshots came from
@@ -386,9 +386,9 @@ def test_the_library_merges_into_a_url_with_the_folder_rules_and_the_device(
 def test_the_library_resumes_a_cut_publish_without_merging_again(
     s3_server: Any, make_run: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pmakit import remote
     from pmakit.merge import merge
     from pmakit.snapshot import discover
+    from pmakit.storage import localize, registry
 
     bucket = Bucket("s3", s3_server)
     bucket.put_tree(make_run(n=2), "run")
@@ -403,9 +403,9 @@ def test_the_library_resumes_a_cut_publish_without_merging_again(
 
     for k, v in _env(bucket, tmp_path, AWS_ENDPOINT_URL=proxy.url, AWS_MAX_ATTEMPTS="1").items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(remote, "_STORES", {})
+    monkeypatch.setattr(registry, "_STORES", {})
     try:
-        snaps = discover(remote.localize(bucket.url("run")))
+        snaps = discover(localize(bucket.url("run")))
         proxy.fault = fault
         with pytest.raises(PmakitError, match="upload"):
             merge(snaps, [0.5, 0.5], bucket.url("m"), max_shard_size=3000)

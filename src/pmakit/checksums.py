@@ -1,5 +1,5 @@
 """File checksums, shared by the merge's output and resume ledger and by object-storage uploads (a module of its
-own so that ``pmakit.remote`` needs nothing of ``pmakit.merge``)."""
+own so that ``pmakit.storage`` needs nothing of ``pmakit.merge``)."""
 
 from __future__ import annotations
 

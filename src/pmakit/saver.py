@@ -5,7 +5,7 @@ into a hidden sibling ``.step-XXXXXXXX.pmakit-partial``: the safetensors file(s)
 tokenizer), then ``pmakit.json`` last, and renames the directory into place. A crash mid-write therefore leaves
 only a hidden directory that ``pmakit merge`` never looks at; a visible ``step-XXXXXXXX`` is always complete.
 With ``upload_to`` (an ``s3://`` or ``gs://`` URL), the same thread then uploads the complete snapshot there,
-``pmakit.json`` last (``pmakit.remote.publish``), so that ``pmakit merge URL`` finds only complete snapshots.
+``pmakit.json`` last (``pmakit.storage.publish``), so that ``pmakit merge URL`` finds only complete snapshots.
 Then the ``on_save`` callbacks run (e.g. ``OnlineAverager.update``), then retention deletes the oldest snapshots
 (local copies only: the bucket keeps every snapshot).
 
@@ -210,7 +210,7 @@ class SnapshotSaver:
             writer's save in flight.
         upload_to: an ``s3://`` / ``gs://`` URL that every complete snapshot is also uploaded to (on the writer
             thread, ``pmakit.json`` last), as ``URL/step-XXXXXXXX``. Credentials and endpoint as for
-            ``pmakit merge`` (see ``pmakit.remote``); an upload failure is raised like a write failure.
+            ``pmakit merge`` (see ``pmakit.storage``); an upload failure is raised like a write failure.
     """
 
     def __init__(
@@ -256,7 +256,7 @@ class SnapshotSaver:
         self.fsync = fsync
         self.upload_to = upload_to.rstrip("/") if upload_to else None
         if self.upload_to is not None:
-            from pmakit.remote import parse
+            from pmakit.storage.registry import parse
 
             parse(self.upload_to)  # a malformed URL fails now, not in the first save
         self.last_mark = start_tokens // every_tokens
@@ -373,7 +373,7 @@ class SnapshotSaver:
             shutil.rmtree(partial, ignore_errors=True)
             raise
         if self.upload_to is not None:
-            from pmakit.remote import publish
+            from pmakit.storage.publish import publish
 
             publish(path, f"{self.upload_to}/{path.name}", METADATA_FILE, resume=False)
         start = time.thread_time()

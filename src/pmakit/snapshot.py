@@ -22,6 +22,7 @@ from pmakit.errors import PmakitError
 from pmakit.layouts import candidates, layout_of
 from pmakit.layouts.base import MERGE_MANIFEST, METADATA_FILE, IncompleteSnapshot, Snapshot, is_merge_output
 from pmakit.runs import atomic_write_text, resolves_inside
+from pmakit.storage import canonical, local, origin
 
 __all__ = [
     "MERGE_MANIFEST",
@@ -88,10 +89,12 @@ def looks_like_snapshot(path: Path) -> bool:
 def read_snapshot(path: str | os.PathLike[str], tokens_per_step: int | None = None) -> Snapshot:
     """Read a snapshot directory's metadata (not its weights), through the layout that recognises it.
 
+    ``path``: a folder, or an ``s3://`` / ``gs://`` URL (read through a local mirror, ``pmakit.storage``).
+
     Raises:
         IncompleteSnapshot: the directory has no weights or no way to learn its token count.
     """
-    path = Path(path)
+    path = local(path)
     if not path.is_dir() and layout_of(path) is None:
         raise PmakitError(f"{path}: no such snapshot directory")
     if is_merge_output(path):
@@ -109,13 +112,14 @@ def scan(
 ) -> list[Snapshot | IncompleteSnapshot]:
     """Every snapshot-like directory of a run: a ``Snapshot`` when complete, else the reason it is not.
 
-    A run directory is a folder of snapshot directories; they may also sit one level down (``RUN/snapshots/``).
+    A run directory is a folder of snapshot directories, or an ``s3://`` / ``gs://`` URL of one (read through a
+    local mirror, ``pmakit.storage``); they may also sit one level down (``RUN/snapshots/``).
     Hidden directories (a merge's temporary output), merged models (``pmakit-merge.json``) and full training
     checkpoints (``"kind": "checkpoint"`` in ``pmakit.json``) are ignored. A snapshot directory that is a symlink
     to somewhere outside the run is part of it (runs are assembled from links), with a warning naming where it
     points; the merge manifest records every input's resolved path.
     """
-    run_dir = Path(run_dir)
+    run_dir = local(run_dir)
     if not run_dir.is_dir():
         raise PmakitError(f"{run_dir}: no such directory")
     found: list[Snapshot | IncompleteSnapshot] = []
@@ -218,15 +222,16 @@ def gather(
     tokens_per_step: int | None = None,
     exclude: Iterable[str | os.PathLike[str]] = (),
 ) -> tuple[list[Snapshot], bool]:
-    """Snapshots named on a command line: each path is a snapshot directory or a run directory.
+    """Snapshots named on a command line: each path is a snapshot directory or a run directory (a folder or an
+    ``s3://`` / ``gs://`` URL); ``exclude`` names snapshots the same way.
 
     Returns the snapshots oldest first, and whether any came from a run directory (then the caller's default
     window applies; snapshots named one by one are all used). An explicitly named incomplete snapshot is an error.
     """
-    skip = {Path(p).resolve() for p in exclude}
+    skip = {canonical(p) for p in exclude}
     snapshots: list[Snapshot] = []
     from_run = False
-    for p in map(Path, paths):
+    for p in map(local, paths):
         if not p.exists():
             raise PmakitError(f"{p}: no such snapshot or run directory")
         if looks_like_snapshot(p):
@@ -249,7 +254,7 @@ def gather(
             )
         snapshots += sort_snapshots(complete)
         from_run = True
-    unmatched = skip - {s.path.resolve() for s in snapshots}
+    unmatched = skip - {origin(s.path) for s in snapshots}
     if unmatched:
-        raise PmakitError(f"--exclude {sorted(map(str, unmatched))[0]} names none of the snapshots found")
-    return sort_snapshots(s for s in snapshots if s.path.resolve() not in skip), from_run
+        raise PmakitError(f"--exclude {sorted(unmatched)[0]} names none of the snapshots found")
+    return sort_snapshots(s for s in snapshots if origin(s.path) not in skip), from_run

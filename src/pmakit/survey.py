@@ -23,6 +23,7 @@ from pmakit.snapshot import (
     study_main_run,
     why_incomplete,
 )
+from pmakit.storage import canonical, local, origin
 from pmakit.units import format_bytes, format_tokens
 
 if TYPE_CHECKING:
@@ -81,9 +82,9 @@ def inspect_inputs(
     from pmakit.merge import plan_merge
     from pmakit.selection import select_window
 
-    skip = {Path(p).resolve() for p in exclude}
-    rows, from_run = _rows([Path(p) for p in inputs], tokens_per_step)
-    complete = sort_snapshots(r for r in rows if isinstance(r, Snapshot) and r.path.resolve() not in skip)
+    skip = {canonical(p) for p in exclude}
+    rows, from_run = _rows([local(p) for p in inputs], tokens_per_step)
+    complete = sort_snapshots(r for r in rows if isinstance(r, Snapshot) and origin(r.path) not in skip)
     table, refused = [], []
     for snap in complete:
         try:

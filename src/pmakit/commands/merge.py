@@ -20,7 +20,7 @@ from pmakit.units import format_bytes, format_tokens
 def _select(inputs: Sequence[Path | str], **selection: Any) -> list[Any]:
     from pmakit.selection import select_for_merge
 
-    return select_for_merge(opt.local(inputs), **selection)
+    return select_for_merge(inputs, **selection)
 
 
 @click.command()
@@ -135,12 +135,8 @@ def _merge(
     buffers: str,
     world: Any,
 ) -> None:
-    from pmakit.merge import merge as run_merge
+    from pmakit.merge import execute
 
-    if isinstance(output, str):
-        output = _check_url_output(
-            output, inputs, from_previous is not None or keep_fp32, world, force, resume
-        )
     chosen, weights, (method, alpha, custom, last, every, until) = _choose(
         inputs, recipe, (method, alpha, custom, last, every, until), tokens_per_step, exclude
     )
@@ -161,12 +157,9 @@ def _merge(
         **({"recipe": recipe} if recipe else {}),
     )
     with opt.progress(_rank_input_bytes(plan, world.rank), quiet, "merging") as progress:
-        result = run_merge(
-            terms,
-            term_weights,
+        result = execute(
+            plan,
             output,
-            dtype=dtype,
-            max_shard_size=max_shard_size,
             force=force,
             progress=progress,
             manifest_extra=extra,
@@ -175,7 +168,6 @@ def _merge(
             keep_fp32=keep_fp32,
             world=world,
             window=window,
-            buffers=buffers,
         )
     if keep_fp32 and from_previous is None and not Path(output, "pmakit-fp32").is_dir() and world.rank == 0:
         click.echo(
@@ -242,26 +234,13 @@ def _from_recipe(
     from pmakit.weights import uses_alpha
 
     recipe = parse_recipe(text)
-    snapshots, _ = gather(opt.local(inputs), tokens_per_step, exclude)
+    snapshots, _ = gather(inputs, tokens_per_step, exclude)
     resolved = resolve(recipe, snapshots)
     chosen, weights = list(resolved.snapshots), list(resolved.weights)
     if recipe.raw or recipe.method == "tune":  # one raw snapshot, or a tuned set: its weights as they are
         return chosen, weights, ("custom", 0.2, weights, None, None, recipe.until)
     alpha = recipe.alpha if uses_alpha(recipe.method) else 0.2
     return chosen, weights, (recipe.method, alpha, None, recipe.n, recipe.every, recipe.until)
-
-
-def _check_url_output(
-    url: str, inputs: Sequence[Path | str], local_only: bool, world: Any, force: bool, resume: bool
-) -> str:
-    """Fail before merging, not after, on an output URL the library refuses (overlapping an input, a missing bucket,
-    bad credentials, a finished merge or foreign objects there) or an option that only merges into a local folder
-    (``local_only``). Returns the URL as the merge writes it."""
-    from pmakit.merge.url import check_url_output
-
-    if local_only or world.size > 1:
-        raise PmakitError(f"{url}: --from-previous, --keep-fp32 and torchrun merge into local folders only")
-    return check_url_output(url, force=force, resume=resume, inputs=inputs)
 
 
 def _incremental(
@@ -339,7 +318,7 @@ def _print_result(plan: Any, result: Any, output: Path | str) -> None:
 
 
 def _print_plan(plan: Any, incremental: bool = False) -> None:
-    from pmakit.remote import origin
+    from pmakit.storage.mirror import origin
 
     for snap, w in zip(plan.snapshots, plan.weights):
         step = "" if snap.step is None else f"step {snap.step:>8}  "
@@ -444,7 +423,7 @@ def inspect(
     if not inputs:
         raise PmakitError("name a run directory or snapshots to inspect")
     report = inspect_inputs(
-        opt.local(inputs),
+        inputs,
         last=last,
         every=every,
         until=until,

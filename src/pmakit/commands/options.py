@@ -45,7 +45,7 @@ class _Location(click.ParamType):
     name = "path"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path | str:
-        from pmakit.remote import is_remote
+        from pmakit.storage.registry import is_remote
 
         return value if is_remote(str(value)) else Path(value)
 
@@ -196,12 +196,12 @@ def selection(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def local(locations: Sequence[Path | str]) -> list[Path]:
-    """Command-line locations as local paths: object storage URLs as local mirrors (``pmakit.remote``)."""
+    """Command-line locations as local paths: object storage URLs as local mirrors (``pmakit.storage``)."""
     if not any(isinstance(x, str) for x in locations):
         return [Path(x) for x in locations]
-    from pmakit.remote import localize_all
+    from pmakit.storage import local_all
 
-    return localize_all(locations)
+    return local_all(locations)
 
 
 @contextmanager

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from pmakit.errors import PmakitError
+from pmakit.storage.source import ByteSource
 
 
 @dataclass(frozen=True)
@@ -68,25 +69,16 @@ class Reader(ABC):
         at least the chunk's bytes that a reader which must copy may fill and return a view of.
         """
 
-    def watch(self, files: list[Path]) -> None:
-        """Remember ``files``' identity (inode, size, mtime) as opened, for ``verify``. An object-store mirror's
-        placeholders are left out: pmakit itself writes the records it fetches into them."""
-        from pmakit.remote import lookup
-
-        self._watched = [(f, _identity(os.stat(f))) for f in files if lookup(f) is None]
+    def watch(self, sources: Iterable[ByteSource]) -> None:
+        """Check ``sources`` (the files read, as opened) in ``verify``."""
+        self._watched = list(sources)
 
     def verify(self) -> None:
         """Fail with one line if a watched file was truncated, replaced or rewritten since it was opened: the bytes
-        merged would then be neither version (call it once every byte has been read, before publishing)."""
-        for file, seen in getattr(self, "_watched", []):
-            try:
-                now = _identity(os.stat(file))
-            except OSError:
-                now = None
-            if now != seen:
-                raise PmakitError(
-                    f"{file}: changed while being merged (truncated, replaced or rewritten); merge again"
-                )
+        merged would then be neither version (call it once every byte has been read, before publishing). A file of
+        an object store was read pinned to the version listed, so that a rewrite failed the read itself."""
+        for source in getattr(self, "_watched", []):
+            source.verify()
 
     def prefetch(self, name: str, start: int, stop: int) -> None:  # noqa: B027 - optional hook
         """Hint that ``read(name, start, stop)`` comes soon (start the disk read early)."""
@@ -99,10 +91,6 @@ class Reader(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 @dataclass(frozen=True)

@@ -28,11 +28,9 @@ the trainer installed. Any failure inside DCP (including its ``CheckpointExcepti
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import io
-import mmap
 import os
 import warnings
 from collections.abc import Mapping
@@ -42,10 +40,11 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from pmakit import limits, remote
+from pmakit import limits
 from pmakit.errors import PmakitError
 from pmakit.formats import FileInfo, Format, Reader, TensorInfo, safe_pickle
 from pmakit.formats.torch_record import record_view
+from pmakit.storage.source import ByteSource, open_source
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
@@ -427,7 +426,8 @@ class DCPReader(Reader):
             FileInfo(METADATA_FILE, (path / METADATA_FILE).stat().st_size, _sha256(path / METADATA_FILE))
         ]
         self.files += [FileInfo(f, (path / f).stat().st_size, "") for f in files]
-        self.watch([path / METADATA_FILE, *(path / f for f in files)])
+        self._sources = {f: open_source(path / f) for f in files}
+        self.watch([open_source(path / METADATA_FILE), *self._sources.values()])
         self._keys: dict[str, str] = {}
         self._md: dict[str, TensorStorageMetadata] = {}
         self.tensors = {}
@@ -447,8 +447,6 @@ class DCPReader(Reader):
         self._units: list[tuple[int, int, torch.Tensor]] = []
         self._current = ""
         self._storage_data = storage
-        self._fds: dict[str, int] = {}
-        self._maps: dict[str, mmap.mmap] = {}
         self._hinted: set[tuple[str, int]] = set()
         self._fetching: dict[tuple[str, int], Future[bytes]] = {}  # (file, offset): a remote record's GET
 
@@ -483,29 +481,20 @@ class DCPReader(Reader):
         if info is None or getattr(info, "transform_descriptors", None):
             return None  # torch's newer writers may compress or re-encode a record: DCP knows how to read it
         relative = str(info.relative_path)
-        source = remote.lookup(self.path / relative)
-        if source is not None:  # an object-store mirror's placeholder: the record is one ranged GET
-            offset, length = int(info.offset), int(info.length)
-            pending = self._fetching.pop((relative, offset), None)
-            data = pending.result() if pending is not None else source.read(offset, offset + length)
-            return record_view(data, 0, length, self.tensors[name].dtype, tuple(box.sizes))
-        # A mapped page past the end of a file truncated since (or before) it was opened is a SIGBUS: check first.
-        if os.stat(self.path / relative).st_size < int(info.offset) + int(info.length):
-            raise PmakitError(
-                f"{self.path / relative}: truncated (tensor {name!r} lies past its end; the file changed while "
-                "being merged, or the checkpoint is incomplete)"
-            )
-        if relative not in self._maps:
-            with open(self.path / relative, "rb") as f:  # checked in __init__: inside the directory
-                self._maps[relative] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        view = record_view(
-            self._maps[relative],
-            int(info.offset),
-            int(info.length),
-            self.tensors[name].dtype,
-            tuple(box.sizes),
+        offset, length = int(info.offset), int(info.length)
+        pending = self._fetching.pop(
+            (relative, offset), None
+        )  # a remote record's GET, started by ``prefetch``
+        data = (
+            pending.result() if pending is not None else self._source(relative).read(offset, offset + length)
         )
-        return view
+        return record_view(data, 0, length, self.tensors[name].dtype, tuple(box.sizes))
+
+    def _source(self, relative: str) -> ByteSource:
+        """The bytes of a data file the metadata names (checked in ``__init__``: inside the directory)."""
+        if relative not in self._sources:
+            self._sources[relative] = open_source(self.path / relative)
+        return self._sources[relative]
 
     def _load(self, name: str, box: ChunkStorageMetadata) -> torch.Tensor:
         mapped = self._mapped(name, box)
@@ -530,9 +519,10 @@ class DCPReader(Reader):
         placeholders first (records it must decode: rare)."""
         for chunk in self._md[name].chunks:
             info = self._storage_data.get(_dcp().MetadataIndex(self._keys[name], chunk.offsets))
-            source = remote.lookup(self.path / str(getattr(info, "relative_path", "")))
-            if info is not None and source is not None and _dim0_overlap(chunk, box):
-                source.fill(int(info.offset), int(info.offset) + int(info.length))
+            if info is not None and _dim0_overlap(chunk, box):
+                self._source(str(info.relative_path)).fill(
+                    int(info.offset), int(info.offset) + int(info.length)
+                )
 
     def _files_of(self, name: str, box: ChunkStorageMetadata) -> str:
         """The data file(s) holding the saved chunks of ``name`` that ``box`` reads, for an error message."""
@@ -579,30 +569,19 @@ class DCPReader(Reader):
                 if info is None:
                     continue
                 relative = str(info.relative_path)
-                source = remote.lookup(self.path / relative)
                 offset, length = int(info.offset), int(info.length)
-                if source is not None:
-                    if (relative, offset) not in self._fetching and chunk in self._md[name].chunks:
-                        self._fetching[relative, offset] = source.fetch(offset, offset + length)
-                    continue
-                if not hasattr(os, "posix_fadvise"):
-                    continue
-                if relative not in self._fds:
-                    self._fds[relative] = os.open(self.path / relative, os.O_RDONLY)
-                os.posix_fadvise(self._fds[relative], offset, length, os.POSIX_FADV_WILLNEED)
+                if (relative, offset) not in self._fetching:
+                    pending = self._source(relative).fetch(offset, offset + length)  # local: read-ahead only
+                    if pending is not None:
+                        self._fetching[relative, offset] = pending
 
     def close(self) -> None:
         self._units, self._current = [], ""
         for pending in self._fetching.values():
             pending.cancel()
         self._fetching = {}
-        for m in self._maps.values():
-            with contextlib.suppress(BufferError):  # a caller may still hold a view; the map goes with it
-                m.close()
-        self._maps = {}
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds = {}
+        for source in self._sources.values():
+            source.close()
 
 
 def _sha256(path: Path) -> str:
@@ -653,9 +632,10 @@ def read_bytes(path: Path, keys: list[str]) -> dict[str, bytes]:
     metadata = read_metadata(path)
     storage = metadata.storage_data if isinstance(metadata.storage_data, Mapping) else {}
     for index, info in storage.items():  # an object-store mirror: dcp.load reads these records from the files
-        source = remote.lookup(path / str(getattr(info, "relative_path", "")))
-        if source is not None and getattr(index, "fqn", None) in keys:
-            source.fill(int(info.offset), int(info.offset) + int(info.length))
+        if getattr(index, "fqn", None) in keys:
+            open_source(path / str(getattr(info, "relative_path", ""))).fill(
+                int(info.offset), int(info.offset) + int(info.length)
+            )
     reader = _dcp().CachedMetadataReader(path, metadata)
     try:
         with warnings.catch_warnings():

@@ -9,7 +9,6 @@ writes each shard's header first and then streams chunks.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
 import json
@@ -25,9 +24,10 @@ from typing import Any
 
 import torch
 
-from pmakit import limits, remote
+from pmakit import limits
 from pmakit.errors import PmakitError
 from pmakit.formats import FileInfo, Format, Reader, TensorInfo
+from pmakit.storage.source import ByteSource, open_source
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -165,8 +165,7 @@ class SafetensorsReader(Reader):
     def __init__(self, path: Path) -> None:
         super().__init__(path)
         self._files = self._shard_files(path)
-        self._fds: list[int] = []
-        self._maps: list[mmap.mmap] = []
+        self._sources: list[ByteSource] = []
         self._where: dict[str, tuple[int, int]] = {}  # name -> (file index, absolute byte offset)
         self.tensors = {}
         self.files = []
@@ -174,11 +173,9 @@ class SafetensorsReader(Reader):
             for i, file in enumerate(self._files):
                 header, data_start, raw = read_header(file)
                 self.files.append(FileInfo(file.name, file.stat().st_size, hashlib.sha256(raw).hexdigest()))
-                fd = os.open(file, os.O_RDONLY)
-                self._fds.append(fd)
-                self._maps.append(mmap.mmap(fd, 0, access=mmap.ACCESS_READ))
-                if hasattr(os, "posix_fadvise"):
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                # An object-store mirror's placeholder holds only the header: its bytes are ranged GETs of
+                # aligned blocks, fetched ahead as the merge moves through the file.
+                self._sources.append(open_source(file, sequential=True))
                 for name, entry in header.items():
                     if name == "__metadata__":
                         continue
@@ -189,12 +186,7 @@ class SafetensorsReader(Reader):
                         DTYPES[entry["dtype"]], tuple(int(d) for d in entry["shape"]), (i, begin)
                     )
                     self._where[name] = (i, data_start + begin)
-            self.watch(self._files)
-            # Files of an object-store mirror: their placeholders hold only the header; the bytes are ranged GETs
-            # of aligned blocks, fetched ahead as the merge moves through each file.
-            self._remote = [
-                None if (r := remote.lookup(f)) is None else remote.Sequential(r) for f in self._files
-            ]
+            self.watch(self._sources)
         except BaseException:
             self.close()
             raise
@@ -226,50 +218,26 @@ class SafetensorsReader(Reader):
         return index, offset + start * size, (stop - start) * size
 
     def read(self, name: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """A read-only view of the mapped file (valid until ``close``); ``out`` is not needed."""
+        """A read-only view of the mapped file (valid until ``close``), or the bytes fetched; ``out`` is not
+        needed."""
         index, offset, nbytes = self._range(name, start, stop)
         if nbytes == 0:
             return torch.empty(0, dtype=self.tensors[name].dtype)
-        source = self._remote[index]
-        if source is not None:
-            data = source.read(offset, offset + nbytes)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)  # read-only bytes: read-only by the contract
-                return torch.frombuffer(data, dtype=self.tensors[name].dtype)
-        # Touching a mapped page past the end of a file truncated since it was opened kills the process with
-        # SIGBUS (no Python handler can catch it): check the file still holds the range before handing out a view.
-        if os.fstat(self._fds[index]).st_size < offset + nbytes:
-            raise PmakitError(
-                f"{self._files[index]}: truncated while being merged (tensor {name!r}); merge again"
-            )
+        data = self._sources[index].read(offset, offset + nbytes)
         with warnings.catch_warnings():
             # torch warns that the buffer is read-only; the view is read-only by the Reader contract. (A writable
             # private mapping would instead be charged in full against the overcommit limit.)
             warnings.simplefilter("ignore", UserWarning)
-            return torch.frombuffer(
-                self._maps[index], dtype=self.tensors[name].dtype, count=stop - start, offset=offset
-            )
+            return torch.frombuffer(data, dtype=self.tensors[name].dtype)
 
     def prefetch(self, name: str, start: int, stop: int) -> None:
         index, offset, nbytes = self._range(name, start, stop)
-        source = self._remote[index]
-        if source is not None:
-            if nbytes:
-                source.hint(offset, offset + nbytes)
-        elif hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(self._fds[index], offset, nbytes, os.POSIX_FADV_WILLNEED)
+        self._sources[index].hint(offset, offset + nbytes)
 
     def close(self) -> None:
-        for source in getattr(self, "_remote", []):
-            if source is not None:
-                source.close()
-        for m in self._maps:
-            # A caller may still hold a view; the map then goes with the last one.
-            with contextlib.suppress(BufferError):
-                m.close()
-        for fd in self._fds:
-            os.close(fd)
-        self._maps, self._fds = [], []
+        for source in self._sources:
+            source.close()
+        self._sources = []
 
 
 def _detect(path: Path) -> bool:

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from pmakit import remote
 from pmakit.errors import PmakitError
 from pmakit.formats import FileInfo, Format, Reader, TensorInfo
+from pmakit.storage.source import open_source
 
 INDEX_FILE = "pytorch_model.bin.index.json"
 SUFFIXES = (".pt", ".pth", ".bin")
@@ -106,10 +106,9 @@ class TorchReader(Reader):
         if not files:
             raise PmakitError(f"{path}: no torch weight files")
         self._files = files
-        for file in files:  # an object-store mirror's placeholder: torch.load reads the whole file
-            source = remote.lookup(file)
-            if source is not None:
-                source.fill()
+        sources = [open_source(file) for file in files]
+        for source in sources:  # an object-store mirror's placeholder: torch.load reads the whole file
+            source.fill()
         for i, file in enumerate(files):
             state = load(file)
             _check_crc(file)
@@ -129,7 +128,7 @@ class TorchReader(Reader):
                 self._tensors[name] = value
                 self.tensors[name] = TensorInfo(value.dtype, tuple(value.shape), (i, offset))
             self.files.append(FileInfo(file.name, file.stat().st_size, _header_sha256(file)))
-        self.watch(files)
+        self.watch(sources)
 
     def read(self, name: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """A view of the memory-mapped tensor (read-only by contract)."""

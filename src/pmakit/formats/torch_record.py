@@ -101,7 +101,7 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def record_view(
-    mm: mmap.mmap | bytes, offset: int, length: int, dtype: torch.dtype, shape: tuple[int, ...]
+    mm: mmap.mmap | bytes | memoryview, offset: int, length: int, dtype: torch.dtype, shape: tuple[int, ...]
 ) -> torch.Tensor | None:
     """The flat tensor of the ``torch.save`` record at ``mm[offset : offset + length]``, or None."""
     numel = 1

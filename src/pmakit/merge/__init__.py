@@ -27,7 +27,7 @@ import sys
 import time
 import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,9 +56,10 @@ from pmakit.merge.output import (
     write_pass,
 )
 from pmakit.merge.plan import MergePlan, MergeResult, plan_merge, window_dtypes
-from pmakit.merge.url import url_outputs
-from pmakit.remote import is_remote, origin
+from pmakit.merge.url import merge_to_url, refuse_local_only
 from pmakit.snapshot import Snapshot
+from pmakit.storage.mirror import origin
+from pmakit.storage.registry import is_remote
 from pmakit.world import RankLost, World
 
 __all__ = [
@@ -82,7 +83,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-@url_outputs
 def merge(
     snapshots: Sequence[Snapshot],
     weights: Sequence[float],
@@ -106,7 +106,8 @@ def merge(
 
     Args:
         out: a folder, or an ``s3://`` / ``gs://`` prefix: merged in a private staging folder (on ``world``'s
-            device), then published, manifest last, under the rules of a folder (``pmakit.merge.url``).
+            device), then published, manifest last, under the rules of a folder (``pmakit.merge.url``). The
+            snapshots themselves may come from a URL: ``discover("s3://...")``.
         dtype: ``same`` (each tensor keeps its input dtype), ``bf16``, ``fp16``, ``fp32`` or a torch dtype.
         max_shard_size: bytes per output shard; a larger tensor gets a shard of its own.
         force: replace an existing ``out`` (only once the new merge is complete), or a partial one.
@@ -128,8 +129,11 @@ def merge(
             ``pmakit.layouts.kinds``.
     """
     start, world = time.perf_counter(), world or World()
-    inputs = [s.path for s in [*snapshots, *(window[0] if window else [])]]
-    guard_output(Path(out), inputs, force)  # before any header is read
+    if is_remote(out):
+        refuse_local_only(str(out), keep_fp32, window is not None, world.size)
+    else:
+        inputs = [s.path for s in [*snapshots, *(window[0] if window else [])]]
+        guard_output(Path(out), inputs, force)  # before any header is read
     plan = plan_merge(
         snapshots,
         weights,
@@ -139,7 +143,7 @@ def merge(
         buffers=buffers,
     )
     run = _Run(force, resume, out_format, keep_fp32, progress, manifest_extra, threads, fsync)
-    return _execute(plan, Path(out), run, world, window, start)
+    return _write(plan, out, run, world, window, start)
 
 
 def execute(
@@ -157,16 +161,46 @@ def execute(
     world: World | None = None,
     window: tuple[Sequence[Snapshot], Sequence[float]] | None = None,
 ) -> MergeResult:
-    """Write the merge ``plan_merge`` planned into ``out``: ``merge`` without planning again (the options as for
-    ``merge``; the inputs, weights, dtype, shard size, ranks and router-bias rule are the plan's)."""
+    """Write the merge ``plan_merge`` planned into ``out`` (a folder or a URL, as for ``merge``): ``merge``
+    without planning again (the options as for ``merge``; the inputs, weights, dtype, shard size, ranks and
+    router-bias rule are the plan's)."""
     world = world or World()
     if plan.ranks != world.size:
         raise PmakitError(
             f"the plan splits the output among {plan.ranks} rank(s); this merge runs on {world.size}"
         )
-    guard_output(Path(out), [s.path for s in [*plan.snapshots, *(window[0] if window else [])]], force)
     run = _Run(force, resume, out_format, keep_fp32, progress, manifest_extra, threads, fsync)
-    return _execute(plan, Path(out), run, world, window)
+    return _write(plan, out, run, world, window)
+
+
+def _write(
+    plan: MergePlan,
+    out: str | os.PathLike[str],
+    run: _Run,
+    world: World,
+    window: tuple[Sequence[Snapshot], Sequence[float]] | None,
+    start: float | None = None,
+) -> MergeResult:
+    """The planned merge into a folder (guarded first), or into a private staging folder published at a URL."""
+    inputs = [s.path for s in [*plan.snapshots, *(window[0] if window else [])]]
+    if not is_remote(out):
+        guard_output(Path(out), inputs, run.force)
+        return _execute(plan, Path(out), run, world, window, start)
+    refuse_local_only(str(out), run.keep_fp32, window is not None, world.size)
+
+    def staged(folder: Path, force: bool, extra: dict[str, Any]) -> MergeResult:
+        guard_output(folder, inputs, force)
+        return _execute(plan, folder, replace(run, force=force, manifest_extra=extra), world, None, start)
+
+    return merge_to_url(
+        plan,
+        str(out),
+        force=run.force,
+        resume=run.resume,
+        manifest_extra=run.manifest_extra,
+        out_format=run.out_format,
+        write=staged,
+    )
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,9 @@ from pmakit.layouts.kinds import listing
 from pmakit.merge._faults import Killer
 from pmakit.merge.plan import MergePlan
 from pmakit.merge.stream import stream_average
-from pmakit.remote import origin
 from pmakit.runs import atomic_write_text, fsync_dir, replace_dir, resolves_inside
 from pmakit.snapshot import MERGE_MANIFEST, METADATA_FILE, Snapshot
+from pmakit.storage.mirror import origin
 from pmakit.units import format_bytes
 from pmakit.world import World
 
