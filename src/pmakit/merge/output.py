@@ -102,18 +102,7 @@ def manifest_record(
         "dtype": str(dtype if dtype is not None else "same").replace("torch.", ""),
         "accumulate": "float32",
         "tokens": plan.snapshots[-1].tokens,
-        "inputs": [
-            {
-                "path": redact(origin(s.path)),
-                "step": s.step,
-                "tokens": s.tokens,
-                "weight": w,
-                "layout": s.layout,
-                "format": r.format,
-                "files": [vars(f) for f in r.files],
-            }
-            for s, w, r in zip(plan.snapshots, plan.weights, readers)
-        ],
+        "inputs": input_records(plan.snapshots, plan.weights, readers),
         "skipped_entries": plan.skipped,
         "buffers": plan.buffers,
         "tensor_kinds": listing(plan.kinds, plan.buffers),
@@ -338,19 +327,26 @@ def finish_output(
 
 def window_inputs(snapshots: Sequence[Snapshot], weights: Sequence[float]) -> list[dict[str, Any]]:
     with contextlib.ExitStack() as stack:
-        readers = [stack.enter_context(open_weights(s.path)) for s in snapshots]
-        return [
-            {
-                "path": origin(s.path),
-                "step": s.step,
-                "tokens": s.tokens,
-                "weight": w,
-                "layout": s.layout,
-                "format": r.format,
-                "files": [vars(f) for f in r.files],
-            }
-            for s, w, r in zip(snapshots, weights, readers)
-        ]
+        return input_records(snapshots, weights, [stack.enter_context(open_weights(s.path)) for s in snapshots])
+
+
+def input_records(
+    snapshots: Sequence[Snapshot], weights: Sequence[float], readers: Sequence[Reader]
+) -> list[dict[str, Any]]:
+    """A manifest's record of each input: where it is (credentials redacted), its step, tokens, weight, layout and
+    files (the checksums a later ``--from-previous`` or ``verify`` compares)."""
+    return [
+        {
+            "path": redact(origin(s.path)),
+            "step": s.step,
+            "tokens": s.tokens,
+            "weight": w,
+            "layout": s.layout,
+            "format": r.format,
+            "files": [vars(f) for f in r.files],
+        }
+        for s, w, r in zip(snapshots, weights, readers)
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------------------
