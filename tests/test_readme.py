@@ -350,6 +350,9 @@ RECIPES: dict[str, Recipe] = {
             skip="needs an S3 endpoint: tests/test_remote.py runs these commands against a local S3 server"
         )
     ),
+    "import pmakit": Recipe(
+        skip="needs an S3 endpoint: tests/test_storage_api.py runs these calls against a local S3 server"
+    ),
     "Error: s3://no-such-bucket/run: checking the bucket failed (no such bucket)": Recipe(
         skip="error messages, not commands: tests/test_remote.py checks each"
     ),
