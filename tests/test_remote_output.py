@@ -438,3 +438,37 @@ def test_a_killed_staging_merge_is_continued_by_the_same_command(
     got = read_state(bucket.download("m", tmp_path / "down"))
     want = _merged_locally(run, tmp_path / "local", "--max-shard-size", "2KB")
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_gcs_reads_pin_the_listed_generation_and_a_rewritten_object_is_one_line(
+    gcs_server: Any, make_run: Callable[..., Path], tmp_path: Path
+) -> None:
+    """The emulator ignores ``ifGenerationMatch``, so a recording proxy in front of it checks that every read of
+    an object carries the generation the listing gave, then answers 412 as GCS does for a rewritten object."""
+    from urllib.parse import parse_qs, urlsplit
+
+    bucket = Bucket("gs", gcs_server)
+    bucket.put_tree(make_run(n=2), "run")
+    generations = {b.name: str(b.generation) for b in bucket.client.list_blobs(bucket.name, prefix="run/")}
+    proxy = FaultProxy(gcs_server.port)
+    try:
+        env = {**_env(bucket, tmp_path), "STORAGE_EMULATOR_HOST": proxy.url, "AWS_MAX_ATTEMPTS": "1"}
+        done = run_cli("merge", bucket.url("run"), "-o", tmp_path / "out", "--quiet", env=env)
+        assert done.returncode == 0, done.stderr
+        reads = [urlsplit(p) for m, p in proxy.requests if m == "GET" and "alt=media" in p]
+        assert reads, proxy.requests
+        for url in reads:
+            name = url.path.split("/o/", 1)[1].replace("%2F", "/")
+            assert parse_qs(url.query).get("ifGenerationMatch") == [generations[name]], url
+
+        weights = "model.safetensors"
+        proxy.fault = lambda method, path, headers: (
+            "412" if method == "GET" and "alt=media" in path and weights in path else None
+        )
+        line = _one_line_error(
+            run_cli("merge", bucket.url("run"), "-o", tmp_path / "out2", "--quiet", env=env)
+        )
+        assert "generation" in line and "gs://" in line, line
+        assert not (tmp_path / "out2" / MERGE_MANIFEST).exists()
+    finally:
+        proxy.stop()
