@@ -472,3 +472,30 @@ def test_gcs_reads_pin_the_listed_generation_and_a_rewritten_object_is_one_line(
         assert not (tmp_path / "out2" / MERGE_MANIFEST).exists()
     finally:
         proxy.stop()
+
+
+def test_credentials_in_a_gcs_endpoint_are_never_printed_or_written(
+    gcs_server: Any, make_run: Callable[..., Path], tmp_path: Path
+) -> None:
+    """STORAGE_EMULATOR_HOST with a user:password and signed-URL style parameters: a merge through it and a
+    failing one (no such bucket) print and write none of them (the Error line, the log lines, the manifest)."""
+    secrets = ("AKIAEXAMPLEKEY", "wJalrSuperSecret", "sigsigsig", "tok3n")
+    bucket = Bucket("gs", gcs_server)
+    bucket.put_tree(make_run(n=2), "run")
+    host = f"http://{secrets[0]}:{secrets[1]}@127.0.0.1:{gcs_server.port}"
+    env = _env(bucket, tmp_path, STORAGE_EMULATOR_HOST=host, AWS_MAX_ATTEMPTS="1")
+    out = f"{bucket.url('merged')}?X-Goog-Signature={secrets[2]}&token={secrets[3]}"
+    shown = ""
+    for args in (
+        ("merge", bucket.url("run"), "-o", bucket.url("merged")),
+        ("merge", f"gs://no-such-{bucket.name}/run", "-o", tmp_path / "out"),
+        ("merge", bucket.url("run"), "-o", out),
+    ):
+        proc = run_cli(*args, env=env)
+        shown += proc.stdout + proc.stderr
+        if args[1] != bucket.url("run") or args[3] == out:
+            assert "***" in _one_line_error(proc) or "no such" in _one_line_error(proc), proc.stderr
+    assert f"merged/{MERGE_MANIFEST}" in bucket.objects("merged/"), shown[-3000:]
+    manifest = bucket.objects("merged/")[f"merged/{MERGE_MANIFEST}"].decode()
+    assert not any(s in shown + manifest for s in secrets), shown
+    assert sorted(bucket.objects()) == sorted([*bucket.objects("run/"), *_merge_keys("merged")])
