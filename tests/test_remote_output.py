@@ -499,3 +499,31 @@ def test_credentials_in_a_gcs_endpoint_are_never_printed_or_written(
     manifest = bucket.objects("merged/")[f"merged/{MERGE_MANIFEST}"].decode()
     assert not any(s in shown + manifest for s in secrets), shown
     assert sorted(bucket.objects()) == sorted([*bucket.objects("run/"), *_merge_keys("merged")])
+
+
+def test_a_second_writer_during_publish_leaves_no_finished_mix(
+    s3_server: Any, make_run: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Another merge into the same prefix rewrites a shard just as this one writes its manifest (the proxy makes
+    the race certain): one Error line, and no manifest beside the other writer's bytes."""
+    bucket = Bucket("s3", s3_server)
+    bucket.put_tree(make_run(n=2), "run")
+    proxy = FaultProxy(s3_server.port)
+    rewritten = {"n": 0}
+
+    def other_writer(method: str, path: str, headers: dict[str, str]) -> str | None:
+        if method == "PUT" and MERGE_MANIFEST in path and not rewritten["n"]:
+            rewritten["n"] += 1
+            bucket.put("merged/model.safetensors", b"another merge's bytes")
+        return None
+
+    proxy.fault = other_writer
+    try:
+        env = _env(bucket, tmp_path, AWS_ENDPOINT_URL=proxy.url, AWS_MAX_ATTEMPTS="1")
+        line = _one_line_error(
+            run_cli("merge", bucket.url("run"), "-o", bucket.url("merged"), "--quiet", env=env)
+        )
+    finally:
+        proxy.stop()
+    assert rewritten["n"] == 1 and "another writer" in line, line
+    assert f"merged/{MERGE_MANIFEST}" not in bucket.objects("merged/")
