@@ -527,3 +527,41 @@ def test_a_second_writer_during_publish_leaves_no_finished_mix(
         proxy.stop()
     assert rewritten["n"] == 1 and "another writer" in line, line
     assert f"merged/{MERGE_MANIFEST}" not in bucket.objects("merged/")
+
+
+def test_two_racing_merges_into_one_prefix_leave_one_whole_merge_or_none(
+    s3_server: Any, make_run: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Two real CLI processes, a sharded merge and a one-file merge, publish into the same prefix at once: each
+    exits 0 or with one Error line, and whatever manifest is left stands beside exactly its own merge."""
+    import subprocess
+    import sys
+
+    from conftest import SRC
+
+    bucket = Bucket("s3", s3_server)
+    run = make_run(n=3)
+    bucket.put_tree(run, "run")
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_WAIT_POLICY": "PASSIVE", **_env(bucket, tmp_path)}
+    wants = [
+        _merged_locally(run, tmp_path / "local-a", "--max-shard-size", "2KB"),
+        _merged_locally(run, tmp_path / "local-b", "--last", "1"),
+    ]
+    flags = [("--max-shard-size", "2KB", "--force"), ("--last", "1", "--force")]
+    for round_ in range(2):
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "pmakit", "merge", bucket.url("run"), "-o", bucket.url("merged"), *f],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            for f in flags
+        ]
+        for p in procs:
+            _, err = p.communicate(timeout=600)
+            assert "Traceback" not in err and (p.returncode == 0 or err.count("Error:") == 1), err[-2000:]
+        if f"merged/{MERGE_MANIFEST}" in bucket.objects("merged/"):
+            got = read_state(bucket.download("merged", tmp_path / f"down-{round_}"))
+            assert any(got.keys() == w.keys() and all(torch.equal(got[k], w[k]) for k in w) for w in wants)
