@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import http.server
+import json
 import os
 import socket
 import subprocess
@@ -95,7 +96,8 @@ def download_tree(client: Any, bucket: str, prefix: str, local: Path) -> list[st
 class FaultProxy:
     """An HTTP proxy to ``upstream`` that can break requests: ``fault(request) -> None | "truncate" | "503" |
     "down"``. ``truncate`` sends half the response body and drops the connection (a GET broken off mid-body);
-    ``503`` answers SlowDown; ``down`` closes the connection unanswered (the server is gone)."""
+    ``503`` answers SlowDown; ``down`` closes the connection unanswered (the server is gone); ``412`` answers a
+    failed precondition the way GCS does (an object rewritten since its generation was listed)."""
 
     def __init__(self, upstream_port: int) -> None:
         self.fault: Callable[[str, str, dict[str, str]], str | None] = lambda method, path, headers: None
@@ -117,6 +119,16 @@ class FaultProxy:
                 if fault == "down":
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if fault == "412":
+                    payload = json.dumps(
+                        {"error": {"code": 412, "message": "Precondition Failed", "errors": []}}
+                    ).encode()
+                    self.send_response(412)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
                     return
                 if fault == "503":
                     payload = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"

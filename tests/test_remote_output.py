@@ -438,3 +438,130 @@ def test_a_killed_staging_merge_is_continued_by_the_same_command(
     got = read_state(bucket.download("m", tmp_path / "down"))
     want = _merged_locally(run, tmp_path / "local", "--max-shard-size", "2KB")
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_gcs_reads_pin_the_listed_generation_and_a_rewritten_object_is_one_line(
+    gcs_server: Any, make_run: Callable[..., Path], tmp_path: Path
+) -> None:
+    """The emulator ignores ``ifGenerationMatch``, so a recording proxy in front of it checks that every read of
+    an object carries the generation the listing gave, then answers 412 as GCS does for a rewritten object."""
+    from urllib.parse import parse_qs, urlsplit
+
+    bucket = Bucket("gs", gcs_server)
+    bucket.put_tree(make_run(n=2), "run")
+    generations = {b.name: str(b.generation) for b in bucket.client.list_blobs(bucket.name, prefix="run/")}
+    proxy = FaultProxy(gcs_server.port)
+    try:
+        env = {**_env(bucket, tmp_path), "STORAGE_EMULATOR_HOST": proxy.url, "AWS_MAX_ATTEMPTS": "1"}
+        done = run_cli("merge", bucket.url("run"), "-o", tmp_path / "out", "--quiet", env=env)
+        assert done.returncode == 0, done.stderr
+        reads = [urlsplit(p) for m, p in proxy.requests if m == "GET" and "alt=media" in p]
+        assert reads, proxy.requests
+        for url in reads:
+            name = url.path.split("/o/", 1)[1].replace("%2F", "/")
+            assert parse_qs(url.query).get("ifGenerationMatch") == [generations[name]], url
+
+        weights = "model.safetensors"
+        proxy.fault = lambda method, path, headers: (
+            "412" if method == "GET" and "alt=media" in path and weights in path else None
+        )
+        line = _one_line_error(
+            run_cli("merge", bucket.url("run"), "-o", tmp_path / "out2", "--quiet", env=env)
+        )
+        assert "generation" in line and "gs://" in line, line
+        assert not (tmp_path / "out2" / MERGE_MANIFEST).exists()
+    finally:
+        proxy.stop()
+
+
+def test_credentials_in_a_gcs_endpoint_are_never_printed_or_written(
+    gcs_server: Any, make_run: Callable[..., Path], tmp_path: Path
+) -> None:
+    """STORAGE_EMULATOR_HOST with a user:password and signed-URL style parameters: a merge through it and a
+    failing one (no such bucket) print and write none of them (the Error line, the log lines, the manifest)."""
+    secrets = ("AKIAEXAMPLEKEY", "wJalrSuperSecret", "sigsigsig", "tok3n")
+    bucket = Bucket("gs", gcs_server)
+    bucket.put_tree(make_run(n=2), "run")
+    host = f"http://{secrets[0]}:{secrets[1]}@127.0.0.1:{gcs_server.port}"
+    env = _env(bucket, tmp_path, STORAGE_EMULATOR_HOST=host, AWS_MAX_ATTEMPTS="1")
+    out = f"{bucket.url('merged')}?X-Goog-Signature={secrets[2]}&token={secrets[3]}"
+    shown = ""
+    for args in (
+        ("merge", bucket.url("run"), "-o", bucket.url("merged")),
+        ("merge", f"gs://no-such-{bucket.name}/run", "-o", tmp_path / "out"),
+        ("merge", bucket.url("run"), "-o", out),
+    ):
+        proc = run_cli(*args, env=env)
+        shown += proc.stdout + proc.stderr
+        if args[1] != bucket.url("run") or args[3] == out:
+            assert "***" in _one_line_error(proc) or "no such" in _one_line_error(proc), proc.stderr
+    assert f"merged/{MERGE_MANIFEST}" in bucket.objects("merged/"), shown[-3000:]
+    manifest = bucket.objects("merged/")[f"merged/{MERGE_MANIFEST}"].decode()
+    assert not any(s in shown + manifest for s in secrets), shown
+    assert sorted(bucket.objects()) == sorted([*bucket.objects("run/"), *_merge_keys("merged")])
+
+
+def test_a_second_writer_during_publish_leaves_no_finished_mix(
+    s3_server: Any, make_run: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Another merge into the same prefix rewrites a shard just as this one writes its manifest (the proxy makes
+    the race certain): one Error line, and no manifest beside the other writer's bytes."""
+    bucket = Bucket("s3", s3_server)
+    bucket.put_tree(make_run(n=2), "run")
+    proxy = FaultProxy(s3_server.port)
+    rewritten = {"n": 0}
+
+    def other_writer(method: str, path: str, headers: dict[str, str]) -> str | None:
+        if method == "PUT" and MERGE_MANIFEST in path and not rewritten["n"]:
+            rewritten["n"] += 1
+            bucket.put("merged/model.safetensors", b"another merge's bytes")
+        return None
+
+    proxy.fault = other_writer
+    try:
+        env = _env(bucket, tmp_path, AWS_ENDPOINT_URL=proxy.url, AWS_MAX_ATTEMPTS="1")
+        line = _one_line_error(
+            run_cli("merge", bucket.url("run"), "-o", bucket.url("merged"), "--quiet", env=env)
+        )
+    finally:
+        proxy.stop()
+    assert rewritten["n"] == 1 and "another writer" in line, line
+    assert f"merged/{MERGE_MANIFEST}" not in bucket.objects("merged/")
+
+
+def test_two_racing_merges_into_one_prefix_leave_one_whole_merge_or_none(
+    s3_server: Any, make_run: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Two real CLI processes, a sharded merge and a one-file merge, publish into the same prefix at once: each
+    exits 0 or with one Error line, and whatever manifest is left stands beside exactly its own merge."""
+    import subprocess
+    import sys
+
+    from conftest import SRC
+
+    bucket = Bucket("s3", s3_server)
+    run = make_run(n=3)
+    bucket.put_tree(run, "run")
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_WAIT_POLICY": "PASSIVE", **_env(bucket, tmp_path)}
+    wants = [
+        _merged_locally(run, tmp_path / "local-a", "--max-shard-size", "2KB"),
+        _merged_locally(run, tmp_path / "local-b", "--last", "1"),
+    ]
+    flags = [("--max-shard-size", "2KB", "--force"), ("--last", "1", "--force")]
+    for round_ in range(2):
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "pmakit", "merge", bucket.url("run"), "-o", bucket.url("merged"), *f],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            for f in flags
+        ]
+        for p in procs:
+            _, err = p.communicate(timeout=600)
+            assert "Traceback" not in err and (p.returncode == 0 or err.count("Error:") == 1), err[-2000:]
+        if f"merged/{MERGE_MANIFEST}" in bucket.objects("merged/"):
+            got = read_state(bucket.download("merged", tmp_path / f"down-{round_}"))
+            assert any(got.keys() == w.keys() and all(torch.equal(got[k], w[k]) for k in w) for w in wants)

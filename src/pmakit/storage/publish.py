@@ -22,7 +22,7 @@ from pathlib import Path
 
 from pmakit.checksums import sha256_file
 from pmakit.errors import PmakitError
-from pmakit.storage.base import Location
+from pmakit.storage.base import Location, Store
 from pmakit.storage.registry import is_remote, parse, store
 
 STAGED = "merged"
@@ -191,5 +191,25 @@ def publish(local: Path, url: str, manifest: str, resume: bool) -> list[str]:
     with ThreadPoolExecutor(4, thread_name_prefix="pmakit-put") as pool:
         list(pool.map(s.delete, stale))
         written = list(pool.map(put, files))
-    s.upload(local / manifest, where.child(manifest), sha256_file(local / manifest))
+        digests = {where.child(p.relative_to(local).as_posix()).key: sha256_file(p) for p in files}
+        digests[where.child(manifest).key] = sha256_file(local / manifest)
+        s.upload(local / manifest, where.child(manifest), digests[where.child(manifest).key])
+        _verify(s, where, manifest, digests, pool)
     return [*written, manifest]
+
+
+def _verify(
+    s: Store, where: Location, manifest: str, digests: dict[str, str], pool: ThreadPoolExecutor
+) -> None:
+    """After the manifest: the prefix holds exactly this merge's objects, each with its sha256; else another
+    writer (a second merge into the same prefix) changed it while publishing, and the manifest is taken back, so
+    that no mix looks finished."""
+    keys = {k for k, _ in s.list(where)}
+    found = dict(zip(digests, pool.map(lambda k: s.sha256(Location(where.scheme, where.bucket, k)), digests)))
+    if keys == set(digests) and found == digests:
+        return
+    s.delete(where.child(manifest))
+    raise PmakitError(
+        f"{where.url}: changed by another writer while this merge was published (two merges into one output?); "
+        "its manifest was taken back: merge again into a prefix of its own"
+    )

@@ -39,6 +39,11 @@ def parse(url: str) -> Location:
     bucket, _, key = rest.partition("/")
     if scheme not in SCHEMES or not bucket:
         raise PmakitError(f"{url}: not an object storage URL (s3://BUCKET/PREFIX or gs://BUCKET/PREFIX)")
+    if "?" in rest or "#" in rest:  # a signed URL's query would become part of the keys, and be printed
+        raise PmakitError(
+            f"{url}: an object storage URL takes no query or fragment (s3://BUCKET/PREFIX or gs://BUCKET/PREFIX; "
+            "credentials come from the environment)"
+        )
     return Location(scheme, bucket, key.strip("/"))
 
 
