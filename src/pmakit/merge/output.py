@@ -327,7 +327,9 @@ def finish_output(
 
 def window_inputs(snapshots: Sequence[Snapshot], weights: Sequence[float]) -> list[dict[str, Any]]:
     with contextlib.ExitStack() as stack:
-        return input_records(snapshots, weights, [stack.enter_context(open_weights(s.path)) for s in snapshots])
+        return input_records(
+            snapshots, weights, [stack.enter_context(open_weights(s.path)) for s in snapshots]
+        )
 
 
 def input_records(
