@@ -307,11 +307,11 @@ class _FakeGrid:
             {**sma, "n": 4, "fork_tokens": 64, "val_loss": 0.5, "label": "an earlier fork"},
         ]
 
-    def _window(self, end: int, n: int, v: int) -> list[Any] | None:
+    def window(self, end: int, n: int, v: int) -> list[Any] | None:
         targets = [end - j * v for j in range(n)][::-1]
         return [self.snapshots[t] for t in targets] if all(t in self.snapshots for t in targets) else None
 
-    def _state(self, snap: Any) -> dict[str, torch.Tensor]:
+    def state(self, snap: Any) -> dict[str, torch.Tensor]:
         return self._load(snap.path)
 
 

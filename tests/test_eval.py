@@ -24,8 +24,8 @@ pytest.importorskip("lm_eval")
 
 from pmakit.errors import PmakitError
 from pmakit.eval import stats
-from pmakit.eval.recipe import parse_recipe, resolve
 from pmakit.eval.run import _finished
+from pmakit.merge.recipe import parse_recipe, resolve
 from pmakit.runs import read_jsonl
 from pmakit.snapshot import gather
 

@@ -226,10 +226,10 @@ def _check_recipe_alone(ctx: click.Context) -> None:
 def _from_recipe(
     text: str, inputs: Sequence[Path | str], tokens_per_step: int | None, exclude: Sequence[Path]
 ) -> tuple[list[Any], list[float], Choice]:
-    """A recipe's snapshots and weights among the inputs' (``pmakit.eval.recipe``, as pmakit eval resolves it),
+    """A recipe's snapshots and weights among the inputs' (``pmakit.merge.recipe``, as pmakit eval resolves it),
     and the --method/--alpha/--weights/--last/--every/--until it stands for (the manifest's record, and what
     --from-previous updates: a sma/ema recipe is the same merge as those options)."""
-    from pmakit.eval.recipe import parse_recipe, resolve
+    from pmakit.merge.recipe import parse_recipe, resolve
     from pmakit.snapshot import gather
     from pmakit.weights import uses_alpha
 

@@ -1,6 +1,7 @@
 """Downstream evaluation of merges through lm-evaluation-harness (``pmakit eval``).
 
-The parts: ``recipe`` (one grammar for a merge of a run's snapshots), ``model`` (a recipe's model, merged in memory
+The parts (the recipe grammar they read, "which snapshots, which weights", is ``pmakit.merge.recipe``, shared with
+``pmakit merge --recipe``): ``model`` (a recipe's model, merged in memory
 or through a removed temporary folder), ``harness`` (the lm-eval bridge: ``HFLM`` on the in-memory module, per-item
 scores), ``backend`` (pmakit as lm-eval's ``model="pmakit"``), ``tasks`` (offline lm-eval YAML tasks built from a
 corpus's held-out files), ``stats`` (item-level standard errors, paired differences, bootstrap, the noise band) and

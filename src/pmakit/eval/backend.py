@@ -7,7 +7,7 @@ point for releases that do.
 
 model_args:
     run      a run directory (or a snapshot, or several joined by ``+``): the recipe picks among its snapshots
-    merge    a recipe (``pmakit.eval.recipe``; default ``latest``)
+    merge    a recipe (``pmakit.merge.recipe``; default ``latest``)
     path     instead of run/merge: a model folder evaluated as it is
 """
 
@@ -20,7 +20,7 @@ from lm_eval.api.registry import register_model
 
 from pmakit.eval.lm import WindowedHFLM
 from pmakit.eval.model import build, build_path
-from pmakit.eval.recipe import parse_recipe, resolve
+from pmakit.merge.recipe import parse_recipe, resolve
 
 
 @register_model("pmakit")

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from pmakit.errors import PmakitError, first_line
-from pmakit.eval.recipe import Resolved
+from pmakit.merge.recipe import Resolved
 from pmakit.snapshot import Snapshot
 
 log = logging.getLogger(__name__)

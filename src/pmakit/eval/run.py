@@ -22,8 +22,8 @@ from typing import Any
 
 from pmakit.errors import PmakitError
 from pmakit.eval import harness, model, stats
-from pmakit.eval.recipe import Resolved, parse_recipe, resolve
 from pmakit.eval.tasks import TASKS, TaskSet, build_tasks
+from pmakit.merge.recipe import Resolved, parse_recipe, resolve
 from pmakit.runs import atomic_write_text, read_jsonl
 
 log = logging.getLogger(__name__)

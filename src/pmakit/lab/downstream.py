@@ -52,17 +52,17 @@ def models_at(grid: Any, fork: Any) -> Iterator[tuple[dict[str, Any], Any]]:
             "label": r["label"],
         }
         if r["model"] == "latest":
-            yield {**key, "raw_back": 0}, grid._state(grid._snapshot_at(r["tokens"]))
+            yield {**key, "raw_back": 0}, grid.state(grid.snapshot_at(r["tokens"]))
         elif r["model"] == "annealed":
             yield key, read_state(checkpoint_dir(anneal_run(grid.run_dir, fork.fork_tokens)))
         elif r["method"] == "tuned":
             record = r["tune"]
-            chosen = [grid._snapshot_at(t) for t in record["tokens"]]
-            yield key, grid._average(chosen, record["weights"])
+            chosen = [grid.snapshot_at(t) for t in record["tokens"]]
+            yield key, grid.average(chosen, record["weights"])
         else:
-            chosen = grid._window(r["tokens"], r["n"], r["v_tokens"])
+            chosen = grid.window(r["tokens"], r["n"], r["v_tokens"])
             weights = get_weights(r["method"], len(chosen), alpha=r.get("alpha") or 0.2)
-            yield key, grid._average(chosen, weights)
+            yield key, grid.average(chosen, weights)
     for k in range(1, NOISE_K):
         tokens = fork.eval_tokens - k * v0
         if tokens in grid.snapshots:
@@ -75,7 +75,7 @@ def models_at(grid: Any, fork: Any) -> Iterator[tuple[dict[str, Any], Any]]:
                     "label": label,
                     "raw_back": k,
                 },
-                (grid._state(grid.snapshots[tokens])),
+                (grid.state(grid.snapshots[tokens])),
             )
 
 

@@ -706,7 +706,7 @@ def experiment_plane(grid: Any, run_dir: Path, *, size: int, batches: int) -> di
         return None
     # the experiment's headline merge, unless that merges only 2 snapshots (a plane needs 3)
     best = min(rows, key=lambda r: r["val_loss"])
-    chosen = grid._window(best["tokens"], best["n"], best["v_tokens"])
+    chosen = grid.window(best["tokens"], best["n"], best["v_tokens"])
     if chosen is None:
         return None
     # spread over the held-out split like the experiment's own batches, not its first few windows
@@ -733,7 +733,7 @@ def experiment_plane(grid: Any, run_dir: Path, *, size: int, batches: int) -> di
 
     t0 = time.perf_counter()
     result = loss_plane(
-        [grid._state(s) for s in chosen],
+        [grid.state(s) for s in chosen],
         score,
         grid=size,
         labels=[str(i + 1) for i in range(len(chosen))],

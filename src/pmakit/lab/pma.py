@@ -405,8 +405,8 @@ class _Grid:
     def _evaluate(self, item: dict[str, Any]) -> dict[str, Any] | None:
         tokens, split = item["tokens"], item["split"]
         if item["model"] == "latest":
-            snap = self._snapshot_at(tokens)
-            result = self._score(self._state(snap), split)
+            snap = self.snapshot_at(tokens)
+            result = self._score(self.state(snap), split)
             self._latest[tokens, split] = result
             row = {**item, "label": f"latest snapshot ({format_tokens(tokens)})"}
         elif item["model"] == "annealed":
@@ -415,13 +415,13 @@ class _Grid:
             row = {**item, "label": f"anneal from {format_tokens(item['fork_tokens'])}"}
         elif item["method"] == "tuned":
             chosen, weights, row = self._tune(item)
-            result = self._score(self._average(chosen, weights), split)
+            result = self._score(self.average(chosen, weights), split)
         else:
-            found = self._window(tokens, item["n"], item["v_tokens"])
+            found = self.window(tokens, item["n"], item["v_tokens"])
             if found is None:
                 return None  # the window reaches back before the first snapshot: not evaluated
             chosen, weights = found, get_weights(item["method"], len(found), alpha=item.get("alpha") or 0.2)
-            result = self._score(self._average(chosen, weights), split)
+            result = self._score(self.average(chosen, weights), split)
             row = {**item, "window_start_tokens": chosen[0].tokens, "label": _label(item, self.study.train)}
         latest = self._latest_result(tokens, split)
         delta, se = paired_difference(result, latest) if item["model"] != "latest" else (0.0, 0.0)
@@ -496,7 +496,7 @@ class _Grid:
         pool = [s for t, s in sorted(self.snapshots.items()) if t <= item["tokens"]]
         space = Space.of(pool, config)
         scorer = Scorer(
-            lambda c, split: self._losses(self._average(c.snapshots, c.weights), split),
+            lambda c, split: self._losses(self.average(c.snapshots, c.weights), split),
             bytes_per_token=self.bytes_per_token,
         )
         hint = spectrum_hint(pool, config)  # the same first guess as `pmakit tune`
@@ -532,7 +532,7 @@ class _Grid:
     def _learn(self, candidate: Candidate, steps: int) -> tuple[list[float], int]:
         from pmakit.lab.tune import learn_weights
 
-        states = [self._state(s) for s in candidate.snapshots]
+        states = [self.state(s) for s in candidate.snapshots]
         return learn_weights(self.trainer.model, states, candidate.weights, self.batches, steps=steps)
 
     def _latest_result(self, tokens: int, split: str) -> EvalResult:
@@ -552,24 +552,24 @@ class _Grid:
             )
         return self._latest[tokens, split]
 
-    def _snapshot_at(self, tokens: int) -> Snapshot:
+    def snapshot_at(self, tokens: int) -> Snapshot:
         if tokens not in self.snapshots:
             raise PmakitError(f"no snapshot at {tokens} tokens in {self.run_dir / 'main' / 'snapshots'}")
         return self.snapshots[tokens]
 
-    def _window(self, end: int, n: int, v: int) -> list[Snapshot] | None:
+    def window(self, end: int, n: int, v: int) -> list[Snapshot] | None:
         targets = [end - k * v for k in range(n)][::-1]
         if any(t not in self.snapshots for t in targets):
             return None
         return [self.snapshots[t] for t in targets]
 
-    def _state(self, snap: Snapshot) -> dict[str, torch.Tensor]:
+    def state(self, snap: Snapshot) -> dict[str, torch.Tensor]:
         if snap.tokens not in self._states:
             self._states[snap.tokens] = read_state(snap.path)
         return self._states[snap.tokens]
 
-    def _average(self, chosen: Sequence[Snapshot], weights: Sequence[float]) -> dict[str, torch.Tensor]:
-        return average_states([self._state(s) for s in chosen], weights)
+    def average(self, chosen: Sequence[Snapshot], weights: Sequence[float]) -> dict[str, torch.Tensor]:
+        return average_states([self.state(s) for s in chosen], weights)
 
     def _append(self, row: dict[str, Any]) -> None:
         self.results.add(row)
@@ -595,7 +595,7 @@ class _Grid:
         if not rows:
             return None
         best = min(rows, key=lambda r: r["val_loss"])
-        chosen = self._window(best["tokens"], best["n"], best["v_tokens"])
+        chosen = self.window(best["tokens"], best["n"], best["v_tokens"])
         assert chosen is not None
         out = self.run_dir / "merged"
         merge(

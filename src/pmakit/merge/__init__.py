@@ -129,11 +129,7 @@ def merge(
             ``pmakit.layouts.kinds``.
     """
     start, world = time.perf_counter(), world or World()
-    if is_remote(out):
-        refuse_local_only(str(out), keep_fp32, window is not None, world.size)
-    else:
-        inputs = [s.path for s in [*snapshots, *(window[0] if window else [])]]
-        guard_output(Path(out), inputs, force)  # before any header is read
+    _check_output(out, snapshots, window, force, keep_fp32, world)  # before any header is read
     plan = plan_merge(
         snapshots,
         weights,
@@ -173,6 +169,25 @@ def execute(
     return _write(plan, out, run, world, window)
 
 
+def _check_output(
+    out: str | os.PathLike[str],
+    snapshots: Sequence[Snapshot],
+    window: tuple[Sequence[Snapshot], Sequence[float]] | None,
+    force: bool,
+    keep_fp32: bool,
+    world: World,
+) -> list[Path]:
+    """A folder output's rules (``guard_output``: not an input, not inside or around one, not someone else's
+    files without ``force``), or a URL output's local-only options refused; the inputs' paths, for the URL's own
+    checks."""
+    inputs = [s.path for s in [*snapshots, *(window[0] if window else [])]]
+    if is_remote(out):
+        refuse_local_only(str(out), keep_fp32, window is not None, world.size)
+    else:
+        guard_output(Path(out), inputs, force)
+    return inputs
+
+
 def _write(
     plan: MergePlan,
     out: str | os.PathLike[str],
@@ -182,11 +197,9 @@ def _write(
     start: float | None = None,
 ) -> MergeResult:
     """The planned merge into a folder (guarded first), or into a private staging folder published at a URL."""
-    inputs = [s.path for s in [*plan.snapshots, *(window[0] if window else [])]]
+    inputs = _check_output(out, plan.snapshots, window, run.force, run.keep_fp32, world)
     if not is_remote(out):
-        guard_output(Path(out), inputs, run.force)
         return _execute(plan, Path(out), run, world, window, start)
-    refuse_local_only(str(out), run.keep_fp32, window is not None, world.size)
 
     def staged(folder: Path, force: bool, extra: dict[str, Any]) -> MergeResult:
         guard_output(folder, inputs, force)
