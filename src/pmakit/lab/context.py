@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,55 @@ class Clock:
     def add(self, key: str, seconds: float) -> None:
         self.seconds[key] = self.seconds.get(key, 0.0) + seconds
         atomic_write_json(self.path, self.seconds)
+
+
+class StudyProgress:
+    """A whole study's progress and time left, for its progress lines ("study 40% done, about 11 min left").
+
+    Each stage's work is counted in trained-token equivalents (a token trained is 1; what a held-out token scored
+    or a tuner's step costs beside it is the caller's estimate) and the time left is the work left at the rate this
+    invocation has worked so far. A stage's estimate is replaced by its exact size when it starts (``resize``; 0 for
+    one a resumed run has already done, which then counts neither as work nor as time). An estimate: the lines say
+    "about".
+    """
+
+    def __init__(self, work: Mapping[str, float]) -> None:
+        self.size = {k: float(v) for k, v in work.items() if v > 0}
+        self.done: dict[str, float] = {}
+        self._t0 = time.monotonic()
+
+    def resize(self, stage: str, units: float) -> None:
+        """``stage`` is about to run ``units`` of work (0: nothing left to do, a resumed stage)."""
+        self.size[stage] = max(float(units), self.done.get(stage, 0.0))
+        if not self.size[stage]:
+            self.size.pop(stage)
+
+    def at(self, stage: str, units: float) -> str:
+        """``stage`` has done ``units`` of its work in this invocation; returns ``note()``."""
+        self.done[stage] = min(float(units), self.size.get(stage, 0.0))
+        return self.note()
+
+    def end(self, stage: str) -> None:
+        """``stage`` is over: all of its (estimated) work counts as done, so that the rate stays in the units the
+        stages still to come are estimated in."""
+        if stage in self.size:
+            self.done[stage] = self.size[stage]
+
+    def note(self) -> str:
+        """ "study 40% done, about 11 min left" (no time before the first work is done)."""
+        total, done = sum(self.size.values()), sum(self.done.values())
+        if total <= 0:
+            return ""
+        text = f"study {100 * done / total:.0f}% done"
+        elapsed = time.monotonic() - self._t0
+        if done <= 0 or elapsed < 1:
+            return text
+        left = (total - done) * elapsed / done
+        return f"{text}, about {_duration(left)} left"
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
 @dataclass

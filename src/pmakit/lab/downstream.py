@@ -13,13 +13,14 @@ metric, each model's score with its s.e. over items, its paired difference to th
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from pmakit.formats import read_state
+from pmakit.lab.context import StudyProgress
 from pmakit.runs import append_jsonl, read_jsonl
 from pmakit.units import format_tokens
 from pmakit.weights import get_weights
@@ -36,14 +37,19 @@ ROLES = ("", "best", "fixed", "tuned")
 
 def models_at(grid: Any, fork: Any) -> Iterator[tuple[dict[str, Any], Any]]:
     """``(row, state)`` for each model of ``fork``'s downstream table; states are built one at a time."""
-    from pmakit.runs import anneal_run, checkpoint_dir
+    for key, source in model_keys(grid, fork):
+        yield key, _state(grid, key, source)
 
+
+def model_keys(grid: Any, fork: Any) -> list[tuple[dict[str, Any], Mapping[str, Any]]]:
+    """``(row, source)`` for each model of ``fork``'s downstream table, no state built: ``source`` is the results
+    row it comes from (a raw snapshot's: its tokens)."""
     rows = [
         r
         for r in grid.rows
         if r["split"] == "test" and r["fork_tokens"] == fork.fork_tokens and r.get("role", "") in ROLES
     ]
-    v0 = grid.study.train.every_tokens
+    out: list[tuple[dict[str, Any], Mapping[str, Any]]] = []
     for r in rows:
         key = {
             "fork_tokens": fork.fork_tokens,
@@ -51,36 +57,43 @@ def models_at(grid: Any, fork: Any) -> Iterator[tuple[dict[str, Any], Any]]:
             "role": r.get("role", ""),
             "label": r["label"],
         }
-        if r["model"] == "latest":
-            yield {**key, "raw_back": 0}, grid.state(grid.snapshot_at(r["tokens"]))
-        elif r["model"] == "annealed":
-            yield key, read_state(checkpoint_dir(anneal_run(grid.run_dir, fork.fork_tokens)))
-        elif r["method"] == "tuned":
-            record = r["tune"]
-            chosen = [grid.snapshot_at(t) for t in record["tokens"]]
-            yield key, grid.average(chosen, record["weights"])
-        else:
-            chosen = grid.window(r["tokens"], r["n"], r["v_tokens"])
-            weights = get_weights(r["method"], len(chosen), alpha=r.get("alpha") or 0.2)
-            yield key, grid.average(chosen, weights)
+        out.append(({**key, "raw_back": 0} if r["model"] == "latest" else key, r))
+    v0 = grid.study.train.every_tokens
     for k in range(1, NOISE_K):
         tokens = fork.eval_tokens - k * v0
         if tokens in grid.snapshots:
             label = f"raw snapshot ({format_tokens(tokens)}, {k} save{'s' * (k > 1)} before the latest)"
-            yield (
-                {
-                    "fork_tokens": fork.fork_tokens,
-                    "model": "raw",
-                    "role": "noise",
-                    "label": label,
-                    "raw_back": k,
-                },
-                (grid.state(grid.snapshots[tokens])),
-            )
+            key = {
+                "fork_tokens": fork.fork_tokens,
+                "model": "raw",
+                "role": "noise",
+                "label": label,
+                "raw_back": k,
+            }
+            out.append((key, {"tokens": tokens}))
+    return out
 
 
-def run_downstream(grid: Any, run_dir: Path, corpus_cache: Path) -> None:
-    """Score every fork's models on ``TASKS`` (test items) into ``run_dir/downstream.jsonl``, skipping those done."""
+def _state(grid: Any, key: Mapping[str, Any], source: Mapping[str, Any]) -> Any:
+    from pmakit.runs import anneal_run, checkpoint_dir
+
+    if key["model"] in ("latest", "raw"):
+        return grid.state(grid.snapshot_at(source["tokens"]))
+    if key["model"] == "annealed":
+        return read_state(checkpoint_dir(anneal_run(grid.run_dir, key["fork_tokens"])))
+    if source["method"] == "tuned":
+        return grid.average(
+            [grid.snapshot_at(t) for t in source["tune"]["tokens"]], source["tune"]["weights"]
+        )
+    chosen = grid.window(source["tokens"], source["n"], source["v_tokens"])
+    return grid.average(chosen, get_weights(source["method"], len(chosen), alpha=source.get("alpha") or 0.2))
+
+
+def run_downstream(
+    grid: Any, run_dir: Path, corpus_cache: Path, meter: StudyProgress | None = None, units: float = 0.0
+) -> None:
+    """Score every fork's models on ``TASKS`` (test items) into ``run_dir/downstream.jsonl``, skipping those done.
+    ``meter``: the study's progress, ``units`` of work a model (the note ending each model's line)."""
     from pmakit.eval import harness
     from pmakit.eval.model import load_tokenizer
     from pmakit.eval.tasks import build_tasks
@@ -93,12 +106,27 @@ def run_downstream(grid: Any, run_dir: Path, corpus_cache: Path) -> None:
     manager = harness.task_manager([tasks.include("test")], TASKS)
     tokenizer = load_tokenizer(grid.trainer.corpus.tokenizer_dir)
     model = grid.trainer.model
+    meter = meter or StudyProgress({})
+    left = [
+        key
+        for fork in grid.study.forks
+        for key, _ in model_keys(grid, fork)
+        if any((fork.fork_tokens, key["label"], t) not in done for t in TASKS)
+    ]
+    meter.resize("downstream", len(left) * units)
+    scored = 0
     for fork in grid.study.forks:
         for key, state in models_at(grid, fork):
             todo = [t for t in TASKS if (fork.fork_tokens, key["label"], t) not in done]
             if not todo:
                 continue
-            log.info("downstream (test items): %s at %s", key["label"], format_tokens(fork.fork_tokens))
+            log.info(
+                "downstream (test items): %s at %s; %s",
+                key["label"],
+                format_tokens(fork.fork_tokens),
+                meter.at("downstream", scored * units),
+            )
+            scored += 1
             with swapped(model, state), torch.no_grad():
                 scores = harness.run_tasks(harness.hflm(model, tokenizer), todo, manager)
             for task in todo:
@@ -115,5 +143,6 @@ def run_downstream(grid: Any, run_dir: Path, corpus_cache: Path) -> None:
                 ]
                 for row in rows:
                     append_jsonl(path, row)
+    meter.end("downstream")
     meta = tasks.meta["splits"]["test"]
     log.info("downstream tasks (test items): %s", {t: meta.get(t) for t in TASKS})

@@ -47,7 +47,7 @@ from pmakit.config import (
 from pmakit.errors import PmakitError
 from pmakit.evaluate import EvalResult, paired_difference
 from pmakit.formats import read_state
-from pmakit.lab.context import StudyRun, check_same_config, jsonable, open_run, utc_now
+from pmakit.lab.context import StudyProgress, StudyRun, check_same_config, jsonable, open_run, utc_now
 from pmakit.lab.results import ResultRows, write_csv
 from pmakit.lab.scoring import SplitScorer
 from pmakit.lab.trunk import anneal_fork, log_phase
@@ -74,6 +74,20 @@ if TYPE_CHECKING:
 
 FIXED_N = 10
 """N of the fixed recipe row (the paper's default SMA at the configured V): no selection at all."""
+
+# The study's progress line: each stage's work in trained-token equivalents (``StudyProgress``). What one token costs
+# beside a token trained, measured on the demo (an idle 2-core machine: training 11.3K tokens/s, the loss plane's
+# forward passes 49K held-out tokens/s, the tuner's learned-weights fit ~10K tokens/s, lm-eval 12.9 s per model).
+EVAL_COST = 0.23
+"""A held-out token scored (forward only)."""
+LEARN_COST = 1.0
+"""A token of the tuner's learned-weights fit (forward and backward through the merge)."""
+TUNE_SHARE = 0.3
+"""The share of its trials' selection batches the tuner scores (a trial clearly worse than the best stops early)."""
+DOWNSTREAM_BATCHES = 6.4
+"""One model's downstream tasks, in held-out batches' tokens scored (``eval_batches`` of them: 6.4x as many)."""
+DOWNSTREAM_MODELS = 8
+"""Models scored downstream at each fork (its headline models and the raw snapshots of the noise band)."""
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +227,14 @@ def run_study(
     seconds["corpus"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    main = Trainer(cfg, run_dir / MAIN_RUN, corpus=corpus, progress=progress)
+    main = Trainer(
+        cfg,
+        run_dir / MAIN_RUN,
+        corpus=corpus,
+        progress=progress,
+        progress_note=lambda n: meter.at("train", n),
+    )
+    meter = StudyProgress(_work(study, main.tokens, run_dir))
     model = main.describe()
     log_phase(
         f"constant-LR run to {format_tokens(cfg.total_tokens)} tokens "
@@ -223,21 +244,28 @@ def run_study(
     )
     main.fit()
     main.saver.wait()
+    meter.end("train")
     seconds["train"] = time.perf_counter() - t
 
     t = time.perf_counter()
     for fork in study.forks:
+        before = meter.done.get("anneal", 0.0)
+
+        def note(n: int, before: float = before) -> str:
+            return meter.at("anneal", before + n)
+
         anneal_fork(cfg, study.exp.anneal_shape, fork.fork_tokens, fork.anneal_tokens, run_dir, run_dir / MAIN_RUN,
-                    corpus, progress)  # fmt: skip
+                    corpus, progress, note)  # fmt: skip
+    meter.end("anneal")
     seconds["anneal"] = time.perf_counter() - t
 
-    grid, heldout = _evaluate(study, run_dir, main, corpus, progress, seconds)
+    grid, heldout = _evaluate(study, run_dir, main, corpus, progress, seconds, meter)
     if study.exp.downstream:
         from pmakit.lab.downstream import run_downstream
 
         t = time.perf_counter()
-        log.info("downstream tasks: the headline models on lm-eval, test items")
-        run_downstream(grid, run_dir, Path(corpus.files["cache"]))
+        log.info("downstream tasks: the headline models on lm-eval, test items; %s", meter.note())
+        run_downstream(grid, run_dir, Path(corpus.files["cache"]), meter, _downstream_units(study))
         seconds["downstream"] = time.perf_counter() - t
     main.close()
 
@@ -251,8 +279,45 @@ def run_study(
     return Path(getattr(paths, "html", run_dir / "report.html"))
 
 
+def _work(study: Study, trained: int, run_dir: Path) -> dict[str, float]:
+    """Each stage's work left, in trained-token equivalents (the progress line's estimate; a stage that starts
+    states its exact size)."""
+    from pmakit.lab.results import trained_tokens
+    from pmakit.lab.tune import LEARN_BATCHES
+
+    exp, cfg = study.exp, study.train
+    batch = cfg.batch_size * cfg.model.seq_len
+    scored = exp.eval_batches * batch * EVAL_COST  # one model on one split
+    tune = exp.tune_evals * TUNE_SHARE * scored + exp.tune_learn_steps * LEARN_BATCHES * batch * LEARN_COST
+    anneal = 0
+    for fork in study.forks:
+        branch = anneal_run(run_dir, fork.fork_tokens)
+        anneal += fork.eval_tokens - max(fork.fork_tokens, trained_tokens(branch) if branch.exists() else 0)
+    forks = len(study.forks)
+    return {
+        "train": cfg.total_tokens - trained,
+        "anneal": anneal,
+        "selection": len(_Grid.plan_of(study)) * scored,
+        "test": forks * (6 * scored + (tune if exp.tune_evals else 0)),
+        "plane": (exp.plane_grid**2 + 3 * max(exp.ns)) * exp.plane_batches * batch * EVAL_COST,
+        "downstream": forks * DOWNSTREAM_MODELS * _downstream_units(study) if exp.downstream else 0,
+    }
+
+
+def _downstream_units(study: Study) -> float:
+    """One model's downstream tasks, in trained-token equivalents."""
+    batch = study.train.batch_size * study.train.model.seq_len
+    return DOWNSTREAM_BATCHES * study.exp.eval_batches * batch * EVAL_COST
+
+
 def _evaluate(
-    study: Study, run_dir: Path, main: Trainer, corpus: Any, progress: bool, seconds: dict[str, float]
+    study: Study,
+    run_dir: Path,
+    main: Trainer,
+    corpus: Any,
+    progress: bool,
+    seconds: dict[str, float],
+    meter: StudyProgress,
 ) -> tuple[_Grid, dict[str, Any]]:
     """The grid on the selection split, the headline on the test split, then the plane and the spectrum."""
     from pmakit.lab.spectrum import experiment_spectrum
@@ -264,7 +329,7 @@ def _evaluate(
     batches = split_batches(
         held, batch_size=cfg.batch_size, seq_len=cfg.model.seq_len, max_batches=study.exp.eval_batches
     )
-    grid = _Grid(study, run_dir, main, batches, corpus.bytes_per_token)
+    grid = _Grid(study, run_dir, main, batches, corpus.bytes_per_token, meter)
     grid.run(progress)
     grid.run(progress, grid.test_plan())  # after the grid: its choices are read from the selection rows
     seconds["merge_eval"] = time.perf_counter() - t
@@ -274,6 +339,7 @@ def _evaluate(
         t = time.perf_counter()
         experiment_plane(grid, run_dir, size=study.exp.plane_grid, batches=study.exp.plane_batches)
         seconds["plane"] = time.perf_counter() - t
+    meter.end("plane")
     t = time.perf_counter()
     experiment_spectrum(run_dir, cfg.warmup_tokens, study.exp.method_n)
     seconds["spectrum"] = time.perf_counter() - t
@@ -294,8 +360,10 @@ class _Grid:
         trainer: Trainer,
         batches: Mapping[str, Sequence[Any]],
         bytes_per_token: float | None,
+        meter: StudyProgress | None = None,
     ) -> None:
         self.study = study
+        self.meter = meter or StudyProgress({})
         self.run_dir = run_dir
         self.trainer = trainer
         self.batches = batches["selection"]
@@ -312,9 +380,14 @@ class _Grid:
     # -- what to evaluate
 
     def plan(self) -> list[dict[str, Any]]:
-        exp, v0 = self.study.exp, self.study.train.every_tokens
+        return self.plan_of(self.study)
+
+    @staticmethod
+    def plan_of(study: Study) -> list[dict[str, Any]]:
+        """The grid on the selection split (``plan``)."""
+        exp, v0 = study.exp, study.train.every_tokens
         items: list[dict[str, Any]] = []
-        for fork in self.study.forks:
+        for fork in study.forks:
             e = fork.eval_tokens
             base = {"fork_tokens": fork.fork_tokens, "tokens": e}
             items.append({**base, "model": "latest"})
@@ -335,8 +408,8 @@ class _Grid:
                     if method != "sma":
                         items.append(item)
         # E1: latest vs SMA along the stable phase (fork_tokens empty)
-        end = self.study.train.total_tokens
-        first = self.study.train.warmup_tokens + exp.method_n * v0
+        end = study.train.total_tokens
+        first = study.train.warmup_tokens + exp.method_n * v0
         for k in range(1, exp.points + 1):
             e = round((first + (end - first) * k / (exp.points + 1)) / v0) * v0
             items.append({"fork_tokens": None, "tokens": e, "model": "latest"})
@@ -392,13 +465,37 @@ class _Grid:
         if not todo:
             log.info("evaluations on the %s split: already done", split)
             return
-        log.info("evaluating %d models on %d %s batches", len(todo), len(self.scorer.batches[split]), split)
+        units = [self._units(item) for item in todo]
+        self.meter.resize(split, sum(units))
+        log.info(
+            "evaluating %d models on %d %s batches; %s",
+            len(todo),
+            len(self.scorer.batches[split]),
+            split,
+            self.meter.note(),
+        )
+        done = 0.0
         with _bar(len(todo), progress, f"evaluating ({split} split)") as advance:
-            for item in todo:
+            for item, cost in zip(todo, units, strict=True):
                 row = self._evaluate(item)
                 if row is not None:
                     self._append(row)
-                advance()
+                done += cost
+                advance(self.meter.at(split, done))
+        self.meter.end(split)
+
+    def _units(self, item: Mapping[str, Any]) -> float:
+        """``item``'s evaluation in trained-token equivalents (``StudyProgress``)."""
+        from pmakit.lab.tune import LEARN_BATCHES
+
+        exp, cfg = self.study.exp, self.study.train
+        batch = cfg.batch_size * cfg.model.seq_len
+        scored = len(self.scorer.batches[item["split"]]) * batch * EVAL_COST
+        if item.get("method") != "tuned":
+            return scored
+        selection = len(self.batches) * batch * EVAL_COST
+        learn = exp.tune_learn_steps * LEARN_BATCHES * batch * LEARN_COST
+        return scored + exp.tune_evals * TUNE_SHARE * selection + learn
 
     # -- evaluation
 
@@ -752,12 +849,17 @@ def _defaults(cls: type) -> dict[str, Any]:
 
 
 class _bar:
-    """A progress bar over the models evaluated (rich, on a terminal only)."""
+    """Progress over the models evaluated: a rich bar on a terminal; elsewhere (a log file, a pipe) a line every
+    ``every_s`` seconds. Each advance is given the study's progress note, which ends the line."""
+
+    every_s = 30.0
 
     def __init__(self, total: int, enabled: bool, label: str) -> None:
         import sys
 
         self._p: Any = None
+        self.total, self.enabled, self.label = total, enabled, label
+        self._done, self._last = 0, time.monotonic()
         if enabled and sys.stderr.isatty():
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -767,16 +869,26 @@ class _bar:
                 BarColumn(),
                 MofNCompleteColumn(),
                 TimeRemainingColumn(),
+                TextColumn("{task.fields[note]}"),
                 console=Console(stderr=True),
                 transient=True,
             )
-            self._task = self._p.add_task(label, total=total)
+            self._task = self._p.add_task(label, total=total, note="")
 
     def __enter__(self) -> Any:
         if self._p is not None:
             self._p.start()
-            return lambda: self._p.advance(self._task)
-        return lambda: None
+        return self._advance
+
+    def _advance(self, note: str = "") -> None:
+        import sys
+
+        self._done += 1
+        if self._p is not None:
+            self._p.update(self._task, advance=1, note=note)
+        elif self.enabled and time.monotonic() - self._last >= self.every_s and self._done < self.total:
+            self._last = time.monotonic()
+            print(f"{self.label}: {self._done}/{self.total} models; {note}", file=sys.stderr, flush=True)
 
     def __exit__(self, *exc: object) -> None:
         if self._p is not None:

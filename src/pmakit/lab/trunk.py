@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -72,10 +73,10 @@ def anneal_branch(name: str, cfg: TrainConfig, shape: str, budget: int, fork: in
 
 
 def anneal_fork(cfg: TrainConfig, shape: str, fork: int, anneal: int, run_dir: Path, trunk: Path, corpus: Any,
-                progress: bool) -> None:  # fmt: skip
+                progress: bool, note: Callable[[int], str] | None = None) -> None:  # fmt: skip
     """The PMA study's branch at ``fork``: ``trunk``'s state kept there, LR decayed to 0 over ``anneal`` tokens
     (``shape``), into ``run_dir``'s anneal run, evaluated about five times along the way (its curve shows the
-    anneal's shape)."""
+    anneal's shape). ``note``: the trainer's ``progress_note``."""
     end = fork + anneal
     branch = anneal_run(run_dir, fork)
     schedule = WSD(peak_lr=cfg.lr, warmup=cfg.warmup_tokens, decay_start=fork, decay_end=end, shape=shape)
@@ -83,7 +84,13 @@ def anneal_fork(cfg: TrainConfig, shape: str, fork: int, anneal: int, run_dir: P
     eval_every = max(1, anneal // cfg.every_tokens // 5)
     branch_cfg = replace(cfg, keep_checkpoints_at=(), total_tokens=end, eval_every=eval_every)
     trainer = Trainer(
-        branch_cfg, branch, corpus=corpus, schedule=schedule, resume_from=resume_from, progress=progress
+        branch_cfg,
+        branch,
+        corpus=corpus,
+        schedule=schedule,
+        resume_from=resume_from,
+        progress=progress,
+        progress_note=note,
     )
     what = f"anneal branch from {format_tokens(fork)} over {format_tokens(anneal)} tokens"
     log_phase(what, trainer.tokens, end)

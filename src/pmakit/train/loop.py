@@ -222,10 +222,12 @@ class Trainer:
         resume_from: str | Path | None = None,
         resume: bool = True,
         progress: bool = True,
+        progress_note: Callable[[int], str] | None = None,
         copies: SingleCopy | None = None,
     ) -> None:
         """``progress``: a progress bar on a terminal, else a line on stderr every ``_Progress.every_s`` seconds
-        (from the first interval on: a short run prints nothing); False: neither."""
+        (from the first interval on: a short run prints nothing); False: neither. ``progress_note``: called with
+        the tokens trained so far by ``fit``, its text ends each progress line (a study's own progress)."""
         from pmakit._env import warn_if_spinning
         from pmakit.evaluate import cpu_threads, native_bf16
 
@@ -245,6 +247,7 @@ class Trainer:
         self.callbacks = list(callbacks)
         self.schedule = schedule or config.schedule()
         self.progress = progress
+        self.progress_note = progress_note
         cpu_threads(config.threads)
         warn_if_spinning()
 
@@ -426,7 +429,9 @@ class Trainer:
         self._synced_tokens = self.tokens
         for cb in self.callbacks:
             cb.on_train_start(self)
-        bar = _Progress(self.tokens, end, enabled=self.progress, label=self.run_dir.name)
+        bar = _Progress(
+            self.tokens, end, enabled=self.progress, label=self.run_dir.name, note=self.progress_note
+        )
         t0 = time.perf_counter()
         try:
             while self.tokens < end or not self.copies.in_sync(self.step):  # copies end on a sync
@@ -879,13 +884,16 @@ class _Progress:
 
     every_s = 30.0
 
-    def __init__(self, start: int, end: int, *, enabled: bool, label: str) -> None:
+    def __init__(
+        self, start: int, end: int, *, enabled: bool, label: str, note: Callable[[int], str] | None = None
+    ) -> None:
         import sys
 
         self.start = start
         self.end = end
         self.label = label
         self.enabled = enabled
+        self.note = note
         self._t0 = self._last = time.monotonic()
         self._bar: Any = None
         if enabled and sys.stderr.isatty():
@@ -898,15 +906,17 @@ class _Progress:
                 TextColumn("{task.completed:,.0f}/{task.total:,.0f} tokens"),
                 TextColumn("loss {task.fields[loss]:.3f}"),
                 TimeRemainingColumn(),
+                TextColumn("{task.fields[note]}"),
                 console=Console(stderr=True),
                 transient=True,
             )
-            self._task = self._bar.add_task(label, total=end, completed=start, loss=float("nan"))
+            self._task = self._bar.add_task(label, total=end, completed=start, loss=float("nan"), note="")
             self._bar.start()
 
     def update(self, tokens: int, loss: float) -> None:
+        note = self.note(tokens - self.start) if self.note is not None else ""
         if self._bar is not None:
-            self._bar.update(self._task, completed=tokens, loss=loss)
+            self._bar.update(self._task, completed=tokens, loss=loss, note=note)
             return
         now = time.monotonic()
         if not self.enabled or now - self._last < self.every_s:
@@ -919,7 +929,7 @@ class _Progress:
         eta = f", {(self.end - tokens) / rate:.0f} s left" if rate > 0 and tokens < self.end else ""
         print(
             f"{self.label}: {tokens:,}/{self.end:,} tokens ({100 * tokens / self.end:.0f}%), loss {loss:.3f}, "
-            f"{rate:,.0f} tokens/s{eta}",
+            f"{rate:,.0f} tokens/s{eta}{'; ' + note if note else ''}",
             file=sys.stderr,
             flush=True,
         )
