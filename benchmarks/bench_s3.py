@@ -106,14 +106,23 @@ cli = _env.start_quickly("pmakit.cli").cli  # as `python -m pmakit` starts
 from pmakit import storage
 from pmakit.storage import mirror, registry
 from pmakit.merge.stream import timed
-marks = {"started": t0, "import": time.monotonic() - t0, "client": 0.0, "mirror": 0.0}
+marks = {"started": t0, "import": time.monotonic() - t0, "client": 0.0, "mirror": 0.0, "listing": 0.0}
 make_s3 = registry.SCHEMES["s3"]
 def timed_client():
     start = time.monotonic()
     try:
-        return make_s3()
+        made = make_s3()
     finally:
         marks["client"] += time.monotonic() - start
+    for name in ("check_bucket", "listing"):
+        def timed_call(where, call=getattr(made, name)):
+            began = time.monotonic()
+            try:
+                return call(where)
+            finally:
+                marks["listing"] += time.monotonic() - began
+        setattr(made, name, timed_call)
+    return made
 registry.SCHEMES["s3"] = timed_client
 gets = {"seconds": 0.0, "count": 0, "bytes": 0}
 localize = storage.localize
@@ -187,7 +196,8 @@ def breakdown(args: list[str], env: dict[str, str]) -> dict[str, float]:
 def print_breakdown(n: int, b: dict[str, float], floor: float) -> None:
     parts = (
         f"start {b['start']:.2f} + import {b['import']:.2f} + mirror {b['mirror']:.2f} (client {b['client']:.2f}, "
-        f"{int(b['mirror_requests'])} requests) + streaming {b['wall']:.2f} ({b['wall'] / floor:.2f}x the floor) + "
+        f"bucket check and listing {b['listing']:.2f}, {int(b['mirror_gets'])} GETs of headers and small files "
+        f"{b['mirror'] - b['client'] - b['listing']:.2f}) + streaming {b['wall']:.2f} ({b['wall'] / floor:.2f}x the floor) + "
         f"selection, plan, manifest {b['rest']:.2f} + exit {b['exit']:.2f}"
     )
     print(
