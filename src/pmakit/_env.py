@@ -118,8 +118,8 @@ def run_cli() -> None:
 def leave_now() -> None:
     """End a process whose command succeeded without the interpreter's teardown, after what exit must do.
 
-    A merge's process holds torch: freeing its modules one object at a time took 0.4-0.7 s at exit, against a
-    0.07 s ``os._exit`` (measured with ``pmakit.cli`` imported, load 12-15), a tenth of a small merge from object
+    A merge's process holds torch: the interpreter's teardown took 0.43-0.63 s at exit, against 0.07-0.09 s for
+    ``os._exit`` (measured with ``pmakit.cli`` imported, load ~15), a twentieth of a small merge from object
     storage. The exit handlers still run (the object-store mirror removed, logging flushed), and the output
     streams are flushed; a live thread that is not a daemon (one the command left working) keeps Python's own exit,
     which waits for it, and so does an output that cannot be flushed (a closed pipe: Python reports it). Only
