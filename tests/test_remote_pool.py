@@ -39,9 +39,11 @@ def test_get_pool_runs_the_most_urgent_first() -> None:
     futures = [
         pool.submit(ran.append, "third", rank=lambda: 3),
         pool.submit(ran.append, "first", rank=lambda: 1),
+        pool.submit(ran.append, "zero", rank=lambda: 0),
         pool.submit(ran.append, "late", rank=lambda: urgency["late"]),
+        pool.submit(ran.append, "unranked"),  # rank 0, in the order submitted
         pool.submit(ran.append, "second", rank=lambda: 2),
-        pool.submit(ran.append, "unranked"),  # rank 0
+        pool.submit(ran.append, "unranked-2"),
     ]
     cancelled = pool.submit(ran.append, "cancelled", rank=lambda: 0)
     assert cancelled.cancel()
@@ -49,7 +51,7 @@ def test_get_pool_runs_the_most_urgent_first() -> None:
     release.set()
     for f in futures:
         f.result(timeout=60)
-    assert ran == ["late", "unranked", "first", "second", "third"]
+    assert ran == ["late", "zero", "unranked", "unranked-2", "first", "second", "third"]
 
 
 def test_a_failing_get_reaches_its_reader() -> None:

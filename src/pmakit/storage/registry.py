@@ -4,6 +4,7 @@ soonest goes first)."""
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import os
@@ -80,7 +81,10 @@ class GetPool:
 
     def __init__(self, workers: int, name: str) -> None:
         self._workers, self._name = workers, name
-        self._jobs: list[tuple[Callable[[], int] | None, int, Future[Any], Callable[[], Any]]] = []
+        self._ranked: list[tuple[Callable[[], int], int, Future[Any], Callable[[], Any]]] = []
+        """Jobs with a rank: the blocks fetched ahead (``AHEAD_BLOCKS`` or so), scanned at each pick."""
+        self._queued: collections.deque[tuple[int, Future[Any], Callable[[], Any]]] = collections.deque()
+        """Jobs without one (rank 0), first come first served: a mirror's thousands of small files stay O(1)."""
         self._order = itertools.count()
         self._ready = threading.Condition()
         self._threads = 0
@@ -88,9 +92,14 @@ class GetPool:
 
     def submit(self, fn: Callable[..., R], *args: Any, rank: Callable[[], int] | None = None) -> Future[R]:
         future: Future[R] = Future()
+        job, order = functools.partial(fn, *args), next(self._order)
         with self._ready:
-            self._jobs.append((rank, next(self._order), future, functools.partial(fn, *args)))
-            if len(self._jobs) > self._idle and self._threads < self._workers:  # nobody free to take it
+            if rank is None:
+                self._queued.append((order, future, job))
+            else:
+                self._ranked.append((rank, order, future, job))
+            waiting = len(self._queued) + len(self._ranked)
+            if waiting > self._idle and self._threads < self._workers:  # nobody free to take it
                 self._threads += 1
                 name = f"{self._name}_{self._threads}"
                 threading.Thread(target=self._run, name=name, daemon=True).start()
@@ -100,11 +109,17 @@ class GetPool:
     def _next(self) -> tuple[Future[Any], Callable[[], Any]]:
         with self._ready:
             self._idle += 1
-            while not self._jobs:
+            while not self._queued and not self._ranked:
                 self._ready.wait()
             self._idle -= 1
-            i = min(range(len(self._jobs)), key=lambda j: (_rank(self._jobs[j][0]), self._jobs[j][1]))
-            _, _, future, job = self._jobs.pop(i)
+            best = None
+            if self._ranked:
+                keys = [(rank(), order) for rank, order, _, _ in self._ranked]
+                best = min(range(len(keys)), key=keys.__getitem__)
+            if best is None or (self._queued and (0, self._queued[0][0]) < keys[best]):
+                _, future, job = self._queued.popleft()
+            else:
+                _, _, future, job = self._ranked.pop(best)
             return future, job
 
     def _run(self) -> None:
@@ -119,10 +134,6 @@ class GetPool:
             else:
                 future.set_result(result)
             del future, job  # the bytes go with the caller's future, not this thread's frame
-
-
-def _rank(rank: Callable[[], int] | None) -> int:
-    return 0 if rank is None else rank()
 
 
 @functools.cache
