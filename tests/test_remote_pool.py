@@ -106,6 +106,9 @@ from pmakit import _env
 marks = sys.argv[1]
 atexit.register(lambda: open(marks + ".atexit", "w").write("ran"))
 sys.stdout.write("printed without a newline")
+sys.stdout.flush()
+import ctypes
+ctypes.CDLL(None).printf(b" and by C")  # stdout is a pipe: held in C's buffer
 if sys.argv[2] == "working":
     def work():
         time.sleep(0.5)
@@ -128,7 +131,7 @@ def test_leaving_now_runs_the_exit_handlers_and_waits_for_working_threads(
         timeout=300,  # a hang guard
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == "printed without a newline"
+    assert proc.stdout == "printed without a newline and by C"
     assert Path(f"{marks}.atexit").read_text() == "ran"
     if thread == "working":  # Python's own exit, which waits for the thread
         assert Path(f"{marks}.thread").read_text() == "done"

@@ -139,4 +139,8 @@ def leave_now() -> None:
     with contextlib.suppress(Exception):  # written by an exit handler: best effort, as Python's own exit
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
+    with contextlib.suppress(Exception):  # C stdio buffers (a native library's printf), which _exit drops
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
     os._exit(0)
