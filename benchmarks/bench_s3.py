@@ -12,9 +12,10 @@ server can serve at all), then the real CLI: ``pmakit merge RUN -o OUT --last N`
 ``s3://`` (staged and uploaded, manifest last). Each row gives the median wall time over the repeats, its ratio to
 the floor of the same repeats, and the peak resident memory of the pmakit process (ru_maxrss from wait4: it counts
 the disk merge's mapped input pages, which are page cache; the remote merge's blocks are process memory). One more
-remote merge runs with the engine's timers on and prints where its time goes: the import, the mirror (listing,
-headers, small files), the streaming pass (the reading thread waiting on GETs, on the fold, on buffers; the fold
-workers; the writer) and the GETs themselves (count, size, how many in flight on average). moto serves the objects
+remote merge runs with the engine's timers on, started as the timed ones are, and splits its whole wall time: the
+start (interpreters), the import, the mirror (the client, listing, headers, small files), the streaming pass (the
+reading thread waiting on GETs, on the fold, on buffers; the fold workers; the writer), the rest of the command and
+the exit; and the GETs themselves (count, size, how many in flight on average). moto serves the objects
 from one Python process over loopback, on the cores the merge uses: neither number is a cloud's bandwidth.
 """
 
@@ -97,67 +98,111 @@ def get_floor(server: MotoServer, bucket: str, prefix: str, steps: list[str]) ->
 
 
 BREAKDOWN = r"""
-import json, sys, time
-t0 = time.perf_counter()
+import time
+t0 = time.monotonic()
+import json, sys
+from pmakit import _env
+cli = _env.start_quickly("pmakit.cli").cli  # as `python -m pmakit` starts
 from pmakit import storage
 from pmakit.storage import mirror, registry
-from pmakit.cli import cli
 from pmakit.merge.stream import timed
-marks = {"import": time.perf_counter() - t0}
+marks = {"started": t0, "import": time.monotonic() - t0, "client": 0.0, "mirror": 0.0, "listing": 0.0}
+make_s3 = registry.SCHEMES["s3"]
+def timed_client():
+    start = time.monotonic()
+    try:
+        made = make_s3()
+    finally:
+        marks["client"] += time.monotonic() - start
+    for name in ("check_bucket", "listing"):
+        def timed_call(where, call=getattr(made, name)):
+            began = time.monotonic()
+            try:
+                return call(where)
+            finally:
+                marks["listing"] += time.monotonic() - began
+        setattr(made, name, timed_call)
+    return made
+registry.SCHEMES["s3"] = timed_client
+gets = {"seconds": 0.0, "count": 0, "bytes": 0}
 localize = storage.localize
 def timed_localize(url):
-    start = time.perf_counter()
+    start = time.monotonic()
     try:
         return localize(url)
     finally:
-        marks["mirror"] = marks.get("mirror", 0.0) + time.perf_counter() - start
+        marks["mirror"] += time.monotonic() - start
+        marks["mirror_gets"] = gets["count"]
+        marks["mirror_requests"] = registry.request_count()
+        gets.update(seconds=0.0, count=0, bytes=0)  # from here on: the streaming pass's GETs
 storage.localize = timed_localize
-get_busy = [0.0, 0, 0]
 read = mirror.RemoteFile.read
 def timed_read(self, start, stop):
-    t = time.perf_counter()
+    t = time.monotonic()
     data = read(self, start, stop)
-    get_busy[0] += time.perf_counter() - t
-    get_busy[1] += 1
-    get_busy[2] += len(data)
+    gets["seconds"] += time.monotonic() - t
+    gets["count"] += 1
+    gets["bytes"] += len(data)
     return data
 mirror.RemoteFile.read = timed_read
-t1 = time.perf_counter()
+t1 = time.monotonic()
 with timed() as stats:
     cli.main(sys.argv[1:], standalone_mode=False)
-marks["command"] = time.perf_counter() - t1
-marks["total"] = time.perf_counter() - t0
+marks["command"] = time.monotonic() - t1
 import resource
-print(json.dumps({**marks, **stats.as_dict(), "get_seconds": get_busy[0], "gets": get_busy[1],
-                  "get_bytes": get_busy[2], "requests": registry.request_count(),
-                  "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+print(json.dumps({**marks, **stats.as_dict(), "get_seconds": gets["seconds"], "gets": gets["count"],
+                  "get_bytes": gets["bytes"], "requests": registry.request_count(),
+                  "peak_rss_self": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "ended": time.monotonic()}), flush=True)
+_env.leave_now()  # as `python -m pmakit merge` ends
 """
 
 
 def breakdown(args: list[str], env: dict[str, str]) -> dict[str, float]:
-    """One remote merge with its time split: the import, the mirror (listing, headers, small files), the streaming
-    pass (``pmakit.merge.stream.timed``: the calling thread's wait for the GETs it reads, the fold, the writer) and
-    the GETs' own time summed over the pool's threads."""
+    """One more remote merge, started as the timed ones are (through the peak-RSS launcher), with its whole wall
+    time split: the start (the launcher's and the merge's interpreters, up to the first line of the script), the
+    import (``pmakit.cli`` and torch, as ``python -m pmakit`` imports them), the mirror (the S3 client made, then
+    the bucket check, listing, headers and small files), the streaming pass (``pmakit.merge.stream.timed``: the
+    calling thread's wait for the GETs it reads, the fold, the writer), what is left of the command (selection,
+    plan, manifest) and the exit (from the command's return to the launcher's: the pool's threads joined, the
+    mirror removed, the interpreter's teardown). The clocks are ``time.monotonic`` in both processes (one clock on
+    Linux). The GETs' own time is summed over the pool's threads."""
     import json
 
     full_env = {**os.environ, **env, "PYTHONPATH": str(ROOT / "src"), "OMP_WAIT_POLICY": "PASSIVE"}
-    proc = subprocess.run(
-        [sys.executable, "-c", BREAKDOWN, "merge", *args, "--quiet", "--force"],
-        env=full_env,
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode != 0:
-        raise SystemExit(f"breakdown run failed: {proc.stderr[-2000:]}")
-    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+    with tempfile.TemporaryDirectory() as scratch:
+        rss = Path(scratch) / "rss"
+        launched = time.monotonic()
+        proc = subprocess.run(
+            measured([sys.executable, "-c", BREAKDOWN, "merge", *args, "--quiet", "--force"], rss),
+            env=full_env,
+            capture_output=True,
+            text=True,
+        )
+        finished = time.monotonic()
+        if proc.returncode != 0:
+            raise SystemExit(f"breakdown run failed: {proc.stderr[-2000:]}")
+        b = dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+        b.update(
+            total=finished - launched,
+            start=b["started"] - launched,
+            exit=finished - b["ended"],
+            peak_rss=peak_bytes(rss),
+        )
+    b["rest"] = b["command"] - b["mirror"] - b["wall"]
+    return b
 
 
 def print_breakdown(n: int, b: dict[str, float], floor: float) -> None:
+    parts = (
+        f"start {b['start']:.2f} + import {b['import']:.2f} + mirror {b['mirror']:.2f} (client {b['client']:.2f}, "
+        f"bucket check and listing {b['listing']:.2f}, {int(b['mirror_gets'])} GETs of headers and small files "
+        f"{b['mirror'] - b['client'] - b['listing']:.2f}) + streaming {b['wall']:.2f} ({b['wall'] / floor:.2f}x the floor) + "
+        f"selection, plan, manifest {b['rest']:.2f} + exit {b['exit']:.2f}"
+    )
     print(
-        f"  N={n} where the remote merge's time goes (one run): process {b['total']:.2f} s = import "
-        f"{b['import']:.2f} + mirror {b.get('mirror', 0):.2f} (listing, headers, small files) + streaming "
-        f"{b['wall']:.2f} ({b['wall'] / floor:.2f}x the floor) + the rest {b['total'] - b['import'] - b.get('mirror', 0) - b['wall']:.2f} (plan, "
-        "manifest, exit)"
+        f"  N={n} where the remote merge's time goes (one more run, timers on): wall {b['total']:.2f} s "
+        f"({b['total'] / floor:.2f}x the floor) = {parts}"
     )
     print(
         f"  streaming: reader thread waiting on GETs {b['read']:.2f} s, on the fold {b['wait_fold']:.2f} s, on "
@@ -166,8 +211,8 @@ def print_breakdown(n: int, b: dict[str, float], floor: float) -> None:
     )
     mb = b["get_bytes"] / 1e6
     print(
-        f"  requests: {int(b['requests'])}; weight GETs: {int(b['gets'])} of {mb / max(1, b['gets']):.1f} MB, "
-        f"{b['get_seconds']:.1f} s summed over "
+        f"  requests: {int(b['requests'])} ({int(b['mirror_requests'])} by the mirror); weight GETs: "
+        f"{int(b['gets'])} of {mb / max(1, b['gets']):.1f} MB, {b['get_seconds']:.1f} s summed over "
         f"threads = {b['get_seconds'] / max(b['wall'], 1e-9):.1f} in flight on average during streaming, "
         f"{mb / max(b['wall'], 1e-9):.0f} MB/s while streaming; peak RSS {b['peak_rss'] / 2**20:.0f} MiB"
     )

@@ -20,7 +20,7 @@ import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,9 +67,10 @@ class RemoteFile:
     def read(self, start: int, stop: int) -> bytes:
         return store(self.where.scheme).read(self.where, start, stop, self.pin)
 
-    def fetch(self, start: int, stop: int) -> Future[bytes]:
-        """``read`` on the fetch pool: the GET starts now."""
-        return pool().submit(self.read, start, stop)
+    def fetch(self, start: int, stop: int, rank: Callable[[], int] | None = None) -> Future[bytes]:
+        """``read`` on the fetch pool: the GET starts when a thread is free, the lowest ``rank`` first (see
+        ``GetPool``)."""
+        return pool().submit(self.read, start, stop, rank=rank)
 
     def filled(self) -> set[tuple[int, int]]:
         """The ranges written into the placeholder so far (by any reader of this mirror)."""

@@ -15,6 +15,7 @@ placeholder first.
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import os
 import threading
@@ -36,8 +37,9 @@ attention's 2 MiB projections) would otherwise each be a request, and a store's 
 class Sequential:
     """Reads of one remote file that move front to back (a merge reads each input in its on-disk order), served
     from aligned blocks of ``BLOCK_BYTES`` fetched ahead on the pool: the GETs of the GET floor, the same size and as
-    many in flight. The streams being read keep ``AHEAD_BLOCKS`` blocks ahead together (at least two each); a
-    block is dropped once a read reaches its end or starts past it. A read far ahead moves the stream there; a read
+    many in flight. The streams being read keep ``AHEAD_BLOCKS`` blocks ahead together (at least two each), and the
+    pool runs first the blocks nearest to their stream's reader (``GetPool``): the N inputs' blocks come in side by
+    side, as the fold uses them. A block is dropped once a read reaches its end or starts past it. A read far ahead moves the stream there; a read
     behind the blocks held is a GET of its own."""
 
     def __init__(self, remote: RemoteFile) -> None:
@@ -45,6 +47,8 @@ class Sequential:
         self._blocks: dict[int, Future[bytes]] = {}
         self._next = -1
         """The next block to start; -1: none started yet."""
+        self._reading = 0
+        """The block the last read began in: a block's GET ranks by how far past it the block lies."""
         self._lock = threading.Lock()
         self.waited = 0.0
         """Seconds the reading thread waited for blocks (benchmarks)."""
@@ -58,6 +62,7 @@ class Sequential:
 
     def read(self, start: int, stop: int) -> memoryview | bytes:
         first, last = start // BLOCK_BYTES, (stop - 1) // BLOCK_BYTES
+        self._reading = first
         with self._lock:
             for i in [i for i in self._blocks if i < first]:
                 del self._blocks[i]
@@ -86,7 +91,7 @@ class Sequential:
             for future in self._blocks.values():
                 future.cancel()
             self._blocks.clear()
-            self._next = first
+            self._next = self._reading = first
         elif first < self._next and first not in self._blocks:
             return False
         with _STREAMS_LOCK:
@@ -95,12 +100,17 @@ class Sequential:
         end = min(self.remote.size, max(stop, start + share * BLOCK_BYTES))
         while self._next * BLOCK_BYTES < end:
             a = self._next * BLOCK_BYTES
-            self._blocks[self._next] = self.remote.fetch(a, min(self.remote.size, a + BLOCK_BYTES))
+            rank = functools.partial(self._ahead, self._next)
+            self._blocks[self._next] = self.remote.fetch(a, min(self.remote.size, a + BLOCK_BYTES), rank)
             self._next += 1
         if self._next * BLOCK_BYTES >= self.remote.size:  # all started: no share of the pool needed any more
             with _STREAMS_LOCK:
                 _STREAMS.discard(self)
         return True
+
+    def _ahead(self, block: int) -> int:
+        """How many blocks past the one being read ``block`` lies (its GET's rank; read unlocked: the pool asks)."""
+        return block - self._reading
 
     def close(self) -> None:
         with self._lock:
