@@ -154,7 +154,7 @@ print(json.dumps({**marks, **stats.as_dict(), "get_seconds": gets["seconds"], "g
                   "get_bytes": gets["bytes"], "requests": registry.request_count(),
                   "peak_rss_self": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                   "ended": time.monotonic()}), flush=True)
-_env.leave_now()  # as `python -m pmakit merge` ends
+
 """
 
 

@@ -5,8 +5,6 @@ output flushed, threads still working waited for)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import uuid
 from collections.abc import Callable
@@ -16,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from conftest import SRC, run_cli
+from conftest import run_cli
 from pmakit.storage import mirror, source
 from pmakit.storage.base import Location
 from pmakit.storage.registry import GetPool
@@ -98,43 +96,6 @@ def test_a_merges_inputs_are_fetched_side_by_side(monkeypatch: pytest.MonkeyPatc
     finally:
         for s in streams:
             s.close()
-
-
-_LEAVE = """
-import atexit, sys, threading, time
-from pmakit import _env
-marks = sys.argv[1]
-atexit.register(lambda: open(marks + ".atexit", "w").write("ran"))
-sys.stdout.write("printed without a newline")
-sys.stdout.flush()
-import ctypes
-ctypes.CDLL(None).printf(b" and by C")  # stdout is a pipe: held in C's buffer
-if sys.argv[2] == "working":
-    def work():
-        time.sleep(0.5)
-        open(marks + ".thread", "w").write("done")
-    threading.Thread(target=work).start()
-_env.leave_now()
-"""
-
-
-@pytest.mark.parametrize("thread", ["none", "working"])
-def test_leaving_now_runs_the_exit_handlers_and_waits_for_working_threads(
-    tmp_path: Path, thread: str
-) -> None:
-    marks = tmp_path / "marks"
-    proc = subprocess.run(
-        [sys.executable, "-c", _LEAVE, str(marks), thread],
-        env={"PYTHONPATH": str(SRC), "OMP_WAIT_POLICY": "PASSIVE"},
-        capture_output=True,
-        text=True,
-        timeout=300,  # a hang guard
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == "printed without a newline and by C"
-    assert Path(f"{marks}.atexit").read_text() == "ran"
-    if thread == "working":  # Python's own exit, which waits for the thread
-        assert Path(f"{marks}.thread").read_text() == "done"
 
 
 def test_a_merge_from_s3_leaves_no_mirror_behind(

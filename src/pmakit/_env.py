@@ -1,6 +1,5 @@
 """Process set-up, done when ``pmakit`` is imported: before torch wherever the user imports pmakit first."""
 
-import contextlib
 import logging
 import os
 import platform
@@ -103,44 +102,4 @@ def _inductor_cache_dir() -> str:
 def run_cli() -> None:
     """The ``pmakit`` command (console script and ``python -m pmakit``)."""
     portable_math()
-    main = start_quickly("pmakit.cli").main
-    if sys.argv[1:2] != ["merge"]:
-        main()
-        return
-    try:
-        main()
-    except SystemExit as e:
-        if e.code in (0, None):
-            leave_now()
-        raise
-
-
-def leave_now() -> None:
-    """End a process whose command succeeded without the interpreter's teardown, after what exit must do.
-
-    A merge's process holds torch: the interpreter's teardown took 0.43-0.63 s at exit, against 0.07-0.09 s for
-    ``os._exit`` (measured with ``pmakit.cli`` imported, load ~15), a twentieth of a small merge from object
-    storage. The exit handlers still run (the object-store mirror removed, logging flushed), and the output
-    streams are flushed; a live thread that is not a daemon (one the command left working) keeps Python's own exit,
-    which waits for it, and so does an output that cannot be flushed (a closed pipe: Python reports it). Only
-    ``pmakit merge``: the commands that train keep Python's exit for their frameworks' threads and files.
-    """
-    import atexit
-    import threading
-
-    if any(t is not threading.main_thread() and not t.daemon and t.is_alive() for t in threading.enumerate()):
-        return
-    try:
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-    except Exception:
-        return
-    atexit._run_exitfuncs()
-    with contextlib.suppress(Exception):  # written by an exit handler: best effort, as Python's own exit
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-    with contextlib.suppress(Exception):  # C stdio buffers (a native library's printf), which _exit drops
-        import ctypes
-
-        ctypes.CDLL(None).fflush(None)
-    os._exit(0)
+    start_quickly("pmakit.cli").main()
