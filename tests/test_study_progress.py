@@ -55,7 +55,10 @@ def test_the_study_note_ends_the_training_and_evaluation_lines(
     monkeypatch.setattr(pma._bar, "every_s", 0.0)
     with pma._bar(3, True, "evaluating (selection split)") as advance:
         advance("study 40% done, about 2 min left")
-    assert capsys.readouterr().err == "evaluating (selection split): 1/3 models; study 40% done, about 2 min left\n"
+    assert (
+        capsys.readouterr().err
+        == "evaluating (selection split): 1/3 models; study 40% done, about 2 min left\n"
+    )
 
 
 def test_the_demo_estimate_adds_up_its_stages() -> None:
