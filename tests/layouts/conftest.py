@@ -161,10 +161,10 @@ def megatron_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def megatron19_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """megatron-core 0.19.2's own code (``MCORE19``): it keeps the common state inside the DCP files
-    (``common_state`` entry, no ``common.pt``). In 2 framework processes:
+    (``common_state`` entry, no ``common.pt``). In one framework process:
 
     - ``ws1``: 4 iterations at TP=1, a checkpoint every iteration, as ``train`` in ``megatron_run.py``;
-    - ``merged``: ``pmakit merge ws1 -o merged`` through the real CLI, no flags;
+    - ``merged``: ``pmakit merge ws1 -o merged`` through the real CLI (``cli`` in ``megatron_run.py``), no flags;
     - ``loaded``: Megatron 0.19 loads ``merged`` (the documented recipe), saves it again and trains a step
       (``pma-init.json``).
     """
@@ -172,16 +172,16 @@ def megatron19_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
         pytest.skip(f"megatron-core 0.19 is not unpacked at {MCORE19} (make test does it)")
     if importlib.util.find_spec("psutil") is None:
         pytest.skip("psutil is not installed (Megatron's torch_dist writer hangs without it)")
-    from conftest import run_cli
 
     root = tmp_path_factory.mktemp("megatron19")
     script = HERE / "megatron_run.py"
     p = {name: root / name for name in ("ws1", "merged", "loaded")}
-    run_framework(script, "train", p["ws1"], 4, path=(MCORE19,))
-    merge = run_cli("merge", p["ws1"], "-o", p["merged"], "-q")
-    if merge.returncode != 0:
-        pytest.fail(f"pmakit merge failed:\n{merge.stderr[-3000:]}")
-    loaded = run_framework(script, "pma-init", p["merged"], p["loaded"], path=(MCORE19,))
+    loaded = run_framework(
+        script,
+        *("train", p["ws1"], 4, "+", "cli", "merge", p["ws1"], "-o", p["merged"], "-q", "+"),
+        *("pma-init", p["merged"], p["loaded"]),
+        path=(MCORE19,),
+    )
     line = next(x for x in loaded.stdout.splitlines() if x.startswith('{"tp"'))
     (root / "pma-init.json").write_text(line)
     return {**p, "root": root}
@@ -193,8 +193,8 @@ def megatron_moe_runs(
 ) -> dict[str, Path]:
     """megatron-core MoE (4 SequentialMLP experts, ``router.expert_bias`` moved every step by Megatron's own bias
     update), by 0.16.1, 0.17.1 and 0.18.2 (``common.pt``) and by 0.19.2 (the common state inside the DCP files), at
-    expert parallelism EP=2 over 2 ranks (``moe-train``/``moe-pma-init`` in ``megatron_run.py``), in 2 framework
-    processes each:
+    expert parallelism EP=2 over 2 ranks (``moe-train``/``moe-pma-init`` in ``megatron_run.py``), in one framework
+    process (2 ranks) each:
 
     - ``ws1``: 3 iterations, a checkpoint every iteration; ``merged``: ``pmakit merge ws1 -o merged`` (no flags);
     - ``loaded-ep2``, ``loaded-ep1``: what ``dist_checkpointing.load`` loaded from ``merged`` at EP=2, then at
@@ -209,16 +209,13 @@ def megatron_moe_runs(
     for module in ("megatron", "psutil"):
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"{module} is not installed")
-    from conftest import run_cli
 
     root = tmp_path_factory.mktemp(f"megatron-moe-{request.param}")
     script = HERE / "megatron_run.py"
     p = {name: root / name for name in ("ws1", "merged", "loaded-ep1", "loaded-ep2")}
-    run_framework(script, "moe-train", p["ws1"], 3, ranks=2, path=path)
-    merge = run_cli("merge", p["ws1"], "-o", p["merged"], "-q")
-    if merge.returncode != 0:
-        pytest.fail(f"pmakit merge failed:\n{merge.stderr[-3000:]}")
     loads = (
+        *("moe-train", p["ws1"], 3, "+"),
+        *("cli", "merge", p["ws1"], "-o", p["merged"], "-q", "+"),  # one torchrun start-up, not two
         "moe-pma-init",
         p["merged"],
         p["loaded-ep2"],
