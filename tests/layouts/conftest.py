@@ -236,7 +236,7 @@ def megatron_moe_runs(
 @pytest.fixture(scope="session")
 def megatron_lm19_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Megatron-LM's own ``save_checkpoint`` and ``load_checkpoint`` (``megatron.training`` of the 0.19.2 wheel,
-    ``lm-train``/``lm-load`` in ``megatron_run.py``), in 3 framework processes:
+    ``lm-train``/``lm-load`` in ``megatron_run.py``), in 2 framework processes:
 
     - ``ws1``: 4 iterations at TP=1, ``save_checkpoint`` every iteration (its common state: args, iteration,
       checkpoint_version, the optimizer's param_groups, the scheduler, the rerun state machine);
@@ -249,19 +249,19 @@ def megatron_lm19_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pa
         pytest.skip(f"megatron-core 0.19 is not unpacked at {MCORE19} (make test does it)")
     if importlib.util.find_spec("psutil") is None:
         pytest.skip("psutil is not installed (Megatron's torch_dist writer hangs without it)")
-    from conftest import run_cli
 
     root = tmp_path_factory.mktemp("megatron-lm19")
     script = HERE / "megatron_run.py"
     p = {name: root / name for name in ("ws1", "merged", "loaded-tp1", "loaded-tp2")}
-    run_framework(script, "lm-train", p["ws1"], 4, path=(MCORE19,))
-    merge = run_cli("merge", p["ws1"], "-o", p["merged"] / "iter_0000004", "-q")
-    if merge.returncode != 0:
-        pytest.fail(f"pmakit merge failed:\n{merge.stderr[-3000:]}")
-    (p["merged"] / "latest_checkpointed_iteration.txt").write_text("4")
-    for ranks in (1, 2):
+    p["merged"].mkdir()
+    (p["merged"] / "latest_checkpointed_iteration.txt").write_text("4")  # the tracker of the merge below
+    train_and_merge = (  # before the TP=1 load, in its process: one start-up, not two
+        *("lm-train", p["ws1"], 4, "+"),
+        *("cli", "merge", p["ws1"], "-o", p["merged"] / "iter_0000004", "-q", "+"),
+    )
+    for ranks, before in ((1, train_and_merge), (2, ())):
         loaded = run_framework(
-            script, "lm-load", p["merged"], p[f"loaded-tp{ranks}"], ranks=ranks, path=(MCORE19,)
+            script, *before, "lm-load", p["merged"], p[f"loaded-tp{ranks}"], ranks=ranks, path=(MCORE19,)
         )
         line = next(x for x in loaded.stdout.splitlines() if x.startswith('{"tp"'))
         (root / f"loaded-tp{ranks}.json").write_text(line)
