@@ -261,6 +261,9 @@ def _scaling_fit(root: Path) -> dict[str, str]:
     if not (run / "results.csv").exists():
         raise AssertionError("the scaling-smoke line of the same block runs first")
     shutil.copy(run / "results.csv", root / "results.csv")
+    # the study's experiment.json beside it: the fit then takes the study's own bootstrap count (the smoke
+    # preset's 20), not the 400 refits of a results file without one (the same code, 20x its time)
+    shutil.copy(run / "experiment.json", root / "experiment.json")
     return {"[more.jsonl ...]": ""}
 
 

@@ -159,32 +159,46 @@ def megatron_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def megatron19_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """megatron-core 0.19.2's own code (``MCORE19``): it keeps the common state inside the DCP files
-    (``common_state`` entry, no ``common.pt``). In 2 framework processes:
-
-    - ``ws1``: 4 iterations at TP=1, a checkpoint every iteration, as ``train`` in ``megatron_run.py``;
-    - ``merged``: ``pmakit merge ws1 -o merged`` through the real CLI, no flags;
-    - ``loaded``: Megatron 0.19 loads ``merged`` (the documented recipe), saves it again and trains a step
-      (``pma-init.json``).
-    """
+def megatron19_one_rank(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The single-rank parts of ``megatron19_runs`` (``core``) and ``megatron_lm19_runs`` (``lm``, when the 0.19
+    wheel's ``megatron.training`` is there) in one framework process: each start-up costs seconds of imports."""
     if not (MCORE19 / "megatron" / "core").is_dir():
         pytest.skip(f"megatron-core 0.19 is not unpacked at {MCORE19} (make test does it)")
     if importlib.util.find_spec("psutil") is None:
         pytest.skip("psutil is not installed (Megatron's torch_dist writer hangs without it)")
-    from conftest import run_cli
+    core, lm = tmp_path_factory.mktemp("megatron19"), tmp_path_factory.mktemp("megatron-lm19")
+    jobs: tuple[str | Path | int, ...] = (
+        *("train", core / "ws1", 4, "+", "cli", "merge", core / "ws1", "-o", core / "merged", "-q", "+"),
+        *("pma-init", core / "merged", core / "loaded"),
+    )
+    if (MCORE19 / "megatron" / "training").is_dir():
+        (lm / "merged").mkdir()  # with the tracker of the merge below
+        (lm / "merged" / "latest_checkpointed_iteration.txt").write_text("4")
+        jobs += (
+            *("+", "lm-train", lm / "ws1", 4, "+"),
+            *("cli", "merge", lm / "ws1", "-o", lm / "merged" / "iter_0000004", "-q", "+"),
+            *("lm-load", lm / "merged", lm / "loaded-tp1"),
+        )
+    loaded = run_framework(HERE / "megatron_run.py", *jobs, path=(MCORE19,))
+    for line in loaded.stdout.splitlines():
+        if line.startswith('{"tp"'):  # lm-load's line has the iteration it loaded
+            out = lm / "loaded-tp1.json" if "iteration" in json.loads(line) else core / "pma-init.json"
+            out.write_text(line)
+    return {"core": core, "lm": lm}
 
-    root = tmp_path_factory.mktemp("megatron19")
-    script = HERE / "megatron_run.py"
-    p = {name: root / name for name in ("ws1", "merged", "loaded")}
-    run_framework(script, "train", p["ws1"], 4, path=(MCORE19,))
-    merge = run_cli("merge", p["ws1"], "-o", p["merged"], "-q")
-    if merge.returncode != 0:
-        pytest.fail(f"pmakit merge failed:\n{merge.stderr[-3000:]}")
-    loaded = run_framework(script, "pma-init", p["merged"], p["loaded"], path=(MCORE19,))
-    line = next(x for x in loaded.stdout.splitlines() if x.startswith('{"tp"'))
-    (root / "pma-init.json").write_text(line)
-    return {**p, "root": root}
+
+@pytest.fixture(scope="session")
+def megatron19_runs(megatron19_one_rank: dict[str, Path]) -> dict[str, Path]:
+    """megatron-core 0.19.2's own code (``MCORE19``): it keeps the common state inside the DCP files
+    (``common_state`` entry, no ``common.pt``). In one framework process (``megatron19_one_rank``):
+
+    - ``ws1``: 4 iterations at TP=1, a checkpoint every iteration, as ``train`` in ``megatron_run.py``;
+    - ``merged``: ``pmakit merge ws1 -o merged`` through the real CLI (``cli`` in ``megatron_run.py``), no flags;
+    - ``loaded``: Megatron 0.19 loads ``merged`` (the documented recipe), saves it again and trains a step
+      (``pma-init.json``).
+    """
+    root = megatron19_one_rank["core"]
+    return {**{name: root / name for name in ("ws1", "merged", "loaded")}, "root": root}
 
 
 @pytest.fixture(scope="session", params=["0.16", "0.17", "0.18", "0.19"])
@@ -193,8 +207,8 @@ def megatron_moe_runs(
 ) -> dict[str, Path]:
     """megatron-core MoE (4 SequentialMLP experts, ``router.expert_bias`` moved every step by Megatron's own bias
     update), by 0.16.1, 0.17.1 and 0.18.2 (``common.pt``) and by 0.19.2 (the common state inside the DCP files), at
-    expert parallelism EP=2 over 2 ranks (``moe-train``/``moe-pma-init`` in ``megatron_run.py``), in 2 framework
-    processes each:
+    expert parallelism EP=2 over 2 ranks (``moe-train``/``moe-pma-init`` in ``megatron_run.py``), in one framework
+    process (2 ranks) each:
 
     - ``ws1``: 3 iterations, a checkpoint every iteration; ``merged``: ``pmakit merge ws1 -o merged`` (no flags);
     - ``loaded-ep2``, ``loaded-ep1``: what ``dist_checkpointing.load`` loaded from ``merged`` at EP=2, then at
@@ -209,16 +223,13 @@ def megatron_moe_runs(
     for module in ("megatron", "psutil"):
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"{module} is not installed")
-    from conftest import run_cli
 
     root = tmp_path_factory.mktemp(f"megatron-moe-{request.param}")
     script = HERE / "megatron_run.py"
     p = {name: root / name for name in ("ws1", "merged", "loaded-ep1", "loaded-ep2")}
-    run_framework(script, "moe-train", p["ws1"], 3, ranks=2, path=path)
-    merge = run_cli("merge", p["ws1"], "-o", p["merged"], "-q")
-    if merge.returncode != 0:
-        pytest.fail(f"pmakit merge failed:\n{merge.stderr[-3000:]}")
     loads = (
+        *("moe-train", p["ws1"], 3, "+"),
+        *("cli", "merge", p["ws1"], "-o", p["merged"], "-q", "+"),  # one torchrun start-up, not two
         "moe-pma-init",
         p["merged"],
         p["loaded-ep2"],
@@ -237,9 +248,9 @@ def megatron_moe_runs(
 
 
 @pytest.fixture(scope="session")
-def megatron_lm19_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def megatron_lm19_runs(megatron19_one_rank: dict[str, Path]) -> dict[str, Path]:
     """Megatron-LM's own ``save_checkpoint`` and ``load_checkpoint`` (``megatron.training`` of the 0.19.2 wheel,
-    ``lm-train``/``lm-load`` in ``megatron_run.py``), in 3 framework processes:
+    ``lm-train``/``lm-load`` in ``megatron_run.py``), in 2 framework processes (TP=1: ``megatron19_one_rank``):
 
     - ``ws1``: 4 iterations at TP=1, ``save_checkpoint`` every iteration (its common state: args, iteration,
       checkpoint_version, the optimizer's param_groups, the scheduler, the rerun state machine);
@@ -250,24 +261,13 @@ def megatron_lm19_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pa
     """
     if not (MCORE19 / "megatron" / "training").is_dir():
         pytest.skip(f"megatron-core 0.19 is not unpacked at {MCORE19} (make test does it)")
-    if importlib.util.find_spec("psutil") is None:
-        pytest.skip("psutil is not installed (Megatron's torch_dist writer hangs without it)")
-    from conftest import run_cli
-
-    root = tmp_path_factory.mktemp("megatron-lm19")
-    script = HERE / "megatron_run.py"
+    root = megatron19_one_rank["lm"]  # ws1, merged and the TP=1 load: in the single-rank process
     p = {name: root / name for name in ("ws1", "merged", "loaded-tp1", "loaded-tp2")}
-    run_framework(script, "lm-train", p["ws1"], 4, path=(MCORE19,))
-    merge = run_cli("merge", p["ws1"], "-o", p["merged"] / "iter_0000004", "-q")
-    if merge.returncode != 0:
-        pytest.fail(f"pmakit merge failed:\n{merge.stderr[-3000:]}")
-    (p["merged"] / "latest_checkpointed_iteration.txt").write_text("4")
-    for ranks in (1, 2):
-        loaded = run_framework(
-            script, "lm-load", p["merged"], p[f"loaded-tp{ranks}"], ranks=ranks, path=(MCORE19,)
-        )
-        line = next(x for x in loaded.stdout.splitlines() if x.startswith('{"tp"'))
-        (root / f"loaded-tp{ranks}.json").write_text(line)
+    loaded = run_framework(
+        HERE / "megatron_run.py", "lm-load", p["merged"], p["loaded-tp2"], ranks=2, path=(MCORE19,)
+    )
+    line = next(x for x in loaded.stdout.splitlines() if x.startswith('{"tp"'))
+    (root / "loaded-tp2.json").write_text(line)
     return {**p, "root": root}
 
 

@@ -25,6 +25,7 @@ Modes (several, separated by ``+``, run in one process one after the other):
                      over the torch Adam, its OptimizerParamScheduler; its layout, common state and tracker file
   lm-load SAVE DUMP  Megatron-LM's own ``load_checkpoint`` of a save folder (``--no-load-optim``), the model saved
                      again to DUMP, one training step; prints {"tp": ..., "iteration": ..., "loss": ..., "moved": ...}
+  cli ARGS...        ``python -m pmakit ARGS`` on rank 0 (outside the process group), the other ranks waiting
 
 Patches (megatron-core assumes CUDA for these; nothing else is patched):
 - ``torch.cuda.current_device`` returns "cpu": layers and the loss allocate on ``current_device()``.
@@ -60,6 +61,7 @@ if __name__ == "__main__":
     import argparse
     import json
     import socket
+    import subprocess
     from pathlib import Path
     from typing import Any
 
@@ -414,6 +416,15 @@ def use_tp(tp: int, ep: int = 1) -> None:
 def run_job(mode: str, args: list[str]) -> None:
     global EXPERTS
     world = torch.distributed.get_world_size()
+    if mode == "cli":  # pmakit's real CLI (rank 0) between the framework's jobs: no second framework start-up
+        if torch.distributed.get_rank() == 0:
+            # A merge of its own, not a rank of this job: under torchrun's variables pmakit would wait for the
+            # other ranks to join its distributed merge.
+            torchrun = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+            env = {k: v for k, v in os.environ.items() if k not in torchrun}
+            subprocess.run([sys.executable, "-m", "pmakit", *args], check=True, env=env)
+        torch.distributed.barrier()
+        return
     if mode.startswith("moe-"):  # TP=1, EP = the world size unless a job names it
         EXPERTS, mode = 4, mode[4:]
         use_tp(1, int(args[2]) if mode == "pma-init" and len(args) > 2 else world)

@@ -23,7 +23,9 @@ def test_readme_framework_block_on_olmo_core(olmo_core_runs: dict[str, Path], tm
     assert (tmp_path / "OUT" / "model.safetensors").is_file()  # the last line: --format safetensors
 
 
-@pytest.mark.parametrize("fixture", ["torchtitan_runs", "megatron_runs"])
+@pytest.mark.parametrize(  # the mark keeps each case in its fixture's xdist group (not trained again elsewhere)
+    "fixture", [pytest.param(f, marks=pytest.mark.shares(f)) for f in ("torchtitan_runs", "megatron_runs")]
+)
 def test_readme_framework_block_on_other_frameworks(
     fixture: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
