@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pmakit.errors import PmakitError
-from pmakit.runs import atomic_write_json
+from pmakit.runs import atomic_write_json, read_json_object
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +39,7 @@ def jsonable(x: Any) -> Any:
 
 def read_json(path: Path) -> dict[str, Any]:
     """A JSON object file, or {} when it is missing or not one."""
-    try:
-        out = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return out if isinstance(out, dict) else {}
+    return read_json_object(path) or {}
 
 
 class Clock:
