@@ -545,11 +545,9 @@ def _score_starts(
                     "seed": seed,
                     "stage": "start",
                     "model": name,
-                    "method": "latest" if name == "latest" else spec.method,
-                    "n": 1 if name == "latest" else len(chosen),
+                    **_weights_of(name, spec, chosen),
                     "tokens": start,
                     "start_tokens": start,
-                    "window_start_tokens": start if name == "latest" else chosen[0].tokens,
                     **_scores(res),
                     "label": f"{name} weights at the resume point ({format_tokens(start)})",
                 }
@@ -588,19 +586,27 @@ def _train_arms(
                     "seed": seed,
                     "stage": "final",
                     "model": arm,
-                    "method": "latest" if family == "latest" else spec.method,
-                    "n": 1 if family == "latest" else len(chosen),
+                    **_weights_of(family, spec, chosen),
                     "optimizer": opt,
                     "resume_lr": info["resume_lr"],
                     "start_tokens": start,
                     "tokens": cfg.total_tokens,
-                    "window_start_tokens": start if family == "latest" else chosen[0].tokens,
                     **_scores(result),
                     "label": f"{'latest snapshot' if family == 'latest' else f'{spec.method.upper()} of {len(chosen)}'}"
                     f", optimizer {opt} (seed {seed})",
                 }
             )
     _paired_final(ctx, seed, sma, spec.optimizers)
+
+
+def _weights_of(family: str, spec: SpikeStudyConfig, chosen: list[Any]) -> dict[str, Any]:
+    """A row's fields for the weights a family starts from: the newest chosen snapshot, or the merge of them all."""
+    latest = family == "latest"
+    return {
+        "method": "latest" if latest else spec.method,
+        "n": 1 if latest else len(chosen),
+        "window_start_tokens": chosen[-1 if latest else 0].tokens,
+    }
 
 
 def _scores(result: EvalResult) -> dict[str, Any]:
