@@ -367,7 +367,9 @@ def plan_merge(
 
 
 def window_dtypes(
-    dtype: str | torch.dtype | None, window: Sequence[Snapshot] | None, buffers: str = DEFAULT_BUFFERS
+    dtype: str | torch.dtype | Mapping[str, torch.dtype] | None,
+    window: Sequence[Snapshot] | None,
+    buffers: str = DEFAULT_BUFFERS,
 ) -> str | torch.dtype | Mapping[str, torch.dtype] | None:
     """``dtype`` for a plan over an incremental update's terms: with ``same``, the dtypes a full merge of the
     ``window`` would write (its terms mix the previous merge's fp32 sums with snapshots, which must not widen it)."""

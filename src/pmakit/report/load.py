@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -134,7 +135,12 @@ def _losses(value: Any) -> tuple[float, ...] | None:
     return None if any(x is None for x in xs) else xs  # type: ignore[return-value]
 
 
-_READ_AS = {"int | None": _int, "float | None": _float, "str": _text, "tuple[float, ...] | None": _losses}
+_READ_AS: dict[str, Callable[[Any], Any]] = {
+    "int | None": _int,
+    "float | None": _float,
+    "str": _text,
+    "tuple[float, ...] | None": _losses,
+}
 """How a cell is read, by the type ``Row`` declares for it."""
 _LOWERED = ("model", "method", "split", "role")
 """Cells compared as keys: read in lower case."""
