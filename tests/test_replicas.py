@@ -294,3 +294,19 @@ def test_a_run_stopped_by_a_signal_ends_with_one_line(tmp_path: Path, stop: str)
         )
     else:
         assert proc.returncode == 1 and errors == ["Error: model copy 1 of 2 was killed by SIGKILL"], stderr
+
+
+def test_replicas_study_refuses_another_config_before_training(tmp_path: Path) -> None:
+    # The run directory's config stamp: arms trained under one config are not scored as another's (the study
+    # stamped nothing and went on training and scoring the old arms).
+    from conftest import run_cli
+
+    run = tmp_path / "study"
+    (run / "arms").mkdir(parents=True)
+    (run / "config.json").write_text('{"train": {}, "replicas": {}}\n')
+    done = run_cli("experiment", "--preset", "replicas-smoke", "-o", run, timeout=600)
+    assert done.returncode == 1, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"Error: {run} holds a study with another config"), lines
+    assert "pass --fresh to start over" in lines[0]
+    assert sorted(p.name for p in run.iterdir()) == ["arms", "config.json"]

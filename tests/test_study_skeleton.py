@@ -133,3 +133,22 @@ def test_an_unregistered_study_is_one_error_naming_the_known_ones(tmp_path: Path
     assert result.exit_code != 0
     assert "unknown study 'toy'; known: moe, spike, init, replicas, scaling, sweep" in result.output
     assert not (tmp_path / "run").exists()
+
+
+def test_fresh_with_clears_removes_only_the_named_entries_and_the_stamp(tmp_path: Path) -> None:
+    # A study run from before the config stamp (no config.json): --fresh removes what the study names, and the
+    # stamp and clock that describe it, never the rest (whole-directory removal refuses a folder without a stamp).
+    run = tmp_path / "run"
+    (run / "arms" / "sync").mkdir(parents=True)
+    (run / RESULTS).write_text('{"arm": "sync"}\n')
+    (run / "notes.txt").write_text("mine")
+    open_run(run, {STUDY: {"n": 1}}, fresh=True, clears=("arms", RESULTS))
+    assert sorted(p.name for p in run.iterdir()) == ["config.json", "notes.txt"]
+    assert json.loads((run / "config.json").read_text()) == {STUDY: {"n": 1}}
+    (run / "arms").mkdir()
+    with pytest.raises(PmakitError, match="another config"):
+        open_run(run, {STUDY: {"n": 2}}, fresh=False, clears=("arms",))
+    opened = open_run(run, {STUDY: {"n": 2}}, fresh=True, clears=("arms",))
+    assert not (run / "arms").exists() and (run / "notes.txt").read_text() == "mine"
+    assert json.loads((run / "config.json").read_text()) == {STUDY: {"n": 2}}
+    assert opened.clock.seconds == {}

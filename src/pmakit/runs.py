@@ -197,7 +197,16 @@ def remove_tree(path: Path) -> None:
             path.unlink()
 
 
-# ---------------------------------------------------------------------------------------------------- JSONL
+# ----------------------------------------------------------------------------------------------- JSON, JSONL
+
+
+def read_json_object(path: Path) -> dict[str, Any] | None:
+    """A JSON object file, or None when it is absent, unreadable or not an object."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

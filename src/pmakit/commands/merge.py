@@ -135,7 +135,7 @@ def _merge(
     buffers: str,
     world: Any,
 ) -> None:
-    from pmakit.merge import execute
+    from pmakit.merge import execute, plan_merge
 
     chosen, weights, (method, alpha, custom, last, every, until) = _choose(
         inputs, recipe, (method, alpha, custom, last, every, until), tokens_per_step, exclude
@@ -147,7 +147,16 @@ def _merge(
             from_previous, chosen, weights, method, alpha, custom, quiet, buffers
         )
         keep_fp32 = True
-    plan = _plan(terms, term_weights, dtype, max_shard_size, world, window, buffers)
+    # the shard plan over the world's ranks; an incremental update's terms in the full merge's dtypes
+    plan = plan_merge(
+        terms,
+        term_weights,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        ranks=world.size,
+        buffers=buffers,
+        window=window[0] if window else None,
+    )
     if (dry_run and world.rank == 0) or not quiet:
         _print_plan(plan, incremental=window is not None)
     if dry_run:
@@ -262,29 +271,6 @@ def _incremental(
     if not quiet:
         click.echo(f"incremental update of {from_previous}: {inc.reads} reads instead of {len(chosen)}")
     return inc.terms, inc.weights, (chosen, weights), inc.record(from_previous)
-
-
-def _plan(
-    terms: list[Any],
-    term_weights: list[float],
-    dtype: str,
-    max_shard_size: int,
-    world: Any,
-    window: Any,
-    buffers: str,
-) -> Any:
-    """The shard plan over the world's ranks; an incremental update's terms in the full merge's dtypes."""
-    from pmakit.merge import plan_merge
-    from pmakit.merge.plan import window_dtypes
-
-    return plan_merge(
-        terms,
-        term_weights,
-        dtype=window_dtypes(dtype, window[0] if window else None, buffers),
-        max_shard_size=max_shard_size,
-        ranks=world.size,
-        buffers=buffers,
-    )
 
 
 def _merge_record(

@@ -131,6 +131,14 @@ def corpus(help: str) -> Decorator:
     return click.option("--corpus", type=str, default=None, help=help)
 
 
+def held_out(help: str) -> Decorator:
+    return click.option("--eval", "data", type=str, default=None, help=help)
+
+
+def metric(help: str) -> Decorator:
+    return click.option("--metric", default=None, metavar="TASK/METRIC", help=help)
+
+
 def tokens_per_step() -> Decorator:
     return click.option(
         "--tokens-per-step",

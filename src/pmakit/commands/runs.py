@@ -96,14 +96,10 @@ def recover(
 
 @click.command()
 @click.argument("run_dir", type=click.Path(path_type=Path), metavar="RUN")
-@click.option(
-    "--eval",
-    "data",
-    type=str,
-    default=None,
-    help="Held-out data: 'corpus' (the run's own held-out split) [default], a token file (.npy/.bin of token ids; "
+@opt.held_out(
+    "Held-out data: 'corpus' (the run's own held-out split) [default], a token file (.npy/.bin of token ids; "
     "cut into two contiguous halves) or a text file/directory/glob (tokenized with the snapshot's tokenizer, "
-    "divided by file). Selection and test splits are disjoint.",
+    "divided by file). Selection and test splits are disjoint."
 )
 @click.option(
     "-o", "--output", required=True, type=click.Path(path_type=Path), help="Directory of the tuned merge."
@@ -159,12 +155,9 @@ def recover(
     "seen, one-sided p < 0.001, looked at after 1/4, 1/2 and 3/4 of them, from 4 batches on). --no-race: "
     "every trial on every batch.",
 )
-@click.option(
-    "--metric",
-    default=None,
-    metavar="TASK/METRIC",
-    help="Choose by a downstream metric of the run's held-out tasks through lm-eval (pmakit_next_line/acc, "
-    "pmakit_bpb/bits_per_byte) instead of the held-out loss: selection items choose, test items report.",
+@opt.metric(
+    "Choose by a downstream metric of the run's held-out tasks through lm-eval (pmakit_next_line/acc, "
+    "pmakit_bpb/bits_per_byte) instead of the held-out loss: selection items choose, test items report."
 )
 @opt.force("Replace OUTPUT if it is a merge pmakit wrote.")
 @opt.quiet("No progress bar.")
@@ -240,13 +233,9 @@ def analyze(
     show_default=True,
     help="Snapshots in each run's merge (SMA of the last N).",
 )
-@click.option(
-    "--eval",
-    "data",
-    type=str,
-    default=None,
-    help="Held-out data, as for `pmakit tune`: 'corpus' (the first run's own held-out split) [default], a token "
-    "file or text; every run is scored on the same test batches.",
+@opt.held_out(
+    "Held-out data, as for `pmakit tune`: 'corpus' (the first run's own held-out split) [default], a token "
+    "file or text; every run is scored on the same test batches."
 )
 @click.option("--batches", type=int, default=16, show_default=True, help="Held-out test batches.")
 @click.option(
@@ -257,12 +246,9 @@ def analyze(
     help="Resamples of the batches for P(best), ranks.",
 )
 @opt.seed("Seed of the resampling and file order.")
-@click.option(
-    "--metric",
-    default=None,
-    metavar="TASK/METRIC",
-    help="Rank by a downstream metric of the first run's held-out tasks through lm-eval (pmakit_next_line/acc), "
-    "per test item, instead of the held-out loss.",
+@opt.metric(
+    "Rank by a downstream metric of the first run's held-out tasks through lm-eval (pmakit_next_line/acc), "
+    "per test item, instead of the held-out loss."
 )
 def sweep_rank(runs: tuple[Path, ...], **options: Any) -> None:
     """Rank the runs of a hyper-parameter sweep early, by merges instead of anneals.

@@ -253,6 +253,8 @@ FORMAT = Format("safetensors", _detect, SafetensorsReader)
 
 @dataclass(frozen=True)
 class OutputTensor:
+    """One tensor to write, or of a model layout being planned (``merge/capacity``)."""
+
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]

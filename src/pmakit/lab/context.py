@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pmakit.errors import PmakitError
-from pmakit.runs import atomic_write_json
+from pmakit.runs import atomic_write_json, read_json_object, remove_tree
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +40,7 @@ def jsonable(x: Any) -> Any:
 
 def read_json(path: Path) -> dict[str, Any]:
     """A JSON object file, or {} when it is missing or not one."""
-    try:
-        out = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return out if isinstance(out, dict) else {}
+    return read_json_object(path) or {}
 
 
 class Clock:
@@ -145,22 +141,32 @@ def open_run(
     config: Mapping[str, Mapping[str, Any]],
     *,
     fresh: bool,
+    clears: Collection[str] | None = None,
     ignore: Mapping[str, Collection[str]] | None = None,
     defaults: Mapping[str, Mapping[str, Any]] | None = None,
     grows: tuple[str, str] | None = None,
     indent: int = 1,
 ) -> StudyRun:
-    """Open ``run_dir`` for a study whose config stamp is ``config`` (``check_same_config``'s rules)."""
+    """Open ``run_dir`` for a study whose config stamp is ``config`` (``check_same_config``'s rules); ``clears``:
+    what ``fresh`` removes (``remove_run``)."""
     path = Path(run_dir)
     if fresh and path.exists():
-        remove_run(path)
+        remove_run(path, clears)
     path.mkdir(parents=True, exist_ok=True)
     check_same_config(path, config, ignore=ignore, defaults=defaults, grows=grows, indent=indent)
     return StudyRun(path, utc_now(), Clock(path / TIMINGS))
 
 
-def remove_run(run_dir: Path) -> None:
-    """--fresh: remove what an earlier study wrote (only that), so nothing unrelated is deleted."""
+def remove_run(run_dir: Path, clears: Collection[str] | None = None) -> None:
+    """--fresh: remove what an earlier study wrote (only that), so nothing unrelated is deleted.
+
+    ``clears``: the entries of ``run_dir`` to remove, for a study that names what it wrote (its runs from before
+    the config stamp have no ``config.json`` to mark them); None: the whole directory, when ``config.json`` marks it
+    as a study's (or it is empty)."""
+    if clears is not None:
+        for name in (*clears, "config.json", TIMINGS):  # the stamp and the clock describe what is cleared
+            remove_tree(run_dir / name)
+        return
     if not (run_dir / "config.json").exists() and any(run_dir.iterdir()):
         raise PmakitError(f"{run_dir} is not empty and not a pmakit experiment; refusing to clear it")
     shutil.rmtree(run_dir)

@@ -48,6 +48,7 @@ from pmakit.runs import (
     MAIN_RUN,
     atomic_write_json,
     checkpoint_dir,
+    read_json_object,
     run_relative,
     snapshots_dir,
     trainer_state,
@@ -712,7 +713,7 @@ def experiment_plane(grid: Any, run_dir: Path, *, size: int, batches: int) -> di
     # spread over the held-out split like the experiment's own batches, not its first few windows
     held_out = list(grid.batches[:: max(1, len(grid.batches) // batches)][:batches])
     paths = [run_relative(s.path, run_dir) for s in chosen]  # the study may be moved or named another way
-    previous = _read_json(run_dir / "plane.json")
+    previous = read_json_object(run_dir / "plane.json")
     if (
         previous is not None
         and previous.get("grid") == size
@@ -748,15 +749,3 @@ def experiment_plane(grid: Any, run_dir: Path, *, size: int, batches: int) -> di
     result["split"] = "selection"  # grid.batches: the split the window was chosen on, never the test split
     atomic_write_json(run_dir / "plane.json", result)
     return result
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    import json
-
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except ValueError:
-        return None
-    return data if isinstance(data, dict) else None

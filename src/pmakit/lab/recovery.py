@@ -545,11 +545,9 @@ def _score_starts(
                     "seed": seed,
                     "stage": "start",
                     "model": name,
-                    "method": "latest" if name == "latest" else spec.method,
-                    "n": 1 if name == "latest" else len(chosen),
+                    **_weights_of(name, spec, chosen),
                     "tokens": start,
                     "start_tokens": start,
-                    "window_start_tokens": start if name == "latest" else chosen[0].tokens,
                     **_scores(res),
                     "label": f"{name} weights at the resume point ({format_tokens(start)})",
                 }
@@ -588,19 +586,27 @@ def _train_arms(
                     "seed": seed,
                     "stage": "final",
                     "model": arm,
-                    "method": "latest" if family == "latest" else spec.method,
-                    "n": 1 if family == "latest" else len(chosen),
+                    **_weights_of(family, spec, chosen),
                     "optimizer": opt,
                     "resume_lr": info["resume_lr"],
                     "start_tokens": start,
                     "tokens": cfg.total_tokens,
-                    "window_start_tokens": start if family == "latest" else chosen[0].tokens,
                     **_scores(result),
                     "label": f"{'latest snapshot' if family == 'latest' else f'{spec.method.upper()} of {len(chosen)}'}"
                     f", optimizer {opt} (seed {seed})",
                 }
             )
     _paired_final(ctx, seed, sma, spec.optimizers)
+
+
+def _weights_of(family: str, spec: SpikeStudyConfig, chosen: list[Any]) -> dict[str, Any]:
+    """A row's fields for the weights a family starts from: the newest chosen snapshot, or the merge of them all."""
+    latest = family == "latest"
+    return {
+        "method": "latest" if latest else spec.method,
+        "n": 1 if latest else len(chosen),
+        "window_start_tokens": chosen[-1 if latest else 0].tokens,
+    }
 
 
 def _scores(result: EvalResult) -> dict[str, Any]:
@@ -620,16 +626,20 @@ def _set_delta(ctx: _Ctx, row: dict[str, Any], key: str, se_key: str, ref: Mappi
     return True
 
 
-def _paired_start(ctx: _Ctx, seed: int, sma: str) -> None:
-    latest = ctx.done(seed, "start", "latest")
-    merged = ctx.done(seed, "start", sma)
+def _pair_with_latest(ctx: _Ctx, latest: dict[str, Any] | None, merged: dict[str, Any] | None) -> bool:
+    """The latest row's delta (0), and the merged row's paired with it over the same batches; True if either was
+    new."""
     changed = False
     if latest is not None and latest.get("delta_vs_latest") is None:
         latest["delta_vs_latest"], latest["delta_se"] = 0.0, 0.0
         changed = True
     if merged is not None:
         changed |= _set_delta(ctx, merged, "delta_vs_latest", "delta_se", latest)
-    if changed:
+    return changed
+
+
+def _paired_start(ctx: _Ctx, seed: int, sma: str) -> None:
+    if _pair_with_latest(ctx, ctx.done(seed, "start", "latest"), ctx.done(seed, "start", sma)):
         _rewrite(ctx)
 
 
@@ -639,14 +649,10 @@ def _paired_final(ctx: _Ctx, seed: int, sma: str, optimizers: Sequence[str]) -> 
     for opt in optimizers:
         latest = ctx.done(seed, "final", f"latest/{opt}")
         merged = ctx.done(seed, "final", f"{sma}/{opt}")
-        if latest is not None and latest.get("delta_vs_latest") is None:
-            latest["delta_vs_latest"], latest["delta_se"] = 0.0, 0.0
-            changed = True
+        changed |= _pair_with_latest(ctx, latest, merged)
         for row in (latest, merged):
             if row is not None:
                 changed |= _set_delta(ctx, row, "delta_vs_control", "delta_control_se", control)
-        if merged is not None:
-            changed |= _set_delta(ctx, merged, "delta_vs_latest", "delta_se", latest)
     if changed:
         _rewrite(ctx)
 
@@ -754,15 +760,7 @@ def _continue_init_arm(
 def _paired_init(ctx: _Ctx, seed: int, sma: str) -> None:
     """Each stage's merged row paired with the latest row of the same seed (deltas over the same batches)."""
     for stage in ("start", "early", "final"):
-        latest = ctx.done(seed, stage, "latest")
-        mrow = ctx.done(seed, stage, sma)
-        changed = False
-        if latest is not None and latest.get("delta_vs_latest") is None:
-            latest["delta_vs_latest"], latest["delta_se"] = 0.0, 0.0
-            changed = True
-        if mrow is not None:
-            changed |= _set_delta(ctx, mrow, "delta_vs_latest", "delta_se", latest)
-        if changed:
+        if _pair_with_latest(ctx, ctx.done(seed, stage, "latest"), ctx.done(seed, stage, sma)):
             _rewrite(ctx)
 
 

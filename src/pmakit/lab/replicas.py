@@ -11,14 +11,16 @@ time (the SMA of every copy's own weights at the last N syncs). Differences are 
 Run directory:
     RUN/arms/NAME/             each arm's run (``pmakit train`` layout: snapshots/, metrics.jsonl, checkpoint/)
     RUN/results.jsonl|.csv     one row per (arm, model): loss, s.e., all-reduces, paired differences
-    RUN/curves.csv             held-out loss vs tokens and vs all-reduces of every arm (the online evaluations)
+    RUN/curves.jsonl|.csv      held-out loss vs tokens and vs all-reduces of every arm (the online evaluations)
+    RUN/config.json            the config stamp: a changed config is refused without --fresh
+    RUN/timings.json           seconds per arm and of the evaluation, summed over invocations
     RUN/experiment.json        ``"study": "replicas"``, the config, seconds per arm
-Re-running resumes: a finished arm is not trained again, an interrupted one resumes from its checkpoint.
+Re-running resumes: a finished arm is not trained again, an interrupted one resumes from its checkpoint, a scored
+model is not scored again. ``--fresh`` removes the arms and their scores (``FRESH_CLEARS``), nothing else.
 """
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
 import os
@@ -30,14 +32,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
-import pmakit
 from pmakit.config import AT_LEAST_2, check_fields, from_mapping
 from pmakit.errors import PmakitError
 from pmakit.evaluate import EvalResult, paired_difference
-from pmakit.lab.context import utc_now
+from pmakit.lab.context import StudyRun, jsonable, open_run
+from pmakit.lab.results import ResultRows, trained_tokens, write_csv
 from pmakit.lab.scoring import SplitScorer
 from pmakit.report.schema import REPLICAS_COLUMNS, REPLICAS_CURVE_COLUMNS
-from pmakit.runs import atomic_open, atomic_write_text, checkpoint_dir, replica_dir, snapshots_dir
+from pmakit.runs import (
+    RESULTS,
+    RESULTS_CSV,
+    atomic_write_json,
+    atomic_write_text,
+    replica_dir,
+    snapshots_dir,
+)
 from pmakit.train.replicas import ReplicaConfig
 
 log = logging.getLogger(__name__)
@@ -132,7 +141,7 @@ def _run_arm(run_dir: Path, train: Any, arm: Arm, study: ReplicaStudy) -> float:
     import yaml
 
     arm_dir = run_dir / "arms" / arm.name
-    if _trained_tokens(arm_dir) >= train.total_tokens:
+    if trained_tokens(arm_dir) >= train.total_tokens:
         log.info("arm %s: already trained", arm.name)
         return 0.0
     arm_dir.mkdir(parents=True, exist_ok=True)
@@ -147,22 +156,6 @@ def _run_arm(run_dir: Path, train: Any, arm: Arm, study: ReplicaStudy) -> float:
         tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
         raise PmakitError(f"arm {arm.name} failed (exit {done.returncode}): {tail[0]}")
     return time.perf_counter() - t
-
-
-def _previous_seconds(run_dir: Path) -> dict[str, float]:
-    """Seconds per arm recorded by an earlier invocation (a resumed study keeps its arms' training times)."""
-    try:
-        return dict(json.loads((run_dir / "experiment.json").read_text())["seconds"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}
-
-
-def _trained_tokens(arm_dir: Path) -> int:
-    """Tokens of the arm's final checkpoint (0 when it has none yet)."""
-    try:
-        return int(json.loads((checkpoint_dir(arm_dir) / "pmakit.json").read_text())["tokens"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return 0
 
 
 def _snapshots(directory: Path) -> list[Path]:
@@ -183,58 +176,70 @@ def _scorer(train: Any, study: ReplicaStudy) -> SplitScorer:
     return SplitScorer.build(train.model, corpus, {"val": batches})
 
 
-def _score_arm(scorer: SplitScorer, run_dir: Path, arm: Arm, study: ReplicaStudy) -> dict[str, EvalResult]:
-    """Latest, PMA over time, and (with per-copy snapshots) PMA over copies and time."""
-    from pmakit.formats import read_state
-    from pmakit.merge import average_states
-
-    snaps = _snapshots(snapshots_dir(run_dir / "arms" / arm.name))
+def _to_score(run_dir: Path, arm: Arm, study: ReplicaStudy, rows: ResultRows) -> dict[str, list[Path]]:
+    """The arm's models not scored yet, each the snapshots it averages: latest, PMA over time, and (with per-copy
+    snapshots) PMA over copies and time."""
+    arm_dir = run_dir / "arms" / arm.name
+    snaps = _snapshots(snapshots_dir(arm_dir))
     if len(snaps) < study.last:
         raise PmakitError(
             f"arm {arm.name} has {len(snaps)} snapshots, fewer than replicas.last = {study.last}"
         )
-    window = [read_state(p) for p in snaps[-study.last :]]
-    out = {
-        "latest": scorer(window[-1], "val"),
-        f"pma{study.last}": scorer(average_states(window, [1 / study.last] * study.last), "val"),
-    }
-    copies = [
-        _snapshots(snapshots_dir(replica_dir(run_dir / "arms" / arm.name, r))) for r in range(arm.replicas)
-    ]
+    models = {"latest": snaps[-1:], f"pma{study.last}": snaps[-study.last :]}
+    copies = [_snapshots(snapshots_dir(replica_dir(arm_dir, r))) for r in range(arm.replicas)]
     if arm.sync.save_replicas and all(len(c) >= study.last for c in copies):
-        states = [read_state(p) for c in copies for p in c[-study.last :]]
-        out[f"pma{study.last}-copies"] = scorer(
-            average_states(states, [1 / len(states)] * len(states)), "val"
-        )
-    return out
+        models[f"pma{study.last}-copies"] = [p for c in copies for p in c[-study.last :]]
+    return {model: paths for model, paths in models.items() if (arm.name, model) not in rows}
 
 
-def _rows(scores: dict[str, dict[str, EvalResult]], arms: Sequence[Arm], train: Any) -> list[dict[str, Any]]:
-    """One row per (arm, model), with differences paired against the sync arm's model of the same kind and the
-    single copy's."""
-    steps = {
-        a.name: train.total_tokens // (train.tokens_per_step * (1 if a.replicas == 1 else a.replicas))
-        for a in arms
-    }
-    rows = []
-    for arm in arms:
-        for model, result in scores[arm.name].items():
-            kind = model.replace("-copies", "")
-            row: dict[str, Any] = {
+def _score(scorer: SplitScorer, paths: Sequence[Path]) -> EvalResult:
+    """The SMA of the snapshots at ``paths`` (one: the snapshot itself) on the held-out batches."""
+    from pmakit.formats import read_state
+    from pmakit.merge import average_states
+
+    states = [read_state(p) for p in paths]
+    return scorer(
+        states[0] if len(states) == 1 else average_states(states, [1 / len(states)] * len(states)), "val"
+    )
+
+
+def _score_arms(run: StudyRun, train: Any, study: ReplicaStudy, rows: ResultRows) -> None:
+    """Score every arm's models not scored by an earlier invocation, one row each (appended as measured)."""
+    todo = [(arm, _to_score(run.dir, arm, study, rows)) for arm in study.arms]
+    if not any(models for _, models in todo):
+        return
+    t = time.perf_counter()
+    scorer = _scorer(train, study)
+    for arm, models in todo:
+        steps = train.total_tokens // (train.tokens_per_step * (1 if arm.replicas == 1 else arm.replicas))
+        for model, paths in models.items():
+            result = _score(scorer, paths)
+            row = {
                 "arm": arm.name,
                 "model": model,
                 "tokens": train.total_tokens,
-                "all_reduces": arm.all_reduces(steps[arm.name]),
-                "val_loss": result.loss,
-                "val_loss_se": result.loss_se,
-                "bpb": result.bpb,
-                "batch_losses": result.batch_losses,
+                "all_reduces": arm.all_reduces(steps),
             }
-            for ref in ("sync", "single"):
-                d, se = paired_difference(result, scores[ref][kind])
-                row[f"delta_vs_{ref}"], row[f"delta_vs_{ref}_se"] = d, se
-            rows.append(row)
-    return rows
+            rows.add({**row, **result.as_record(), "batch_losses": result.batch_losses})
+    run.clock.add("evaluation", time.perf_counter() - t)
+
+
+def _paired(rows: Sequence[dict[str, Any]], arms: Sequence[Arm]) -> list[dict[str, Any]]:
+    """The rows in the arms' order, each with its differences paired against the sync arm's model of the same kind
+    and the single copy's."""
+    by = {(r["arm"], r["model"]): r for r in rows}
+    out = [r for arm in arms for (name, _), r in by.items() if name == arm.name]
+    for row in out:
+        result = _result(row)
+        kind = row["model"].replace("-copies", "")
+        for ref in ("sync", "single"):
+            d, se = paired_difference(result, _result(by[(ref, kind)]))
+            row[f"delta_vs_{ref}"], row[f"delta_vs_{ref}_se"] = d, se
+    return out
+
+
+def _result(row: Mapping[str, Any]) -> EvalResult:
+    return EvalResult(row["val_loss"], row["val_loss_se"], row["bpb"], row["batch_losses"])
 
 
 def _curves(run_dir: Path, arms: Sequence[Arm]) -> list[dict[str, Any]]:
@@ -260,14 +265,14 @@ def _curves(run_dir: Path, arms: Sequence[Arm]) -> list[dict[str, Any]]:
 
 def _write(run_dir: Path, name: str, rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> None:
     atomic_write_text(run_dir / f"{name}.jsonl", "".join(json.dumps(dict(r)) + "\n" for r in rows))
-    with atomic_open(run_dir / f"{name}.csv") as f:
-        writer = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(run_dir / f"{name}.csv", columns, rows)
 
 
 RESULT_COLUMNS = REPLICAS_COLUMNS
 CURVE_COLUMNS = REPLICAS_CURVE_COLUMNS
+FRESH_CLEARS = ("arms", RESULTS, RESULTS_CSV, "curves.jsonl", "curves.csv")
+"""What --fresh removes: the arms (trained again) and the scores of them; the rest of RUN is rewritten at the end,
+and a directory of this study from before the config stamp has nothing to tell the study's files from others."""
 
 
 def run_study(
@@ -275,34 +280,27 @@ def run_study(
 ) -> Path:
     """Run (or resume) the study into ``run_dir``; returns the report's path."""
     train, study = resolve(data)
-    run_dir = Path(run_dir)
-    if fresh and (run_dir / "arms").exists():
-        import shutil
-
-        shutil.rmtree(run_dir / "arms")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    started = utc_now()
-    previous = _previous_seconds(run_dir)
-    seconds = {
-        arm.name: _run_arm(run_dir, train, arm, study) or previous.get(arm.name, 0.0) for arm in study.arms
-    }
-    t = time.perf_counter()
-    scorer = _scorer(train, study)
-    scores = {arm.name: _score_arm(scorer, run_dir, arm, study) for arm in study.arms}
-    seconds["evaluation"] = time.perf_counter() - t
-    _write(run_dir, "results", _rows(scores, study.arms, train), RESULT_COLUMNS)
-    _write(run_dir, "curves", _curves(run_dir, study.arms), CURVE_COLUMNS)
+    config = jsonable({"train": train.to_dict(), STUDY: asdict(study)})
+    run = open_run(run_dir, config, fresh=fresh, clears=FRESH_CLEARS)
+    for arm in study.arms:
+        run.clock.add(arm.name, _run_arm(run.dir, train, arm, study))
+    rows = ResultRows(run.dir / RESULTS, _key)
+    _score_arms(run, train, study, rows)
+    _write(run.dir, "results", _paired(rows.rows, study.arms), RESULT_COLUMNS)
+    _write(run.dir, "curves", _curves(run.dir, study.arms), CURVE_COLUMNS)
     record = {
         "study": STUDY,
         "preset": data.get("preset"),
-        "config": {"train": train.to_dict(), STUDY: asdict(study)},
-        "seconds": seconds,
-        "started": started,
-        "pmakit": pmakit.__version__,
-        "load_average": os.getloadavg(),
+        "config": config,
+        "seconds": dict(run.clock.seconds),
+        **run.stamp(),
     }
-    atomic_write_text(run_dir / "experiment.json", json.dumps(record, indent=1, default=str) + "\n")
+    atomic_write_json(run.dir / "experiment.json", record)
     from pmakit.report import write_report
 
-    paths = write_report(run_dir)
-    return Path(getattr(paths, "html", run_dir / "report.html"))
+    paths = write_report(run.dir)
+    return Path(getattr(paths, "html", run.dir / "report.html"))
+
+
+def _key(row: Mapping[str, Any]) -> tuple[str, str]:
+    return row["arm"], row["model"]

@@ -55,7 +55,7 @@ from pmakit.merge.output import (
     write_layout,
     write_pass,
 )
-from pmakit.merge.plan import MergePlan, MergeResult, plan_merge, window_dtypes
+from pmakit.merge.plan import MergePlan, MergeResult, plan_merge
 from pmakit.merge.url import merge_to_url, refuse_local_only
 from pmakit.snapshot import Snapshot
 from pmakit.storage.mirror import origin
@@ -133,10 +133,11 @@ def merge(
     plan = plan_merge(
         snapshots,
         weights,
-        dtype=window_dtypes(dtype, window[0] if window else None, buffers),
+        dtype=dtype,
         max_shard_size=max_shard_size,
         ranks=world.size,
         buffers=buffers,
+        window=window[0] if window else None,
     )
     run = _Run(force, resume, out_format, keep_fp32, progress, manifest_extra, threads, fsync)
     return _write(plan, out, run, world, window, start)

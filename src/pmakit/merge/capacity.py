@@ -17,6 +17,7 @@ import torch
 
 from pmakit import limits
 from pmakit.errors import PmakitError
+from pmakit.formats.safetensors_io import OutputTensor
 from pmakit.layouts.kinds import DTYPES
 from pmakit.merge.plan import CHUNK_ELEMS
 from pmakit.merge.resources import (
@@ -29,23 +30,6 @@ from pmakit.merge.resources import (
     workers_override,
 )
 from pmakit.world import split_by_bytes
-
-
-@dataclass(frozen=True)
-class LayoutTensor:
-    """One tensor of a model layout."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for d in self.shape:
-            n *= d
-        return n
-
 
 _DTYPE_NAMES = {
     "bf16": torch.bfloat16,
@@ -63,7 +47,7 @@ _DTYPE_NAMES = {
 }
 
 
-def load_layout(path: str | os.PathLike[str]) -> list[LayoutTensor]:
+def load_layout(path: str | os.PathLike[str]) -> list[OutputTensor]:
     """A layout file: JSON ``{name: {"shape": [...], "dtype": "bf16"}}`` (or ``{name: [shape]}``, bf16 assumed),
     optionally wrapped as ``{"tensors": {...}}``."""
     path = Path(path)
@@ -86,7 +70,7 @@ def load_layout(path: str | os.PathLike[str]) -> list[LayoutTensor]:
             raise PmakitError(
                 f"{path}: tensor {name!r} has unknown dtype {dtype!r}; use one of {sorted(_DTYPE_NAMES)}"
             )
-        out.append(LayoutTensor(str(name), tuple(shape), _DTYPE_NAMES[dtype]))
+        out.append(OutputTensor(str(name), _DTYPE_NAMES[dtype], tuple(shape)))
     return out
 
 
@@ -198,7 +182,7 @@ class RankPlan:
 
 
 def plan_scale(
-    tensors: Sequence[LayoutTensor],
+    tensors: Sequence[OutputTensor],
     *,
     snapshots: int,
     ranks: int,
@@ -273,7 +257,7 @@ def plan_scale(
     }
 
 
-def _out_itemsize(t: LayoutTensor, out_dtype: torch.dtype | None) -> int:
+def _out_itemsize(t: OutputTensor, out_dtype: torch.dtype | None) -> int:
     from pmakit.formats import is_float
 
     return out_dtype.itemsize if out_dtype is not None and is_float(t.dtype) else t.dtype.itemsize
@@ -298,7 +282,7 @@ def _rank_seconds(read: int, write: int, folded: int, bw: Bandwidth, per_node: i
 def _bound(
     plans: Sequence[RankPlan],
     groups: Sequence[int],
-    tensors: Sequence[LayoutTensor],
+    tensors: Sequence[OutputTensor],
     out_sizes: Sequence[int],
     snapshots: int,
     bw: Bandwidth,
@@ -377,7 +361,7 @@ def plan_report(
         snapshots = len(chosen)
         with open_weights(chosen[-1].path) as reader:  # a trainer's layout: its model weights only
             order = sorted(reader.tensors, key=lambda k: reader.tensors[k].order)
-            tensors = [LayoutTensor(k, reader.tensors[k].shape, reader.tensors[k].dtype) for k in order]
+            tensors = [OutputTensor(k, reader.tensors[k].dtype, reader.tensors[k].shape) for k in order]
             unit_bytes = _unit_bytes(reader)
         where = Path(chosen[-1].path).parent
         source = ", ".join(str(s.path) for s in chosen)

@@ -307,6 +307,7 @@ def plan_merge(
     max_shard_size: int = 5 * 10**9,
     ranks: int = 1,
     buffers: str = DEFAULT_BUFFERS,
+    window: Sequence[Snapshot] | None = None,
 ) -> MergePlan:
     """Read every input's headers, check they match, and lay out the output. Reads no weights.
 
@@ -316,7 +317,10 @@ def plan_merge(
         ranks: split the output into shards owned by this many ranks, balanced by bytes.
         buffers: routers' load-balancing biases averaged (``average``) or the newest input's (``latest``); in
             fp32 either way. Counters are always the newest input's (see ``pmakit.layouts.kinds``).
+        window: for an incremental update (``snapshots`` are then its terms), the merge's real window: with
+            ``same``, the output keeps the dtypes a full merge of it would write (``window_dtypes``).
     """
+    dtype = window_dtypes(dtype, window, buffers)
     policy = TensorPolicy(buffers, None if isinstance(dtype, Mapping) else dtype)
     if len(snapshots) != len(weights):
         raise PmakitError(f"{len(weights)} weights for {len(snapshots)} snapshots")
@@ -363,7 +367,9 @@ def plan_merge(
 
 
 def window_dtypes(
-    dtype: str | torch.dtype | None, window: Sequence[Snapshot] | None, buffers: str = DEFAULT_BUFFERS
+    dtype: str | torch.dtype | Mapping[str, torch.dtype] | None,
+    window: Sequence[Snapshot] | None,
+    buffers: str = DEFAULT_BUFFERS,
 ) -> str | torch.dtype | Mapping[str, torch.dtype] | None:
     """``dtype`` for a plan over an incremental update's terms: with ``same``, the dtypes a full merge of the
     ``window`` would write (its terms mix the previous merge's fp32 sums with snapshots, which must not widen it)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -134,33 +135,30 @@ def _losses(value: Any) -> tuple[float, ...] | None:
     return None if any(x is None for x in xs) else xs  # type: ignore[return-value]
 
 
+_READ_AS: dict[str, Callable[[Any], Any]] = {
+    "int | None": _int,
+    "float | None": _float,
+    "str": _text,
+    "tuple[float, ...] | None": _losses,
+}
+"""How a cell is read, by the type ``Row`` declares for it."""
+_LOWERED = ("model", "method", "split", "role")
+"""Cells compared as keys: read in lower case."""
+_TUNE = {
+    "tune_trials": "trials", "tune_evaluations": "evaluations", "tune_batches": "batches_scored",
+    "tune_stopped": "stopped_early", "tune_learned": "learned_batches",
+}  # fmt: skip
+"""The fields a tuned row reads from its ``tune`` record, and their names there."""
+
+
 def parse_row(record: dict[str, Any]) -> Row:
     """One results record (CSV dict or JSON object) -> Row."""
     tune: dict[str, Any] = record["tune"] if isinstance(record.get("tune"), dict) else {}
-    return Row(
-        tune_trials=_int(tune.get("trials")),
-        tune_evaluations=_int(tune.get("evaluations")),
-        tune_batches=_int(tune.get("batches_scored")),
-        tune_stopped=_int(tune.get("stopped_early")),
-        tune_learned=_int(tune.get("learned_batches")),
-        batch_losses=_losses(record.get("batch_losses")),
-        fork_tokens=_int(record.get("fork_tokens")),
-        model=_text(record.get("model")).lower(),
-        method=_text(record.get("method")).lower(),
-        n=_int(record.get("n")),
-        v_tokens=_int(record.get("v_tokens")),
-        alpha=_float(record.get("alpha")),
-        tokens=_int(record.get("tokens")),
-        window_start_tokens=_int(record.get("window_start_tokens")),
-        val_loss=_float(record.get("val_loss")),
-        val_loss_se=_float(record.get("val_loss_se")),
-        bpb=_float(record.get("bpb")),
-        delta_vs_latest=_float(record.get("delta_vs_latest")),
-        delta_se=_float(record.get("delta_se")),
-        label=_text(record.get("label")),
-        split=_text(record.get("split")).lower(),
-        role=_text(record.get("role")).lower(),
-    )
+    values: dict[str, Any] = {}
+    for f in fields(Row):
+        value = _READ_AS[str(f.type)](tune.get(_TUNE[f.name]) if f.name in _TUNE else record.get(f.name))
+        values[f.name] = value.lower() if f.name in _LOWERED else value
+    return Row(**values)
 
 
 def _read_csv(path: Path) -> list[dict[str, Any]]:

@@ -5,13 +5,13 @@ Reads RUN/moe.json (written by ``pmakit.lab.moe``); every number names its split
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from pmakit.report import fmt
 from pmakit.report.blocks import Block, FigureBlock, Heading, Paragraph, Table
+from pmakit.runs import read_json_object
 
 FIGURE = "plots/moe_routing.png"
 SHOWN = ("latest", "merged, bias average", "annealed")
@@ -19,12 +19,8 @@ SHOWN = ("latest", "merged, bias average", "annealed")
 
 def read_moe(run_dir: Path) -> dict[str, Any] | None:
     """RUN/moe.json, or None when absent or unreadable."""
-    path = run_dir / "moe.json"
-    try:
-        data = json.loads(path.read_text()) if path.is_file() else None
-    except ValueError:
-        return None
-    return data if isinstance(data, dict) and isinstance(data.get("routing"), list) else None
+    data = read_json_object(run_dir / "moe.json")
+    return data if data is not None and isinstance(data.get("routing"), list) else None
 
 
 def draw(run_dir: Path, data: dict[str, Any]) -> Path | None:

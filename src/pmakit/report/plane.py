@@ -7,7 +7,6 @@ computed from the numbers in the file.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import numpy as np
 
 from pmakit.report import fmt
 from pmakit.report.blocks import Block, Bullets, FigureBlock, Heading, Paragraph, Table
+from pmakit.runs import read_json_object
 
 PLANE_FILE = "plane.json"
 PLOT_FILE = "loss_plane.png"
@@ -23,14 +23,8 @@ PLOT_FILE = "loss_plane.png"
 
 def read_plane(run_dir: Path) -> dict[str, Any] | None:
     """RUN/plane.json, or None when absent or unreadable."""
-    path = run_dir / PLANE_FILE
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except ValueError:
-        return None
-    return data if isinstance(data, dict) and data.get("kind") == "loss_plane" else None
+    data = read_json_object(run_dir / PLANE_FILE)
+    return data if data is not None and data.get("kind") == "loss_plane" else None
 
 
 def plot_plane(result: dict[str, Any], path: Path) -> Path:

@@ -395,14 +395,18 @@ def plot_heatmaps(
         ax.set_title(f"F{i}{final}: eval at {fmt.tokens(f.eval_tokens)}", fontsize=10)
         bar = fig.colorbar(im, ax=ax, shrink=0.85)
         bar.set_label("Δ val loss vs latest (< 0 better)", fontsize=8)
+    _weighting_title(fig, forks, method, "Δ vs the latest snapshot over N and V (blue = better)")
+    return _save(fig, path)
+
+
+def _weighting_title(
+    fig: Figure, forks: Sequence[ForkSummary], method: str, what: str, note: str = ""
+) -> None:
+    """The title of a figure of one weighting's merges: the weighting, and the split its rows were scored on."""
     split = split_note(
         r for f in forks for r in [f.latest, *f.merges] if r is None or r.method in ("", method)
     )
-    fig.suptitle(
-        f"{weighting_label(method)} merges: Δ vs the latest snapshot over N and V (blue = better)\n({split})",
-        fontsize=11,
-    )
-    return _save(fig, path)
+    fig.suptitle(f"{weighting_label(method)} merges: {what}\n({split}{note})", fontsize=11)
 
 
 # --- (4) weightings side by side -------------------------------------------------------------------------
@@ -525,11 +529,5 @@ def plot_sweeps(
         ax.grid(alpha=0.3)
         ax.legend(fontsize=9)
     axes[0].set_ylabel(DELTA_LABEL)
-    split = split_note(
-        r for f in forks for r in [f.latest, *f.merges] if r is None or r.method in ("", method)
-    )
-    fig.suptitle(
-        f"{weighting_label(method)} merges: how N and V change the gain\n({split}; error bars: paired s.e.)",
-        fontsize=11,
-    )
+    _weighting_title(fig, forks, method, "how N and V change the gain", "; error bars: paired s.e.")
     return _save(fig, path)

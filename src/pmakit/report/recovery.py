@@ -243,12 +243,17 @@ def _mark_spike(ax: Any, seed_info: dict[str, Any]) -> None:
         ax.axvline(seed_info["resume_tokens"], color="#555555", lw=0.8, ls="-.")
 
 
-def plot_spike(data: StudyData, key: str, path: Path) -> Path | None:
+def _plotted(data: StudyData, key: str, train_column: str) -> tuple[list[dict[str, Any]], str, list[int]]:
+    """What a plot of ``key`` ("val" or "train") draws: its points, their column, and the seeds among them."""
     points = data.curves if key == "val" else data.steps
-    y = "val_loss" if key == "val" else "loss"
+    y = "val_loss" if key == "val" else train_column
+    return points, y, sorted({int(p["seed"]) for p in points})
+
+
+def plot_spike(data: StudyData, key: str, path: Path) -> Path | None:
+    points, y, seeds = _plotted(data, key, "loss")
     if not points:
         return None
-    seeds = sorted({int(p["seed"]) for p in points})
     zoom = key == "val"  # a second row: the arms after the resume point, on their own scale
     fig, axes, zooms = _seed_grid(len(seeds), 2 if zoom else 1)
     infos = data.experiment.get("seeds", {})
@@ -301,11 +306,9 @@ def plot_spike(data: StudyData, key: str, path: Path) -> Path | None:
 
 
 def plot_init(data: StudyData, key: str, path: Path) -> Path | None:
-    points = data.curves if key == "val" else data.steps
-    y = "val_loss" if key == "val" else "grad_norm"
+    points, y, seeds = _plotted(data, key, "grad_norm")
     if not points:
         return None
-    seeds = sorted({int(p["seed"]) for p in points})
     fig, axes, _ = _seed_grid(len(seeds))
     init = data.experiment.get("config", {}).get("init", {})
     start = init.get("init_at")

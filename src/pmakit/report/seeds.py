@@ -5,12 +5,12 @@ Reads RUN/seeds.json (written by ``pmakit.lab.seeds``).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from pmakit.report import fmt
 from pmakit.report.blocks import Block, Heading, Paragraph, Table
+from pmakit.runs import read_json_object
 
 NAMES = {
     "best": "best merge (chosen on selection)",
@@ -21,12 +21,8 @@ NAMES = {
 
 def read_seeds(run_dir: Path) -> dict[str, Any] | None:
     """RUN/seeds.json, or None when absent or unreadable."""
-    path = run_dir / "seeds.json"
-    try:
-        data = json.loads(path.read_text()) if path.is_file() else None
-    except ValueError:
-        return None
-    return data if isinstance(data, dict) and isinstance(data.get("forks"), dict) else None
+    data = read_json_object(run_dir / "seeds.json")
+    return data if data is not None and isinstance(data.get("forks"), dict) else None
 
 
 def blocks(run_dir: Path) -> list[Block]:

@@ -6,13 +6,13 @@ computed from the file's numbers.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from pmakit.report.blocks import Block, FigureBlock, Heading, Paragraph
+from pmakit.runs import read_json_object
 
 SPECTRUM_FILE = "spectrum.json"
 PLOT_FILE = "spectrum.png"
@@ -21,12 +21,8 @@ COLORS = ("#0072B2", "#E69F00", "#CC79A7")
 
 def read_spectrum(run_dir: Path) -> dict[str, Any] | None:
     """RUN/spectrum.json, or None when absent or unreadable."""
-    path = run_dir / SPECTRUM_FILE
-    try:
-        data = json.loads(path.read_text()) if path.is_file() else None
-    except ValueError:
-        return None
-    return data if isinstance(data, dict) and isinstance(data.get("filters"), dict) else None
+    data = read_json_object(run_dir / SPECTRUM_FILE)
+    return data if data is not None and isinstance(data.get("filters"), dict) else None
 
 
 def draw(run_dir: Path, path: Path) -> Path | None:

@@ -26,7 +26,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -37,10 +36,13 @@ from pmakit.errors import PmakitError
 from pmakit.train.replicas import (
     ReplicaConfig,
     SingleCopy,
+    check_same_copies,
     check_sync_interval,
     load_outer,
     outer_optimizer,
     outer_state,
+    trainable,
+    unflatten,
 )
 
 log = logging.getLogger(__name__)
@@ -102,7 +104,7 @@ class FaultTolerantCopies(SingleCopy):
     def attach(self, model: nn.Module) -> None:
         """Keep the model; every copy starts from the same seeded weights (and torchft syncs step 0 anyway)."""
         self._model = model
-        self._global, self._outer = outer_optimizer(self.config, _params(model))
+        self._global, self._outer = outer_optimizer(self.config, trainable(model))
 
     def join(self, trainer: Any) -> None:
         """Join the other copies: start the Manager and take part in their next sync, healing if behind."""
@@ -170,7 +172,7 @@ class FaultTolerantCopies(SingleCopy):
         self._healed = False
         self._manager.start_quorum()  # may call self._load (healing) before it returns
         weight = 1.0 if contributes and not self._healed else 0.0
-        params = _params(self._model)
+        params = trainable(self._model)
         if self._outer is None:
             vectors = [p.detach().reshape(-1) for p in params]
         else:  # DiLoCo: the pseudo-gradient, how far this copy moved from the global weights
@@ -189,12 +191,12 @@ class FaultTolerantCopies(SingleCopy):
 
     def _apply(self, mean: torch.Tensor) -> None:
         assert self._model is not None
-        params = _params(self._model)
+        params = trainable(self._model)
         with torch.no_grad():
             if self._outer is None:
-                _unflatten(mean, params)
+                unflatten(mean, params)
                 return
-            _unflatten(mean, [g.grad if g.grad is not None else _zero_grad(g) for g in self._global])
+            unflatten(mean, [g.grad if g.grad is not None else _zero_grad(g) for g in self._global])
             self._outer.step()
             self._outer.zero_grad(set_to_none=True)
             for g, p in zip(self._global, params):
@@ -255,11 +257,7 @@ class FaultTolerantCopies(SingleCopy):
         return {**state, **outer_state(self._global, self._outer)}
 
     def load_state_dict(self, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
-        if state.get("size") != self.replicas or state.get("label") != self.config.label:
-            raise PmakitError(
-                f"the checkpoint was written by {state.get('size')} copies ({state.get('label')}), "
-                f"this run has {self.replicas} ({self.config.label}): resume with the same --replicas and sync options"
-            )
+        check_same_copies(state, self.replicas, self.config)
         self.all_reduces = int(state["all_reduces"])
         copies = state.get("copies") or []
         if copies:
@@ -270,20 +268,9 @@ class FaultTolerantCopies(SingleCopy):
         check_sync_interval(self.config, self.replicas, every_tokens, tokens_per_step)
 
 
-def _params(model: nn.Module) -> list[nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]
-
-
 def _zero_grad(t: torch.Tensor) -> torch.Tensor:
     t.grad = torch.zeros_like(t)
     return t.grad
-
-
-def _unflatten(flat: torch.Tensor, into: Sequence[torch.Tensor]) -> None:
-    offset = 0
-    for t in into:
-        t.copy_(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
 
 
 def _quiet_torchft() -> None:

@@ -76,25 +76,29 @@ class ModelConfig:
         return self.intermediate or 32 * round(8 * self.hidden / 3 / 32)
 
 
+def _decoder_fields(cfg: ModelConfig, vocab_size: int, bos: int | None, eos: int | None) -> dict[str, Any]:
+    """What the Llama and the OLMoE configs share: the trunk's sizes, the norm and the special tokens."""
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": cfg.hidden,
+        "num_hidden_layers": cfg.layers,
+        "num_attention_heads": cfg.heads,
+        "num_key_value_heads": cfg.kv_heads or cfg.heads,
+        "max_position_embeddings": cfg.seq_len,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "rms_norm_eps": 1e-5,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "pad_token_id": eos,
+        "use_cache": False,
+    }
+
+
 def llama_config(cfg: ModelConfig, vocab_size: int, *, bos: int | None = None, eos: int | None = None) -> Any:
     """A ``transformers.LlamaConfig`` for this size."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=cfg.hidden,
-        intermediate_size=cfg.mlp_width,
-        num_hidden_layers=cfg.layers,
-        num_attention_heads=cfg.heads,
-        num_key_value_heads=cfg.kv_heads or cfg.heads,
-        max_position_embeddings=cfg.seq_len,
-        tie_word_embeddings=cfg.tie_embeddings,
-        rms_norm_eps=1e-5,
-        bos_token_id=bos,
-        eos_token_id=eos,
-        pad_token_id=eos,
-        use_cache=False,
-    )
+    return LlamaConfig(intermediate_size=cfg.mlp_width, **_decoder_fields(cfg, vocab_size, bos, eos))
 
 
 def olmoe_config(cfg: ModelConfig, vocab_size: int, *, bos: int | None = None, eos: int | None = None) -> Any:
@@ -102,22 +106,11 @@ def olmoe_config(cfg: ModelConfig, vocab_size: int, *, bos: int | None = None, e
     from transformers import OlmoeConfig
 
     return OlmoeConfig(
-        vocab_size=vocab_size,
-        hidden_size=cfg.hidden,
         intermediate_size=cfg.expert_width or cfg.hidden,
-        num_hidden_layers=cfg.layers,
-        num_attention_heads=cfg.heads,
-        num_key_value_heads=cfg.kv_heads or cfg.heads,
-        max_position_embeddings=cfg.seq_len,
-        tie_word_embeddings=cfg.tie_embeddings,
-        rms_norm_eps=1e-5,
         num_experts=cfg.experts,
         num_experts_per_tok=cfg.top_k,
         norm_topk_prob=True,
-        bos_token_id=bos,
-        eos_token_id=eos,
-        pad_token_id=eos,
-        use_cache=False,
+        **_decoder_fields(cfg, vocab_size, bos, eos),
     )
 
 

@@ -21,6 +21,7 @@ crashed run resumes exactly.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,23 +160,20 @@ class Replicas(SingleCopy):
         import torch.distributed as dist
 
         with torch.no_grad():
-            for p in _params(model):
+            for p in trainable(model):
                 dist.broadcast(
                     p.data, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group
                 )
         if self.config.sync == "weights":
-            self._global, self._outer = outer_optimizer(self.config, _params(model))
+            self._global, self._outer = outer_optimizer(self.config, trainable(model))
 
     def reduce_gradients(self, model: nn.Module) -> None:
         if self.config.sync != "gradients":
             return
-        grads = [p.grad for p in _params(model) if p.grad is not None]
+        grads = [p.grad for p in trainable(model) if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
         self._all_reduce_mean(flat)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        unflatten(flat, grads)
 
     def due(self, step: int) -> bool:
         return self.config.sync == "weights" and step % self.config.sync_every == 0
@@ -184,7 +182,7 @@ class Replicas(SingleCopy):
         return self.config.sync == "gradients" or self.due(step)
 
     def sync(self, model: nn.Module) -> None:
-        params = _params(model)
+        params = trainable(model)
         with torch.no_grad():
             if self._outer is None:
                 from torch.distributed.algorithms.model_averaging.utils import average_parameters
@@ -229,11 +227,7 @@ class Replicas(SingleCopy):
         return {**state, **outer_state(self._global, self._outer)}
 
     def load_state_dict(self, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
-        if state.get("size") != self.size or state.get("label") != self.config.label:
-            raise PmakitError(
-                f"the checkpoint was written by {state.get('size')} copies ({state.get('label')}), "
-                f"this run has {self.size} ({self.config.label}): resume with the same --replicas and sync options"
-            )
+        check_same_copies(state, self.size, self.config)
         self.all_reduces = int(state["all_reduces"])
         copies = state.get("copies") or []
         if len(copies) == self.size:
@@ -245,8 +239,26 @@ class Replicas(SingleCopy):
             check_sync_interval(self.config, self.size, every_tokens, tokens_per_step)
 
 
-def _params(model: nn.Module) -> list[nn.Parameter]:
+def trainable(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters the copies train and sync."""
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def unflatten(flat: torch.Tensor, into: Sequence[torch.Tensor]) -> None:
+    """Copy a flat buffer (an all-reduced ``cat`` of ``into``) back into ``into``'s tensors."""
+    offset = 0
+    for t in into:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def check_same_copies(state: dict[str, Any], copies: int, config: ReplicaConfig) -> None:
+    """A checkpoint's copies resume only with as many copies and the same sync options."""
+    if state.get("size") != copies or state.get("label") != config.label:
+        raise PmakitError(
+            f"the checkpoint was written by {state.get('size')} copies ({state.get('label')}), "
+            f"this run has {copies} ({config.label}): resume with the same --replicas and sync options"
+        )
 
 
 def outer_optimizer(
