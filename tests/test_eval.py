@@ -400,6 +400,72 @@ def test_a_continuation_longer_than_an_moe_models_context_is_scored_in_windows(t
     assert ll_short == pytest.approx(plain._loglikelihood_tokens([short])[0][0], rel=1e-5)
 
 
+def test_each_string_is_tokenized_once_per_tokenizer_and_scores_are_lm_evals(tiny: dict[str, Path]) -> None:
+    """A study scores many models on the same requests: the second model's requests are not tokenized again, and
+    the scores are lm-eval's own HFLM's to the last digit."""
+    from lm_eval.models.huggingface import HFLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pmakit.eval import harness
+    from pmakit.eval.tasks import build_tasks
+
+    newest = gather([tiny["run"]])[0][-1].path
+    tok = AutoTokenizer.from_pretrained(newest)
+    model = AutoModelForCausalLM.from_pretrained(newest).eval()
+    cache = next((tiny["root"] / "cache" / "corpus").glob("corpus-*"))
+    manager = harness.task_manager([build_tasks(cache).include("test")], ("pmakit_next_line",))
+    calls = []
+    encode = tok.encode
+    tok.encode = lambda *a, **k: calls.append(a[0]) or encode(*a, **k)  # type: ignore[method-assign]
+    with torch.no_grad():
+        first = harness.run_tasks(harness.hflm(model, tok, device=None), ["pmakit_next_line"], manager)
+        encoded = len(calls)
+        second = harness.run_tasks(harness.hflm(model, tok, device=None), ["pmakit_next_line"], manager)
+        assert encoded > 100 and len(calls) == encoded  # nothing tokenized for the second model
+        plain = harness.run_tasks(
+            HFLM(pretrained=model, tokenizer=tok, device="cpu", batch_size=8), ["pmakit_next_line"], manager
+        )
+    values = [{m: s.value for m, s in r["pmakit_next_line"].items()} for r in (first, second, plain)]
+    assert values[0] == values[1] == values[2]
+
+
+def test_a_task_set_built_before_gets_the_yamls_of_this_version_and_the_same_scores(
+    tiny: dict[str, Path],
+) -> None:
+    """Task YAMLs once read their fields through Jinja templates ("{{context}}"), which lm-eval compiles again for
+    every document; a cached task set written that way is given the field names, and scores the same."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pmakit.eval import harness
+    from pmakit.eval.tasks import build_tasks
+
+    newest = gather([tiny["run"]])[0][-1].path
+    tok = AutoTokenizer.from_pretrained(newest)
+    model = AutoModelForCausalLM.from_pretrained(newest).eval()
+    cache = next((tiny["root"] / "cache" / "corpus").glob("corpus-*"))
+    tasks = ("pmakit_next_line", "pmakit_bpb")
+
+    def scores() -> dict[str, dict[str, float]]:
+        taskset = build_tasks(cache)
+        manager = harness.task_manager([taskset.include("test")], tasks)
+        with torch.no_grad():
+            out = harness.run_tasks(harness.hflm(model, tok, device=None), tasks, manager)
+        return {t: {m: s.value for m, s in out[t].items()} for t in tasks}
+
+    now = scores()
+    folder = build_tasks(cache).root / "test"
+    for name, old in (
+        ("pmakit_next_line", 'doc_to_text: "{{context}}"'),
+        ("pmakit_bpb", 'doc_to_target: "{{text}}"'),
+    ):
+        path = folder / f"{name}.yaml"
+        text = path.read_text().replace("doc_to_text: context", old).replace("doc_to_target: text", old)
+        path.write_text(text.replace("doc_to_choice: choices", 'doc_to_choice: "{{choices}}"'))
+        assert "{{" in path.read_text()
+    assert scores() == now
+    assert not any("{{" in p.read_text() for p in folder.glob("*.yaml"))
+
+
 def test_lm_evals_bars_are_off_during_its_run_and_back_after(
     tiny: dict[str, Path], capfd: Any, monkeypatch: Any
 ) -> None:
