@@ -283,31 +283,46 @@ def _work(study: Study, trained: int, run_dir: Path) -> dict[str, float]:
     """Each stage's work left, in trained-token equivalents (the progress line's estimate; a stage that starts
     states its exact size)."""
     from pmakit.lab.results import trained_tokens
-    from pmakit.lab.tune import LEARN_BATCHES
 
     exp, cfg = study.exp, study.train
-    batch = cfg.batch_size * cfg.model.seq_len
-    scored = exp.eval_batches * batch * EVAL_COST  # one model on one split
-    tune = exp.tune_evals * TUNE_SHARE * scored + exp.tune_learn_steps * LEARN_BATCHES * batch * LEARN_COST
+    scored = _scored_units(study, exp.eval_batches)  # one model on one split
     anneal = 0
     for fork in study.forks:
         branch = anneal_run(run_dir, fork.fork_tokens)
         anneal += fork.eval_tokens - max(fork.fork_tokens, trained_tokens(branch) if branch.exists() else 0)
     forks = len(study.forks)
+    plane = (
+        0 if (run_dir / "plane.json").exists() else (exp.plane_grid**2 + 3 * max(exp.ns)) * exp.plane_batches
+    )
     return {
         "train": cfg.total_tokens - trained,
         "anneal": anneal,
         "selection": len(_Grid.plan_of(study)) * scored,
-        "test": forks * (6 * scored + (tune if exp.tune_evals else 0)),
-        "plane": (exp.plane_grid**2 + 3 * max(exp.ns)) * exp.plane_batches * batch * EVAL_COST,
+        "test": forks * (6 * scored + _tune_units(study, exp.eval_batches)),
+        "plane": _scored_units(study, plane),
         "downstream": forks * DOWNSTREAM_MODELS * _downstream_units(study) if exp.downstream else 0,
     }
 
 
+def _scored_units(study: Study, batches: float) -> float:
+    """``batches`` held-out batches scored (forward only), in trained-token equivalents."""
+    return batches * study.train.tokens_per_step * EVAL_COST
+
+
+def _tune_units(study: Study, selection_batches: int) -> float:
+    """The tuner's search and learned-weights fit at one fork (0 without a tuner), in trained-token equivalents."""
+    from pmakit.lab.tune import LEARN_BATCHES
+
+    exp = study.exp
+    if not exp.tune_evals:
+        return 0.0
+    learn = exp.tune_learn_steps * LEARN_BATCHES * study.train.tokens_per_step * LEARN_COST
+    return exp.tune_evals * TUNE_SHARE * _scored_units(study, selection_batches) + learn
+
+
 def _downstream_units(study: Study) -> float:
     """One model's downstream tasks, in trained-token equivalents."""
-    batch = study.train.batch_size * study.train.model.seq_len
-    return DOWNSTREAM_BATCHES * study.exp.eval_batches * batch * EVAL_COST
+    return _scored_units(study, DOWNSTREAM_BATCHES * study.exp.eval_batches)
 
 
 def _evaluate(
@@ -486,16 +501,8 @@ class _Grid:
 
     def _units(self, item: Mapping[str, Any]) -> float:
         """``item``'s evaluation in trained-token equivalents (``StudyProgress``)."""
-        from pmakit.lab.tune import LEARN_BATCHES
-
-        exp, cfg = self.study.exp, self.study.train
-        batch = cfg.batch_size * cfg.model.seq_len
-        scored = len(self.scorer.batches[item["split"]]) * batch * EVAL_COST
-        if item.get("method") != "tuned":
-            return scored
-        selection = len(self.batches) * batch * EVAL_COST
-        learn = exp.tune_learn_steps * LEARN_BATCHES * batch * LEARN_COST
-        return scored + exp.tune_evals * TUNE_SHARE * selection + learn
+        scored = _scored_units(self.study, len(self.scorer.batches[item["split"]]))
+        return scored + (_tune_units(self.study, len(self.batches)) if item.get("method") == "tuned" else 0.0)
 
     # -- evaluation
 

@@ -914,14 +914,15 @@ class _Progress:
             self._bar.start()
 
     def update(self, tokens: int, loss: float) -> None:
-        note = self.note(tokens - self.start) if self.note is not None else ""
         if self._bar is not None:
-            self._bar.update(self._task, completed=tokens, loss=loss, note=note)
+            self._bar.update(self._task, completed=tokens, loss=loss, note=self._note(tokens))
             return
         now = time.monotonic()
         if not self.enabled or now - self._last < self.every_s:
             return
         import sys
+
+        note = self._note(tokens)
 
         self._last = now
         done = tokens - self.start
@@ -933,6 +934,10 @@ class _Progress:
             file=sys.stderr,
             flush=True,
         )
+
+    def _note(self, tokens: int) -> str:
+        """The caller's note for a line that is shown (not computed for the steps that show nothing)."""
+        return self.note(tokens - self.start) if self.note is not None else ""
 
     def close(self) -> None:
         if self._bar is not None:
