@@ -7,6 +7,7 @@ file mapped, a mirrored one read by ranged GETs, with no table of remote files i
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -175,3 +176,71 @@ def test_a_mirror_is_known_by_its_files_not_by_a_table(
         assert not open_source(planted / "tree" / "run" / "f").remote  # others may write there: not trusted
     finally:
         planted.chmod(0o700)
+
+
+def test_a_prefetched_mirror_is_the_one_localize_returns(
+    s3_server: Any, bucket: str, make_run: Callable[..., Path]
+) -> None:
+    """``prefetch`` (the CLI starts it while torch imports) makes the mirror once in the background: the
+    ``localize`` that follows takes it (no second listing), a second ``localize`` makes a fresh one, and an error
+    of the prefetch is raised by the localize of that URL, as its own."""
+    from pmakit.storage import mirror, registry
+
+    run = make_run(n=2)
+    _put_tree(s3_server, run, bucket, "run")
+    url = f"s3://{bucket}/run"
+    mirror.prefetch([url, f"{url}/"])  # one URL, however written
+    assert len(mirror._PREFETCHED) == 1
+    before = registry.request_count()
+    mirror._PREFETCHED[url].result(timeout=60)
+    fetched = registry.request_count() - before
+    assert fetched > 0
+    root = mirror.localize(url + "/")
+    assert registry.request_count() - before == fetched  # nothing asked again
+    assert sorted(p.name for p in root.iterdir()) == ["step-000100", "step-000200"]
+    assert mirror.origin(root / "step-000200") == f"{url}/step-000200"
+    again = mirror.localize(url)
+    assert again != root and registry.request_count() - before > fetched
+
+    mirror.prefetch([f"s3://{bucket}/nothing-here"])
+    with pytest.raises(PmakitError, match="nothing stored under this prefix"):
+        mirror.localize(f"s3://{bucket}/nothing-here")
+    mirror.prefetch(["s3://b/x?sig=1"])  # not a URL it takes: left to the localize of it
+    assert "s3://b/x?sig=1" not in mirror._PREFETCHED
+
+
+def test_the_cli_prefetches_its_inputs_not_its_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pmakit import _env
+    from pmakit.storage import mirror
+
+    started: list[list[str]] = []
+    monkeypatch.setattr(mirror, "prefetch", lambda urls: started.append(list(urls)))
+    _env.prefetch_inputs(["merge", "s3://b/run", "gs://c/s1", "-o", "s3://b/out", "--last", "4"])
+    _env.prefetch_inputs(["inspect", "--output", "s3://b/x", "s3://b/run"])
+    _env.prefetch_inputs(["merge", "s3://b/run", "--output=s3://b/out"])
+    _env.prefetch_inputs(["merge", "runs/local", "-o", "s3://b/out"])  # nothing remote to read
+    _env.prefetch_inputs(["train", "s3://b/run"])  # not a command that mirrors its arguments
+    assert started == [["s3://b/run", "gs://c/s1"], ["s3://b/run"], ["s3://b/run"]]
+
+
+def test_an_unused_prefetch_leaves_no_folder(s3_server: Any, bucket: str, tmp_path: Path) -> None:
+    """A process that ends before it takes its prefetched mirror (a usage error after the prefetch began) leaves
+    no mirror folder behind."""
+    import subprocess
+    import sys
+
+    client = s3_server.client()
+    for k in range(40):
+        client.put_object(Bucket=bucket, Key=f"run/s/f{k}.json", Body=b"{}")
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    code = (
+        "from pmakit.storage import mirror\n"
+        f"mirror.prefetch(['s3://{bucket}/run'])\n"
+        "mirror._PREFETCHED.popitem()[1].result(timeout=60)\n"  # one made
+        f"mirror.prefetch(['s3://{bucket}/run/s'])\n"  # one under way at exit
+    )
+    env = {**os.environ, **s3_server.env(), "TMPDIR": str(temp)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert list(temp.iterdir()) == []

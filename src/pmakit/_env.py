@@ -99,7 +99,26 @@ def _inductor_cache_dir() -> str:
     return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
+def prefetch_inputs(argv: list[str]) -> None:
+    """Begin mirroring the object-storage inputs of a command that reads them (``merge``, ``inspect``, ``eval``)
+    while torch imports (``pmakit.storage.mirror.prefetch``): the URLs among its arguments, except an output's
+    (``-o``/``--output``). The command's own parsing decides what each argument is; a URL it does not take as an
+    input is never used."""
+    if argv[:1] not in (["merge"], ["inspect"], ["eval"]):
+        return
+    urls, after_output = [], False
+    for token in argv[1:]:
+        if not after_output and token.startswith(("s3://", "gs://")):
+            urls.append(token)
+        after_output = token in ("-o", "--output")
+    if urls:
+        from pmakit.storage.mirror import prefetch  # the standard library (and the store's client): not torch
+
+        prefetch(urls)
+
+
 def run_cli() -> None:
     """The ``pmakit`` command (console script and ``python -m pmakit``)."""
     portable_math()
+    prefetch_inputs(sys.argv[1:])
     start_quickly("pmakit.cli").main()

@@ -20,8 +20,10 @@ import os
 import shutil
 import stat
 import tempfile
+import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -172,7 +174,57 @@ def localize(url: str) -> Path:
     other objects are downloaded up to ``limits.REMOTE_FILE_BYTES`` each (``DCP_METADATA_BYTES`` for a DCP
     ``.metadata``) and ``limits.REMOTE_FETCH_BYTES`` in all; larger ones (logs, event files) are left out. Every
     read is pinned to the version listed. Keys that cannot be a file of the mirror are left out with one warning.
+    A mirror ``prefetch`` began for the same URL is taken (once) rather than made again.
     """
+    with _PREFETCH_LOCK:
+        started = _PREFETCHED.pop(parse(url).url, None)
+    root, warning = started.result() if started is not None else _mirror(url)
+    if warning:
+        log.warning("%s", warning)
+    return root
+
+
+def prefetch(urls: Iterable[str]) -> None:
+    """Begin mirroring ``urls`` in a background thread, for a ``localize`` to come: a command that merges remote
+    inputs starts them while torch imports (0.8-1.8 s here), and the listing, headers and small files arrive
+    meanwhile. The store's client is made here, in the calling thread, so that no module is imported by the
+    background thread while the caller imports others (two threads importing at once can deadlock on a circular
+    import); the thread only sends requests. Errors are kept for that ``localize`` (raised there, as its own); a URL
+    never localized costs its listing, and its folder goes at exit like any mirror's."""
+    fresh = []
+    for url in urls:
+        try:
+            where = parse(url)
+            store(where.scheme)
+        except Exception:  # a bad URL or a client that cannot be made: said by the localize of it
+            continue
+        with _PREFETCH_LOCK:
+            if where.url not in _PREFETCHED:
+                _PREFETCHED[where.url] = Future()
+                fresh.append((url, _PREFETCHED[where.url]))
+    if fresh:
+        threading.Thread(target=_prefetch, args=(fresh,), name="pmakit-prefetch", daemon=True).start()
+
+
+def _prefetch(jobs: list[tuple[str, Future[tuple[Path, str | None]]]]) -> None:
+    for url, future in jobs:
+        if not future.set_running_or_notify_cancel():
+            continue
+        try:
+            future.set_result(_mirror(url))
+        except BaseException as e:  # the localize that takes it raises it
+            future.set_exception(e)
+
+
+_PREFETCHED: dict[str, Future[tuple[Path, str | None]]] = {}
+_PREFETCH_LOCK = threading.Lock()
+_FOLDERS: list[Path] = []
+"""Every mirror folder this process made: removed at exit (``_remove_all``)."""
+_CLOSING = threading.Event()
+
+
+def _mirror(url: str) -> tuple[Path, str | None]:
+    """``localize``'s work: (the mirror's root, a warning naming what was left out, if anything was)."""
     where = parse(url)
     s = store(where.scheme)
     s.check_bucket(where)
@@ -180,11 +232,15 @@ def localize(url: str) -> Path:
     if not objects:
         raise PmakitError(f"{where.url}: nothing stored under this prefix")
     files, left_out = _mirror_entries(objects, f"{where.key}/" if where.key else "")
+    warning = None
     if left_out:
         parts = [f"{len(keys):,} {why} (e.g. {keys[0]!r})" for why, keys in left_out.items()]
-        log.warning("%s: left out of the local mirror: %s", where.url, "; ".join(parts))
-    folder = Path(tempfile.mkdtemp(prefix=MIRROR_PREFIX))  # 0700, this user's
-    atexit.register(shutil.rmtree, folder, True)
+        warning = f"{where.url}: left out of the local mirror: {'; '.join(parts)}"
+    with _PREFETCH_LOCK:
+        if _CLOSING.is_set():
+            raise PmakitError(f"{where.url}: the process is ending")
+        folder = Path(tempfile.mkdtemp(prefix=MIRROR_PREFIX))  # 0700, this user's
+        _FOLDERS.append(folder)
     name = where.key.rsplit("/", 1)[-1] or where.bucket
     (folder / MIRROR_FILE).write_text(json.dumps({"url": where.url, "root": name}))
     root = folder / TREE / name
@@ -192,7 +248,23 @@ def localize(url: str) -> Path:
         (root / sub).mkdir(parents=True, exist_ok=True)
     root.mkdir(parents=True, exist_ok=True)
     _fetch(where, files, root, folder / RECORDS / name)
-    return root
+    return root, warning
+
+
+@atexit.register
+def _remove_all() -> None:
+    """At exit: a prefetch still under way is given a moment to end (it makes no folder after this), then every
+    mirror folder goes."""
+    _CLOSING.set()
+    with _PREFETCH_LOCK:
+        pending = list(_PREFETCHED.values())
+    for future in pending:
+        if future.cancel() or future.done():
+            continue
+        with suppress(Exception):
+            future.exception(timeout=5)
+    for folder in _FOLDERS:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _fetch(where: Location, files: dict[str, Listed], root: Path, records: Path) -> None:
