@@ -157,3 +157,24 @@ def test_training_commands_pin_the_cpu_kernels_unless_the_user_chose(
         os.environ["ATEN_CPU_CAPABILITY"] == "avx512"
         and os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/srv/kernels"
     )
+
+
+def test_the_default_threads_follow_omp_num_threads_else_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun sets OMP_NUM_THREADS=1 for each of several processes on a node: a training or evaluation left at its
+    default follows it rather than start a thread per core in every process; an explicit count wins over both."""
+    import torch
+
+    from pmakit.evaluate import cpu_threads
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        cpu_threads(None)
+        assert torch.get_num_threads() == 1
+        cpu_threads(2)
+        assert torch.get_num_threads() == 2
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        cpu_threads(None)
+        assert torch.get_num_threads() == len(os.sched_getaffinity(0))
+    finally:
+        torch.set_num_threads(before)

@@ -149,7 +149,13 @@ def native_bf16() -> bool:
 
 
 def cpu_threads(threads: int | None) -> None:
-    """Use ``threads`` intra-op threads (default: the cores this process may run on)."""
+    """Use ``threads`` intra-op threads (default: ``OMP_NUM_THREADS`` where it is set, as torchrun sets it to 1 for
+    each of several processes on a node, else the cores this process may run on)."""
     if threads is None:
-        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        if os.environ.get("OMP_NUM_THREADS", "").strip().isdigit():
+            threads = int(os.environ["OMP_NUM_THREADS"])
+        else:
+            threads = (
+                len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            )
     torch.set_num_threads(max(1, threads))

@@ -127,7 +127,7 @@ class TrainConfig:
     seed: int = 0
     """Seed of the initialisation and the data order."""
     threads: Annotated[int | None, AT_LEAST_1] = None
-    """Torch intra-op threads (default: the cores available)."""
+    """Torch intra-op threads (default: ``OMP_NUM_THREADS`` where set, else the cores available)."""
     router_aux_coef: Annotated[float, NON_NEGATIVE] = 0.0
     """MoE only: weight of HF's router load-balancing loss (``output_router_logits``; Switch-style, over every
     layer) added to the training loss. 0: none."""
