@@ -5,11 +5,6 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")) >= len(os.sched_getaffinity(0)):
-    # A worker per core (make test: -n 2 on 2 cores): one torch thread in each worker and in every process it starts
-    # (pmakit's default follows OMP_NUM_THREADS, as under torchrun), so that two workers' training runs do not share
-    # the cores four threads at a time.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     # A fresh kernel cache for each worker: inductor's shared one (/tmp/torchinductor_$USER) is not keyed by
     # ATEN_CPU_CAPABILITY, and kernels built under another capability (an older pmakit's AVX2 pin, another torch
