@@ -251,6 +251,11 @@ def test_the_failure_line_names_the_copy_that_failed_first() -> None:
     assert failure_line(lost, 2) == "model copy 1 of 2 was killed by SIGKILL"
     termed = {0: failed(0, 3), 1: failed(1, 143)}
     assert failure_line(termed, 2) == "model copy 1 of 2 was stopped by SIGTERM"
+    # Copy 1 killed, copy 0's collective aborted in C++ (SIGABRT) before the launcher stopped it: copy 1 is named.
+    aborted = {0: failed(0, -6), 1: failed(1, -9)}
+    assert failure_line(aborted, 2) == "model copy 1 of 2 was killed by SIGKILL"
+    crashed = {0: failed(0, -15), 1: failed(1, -11)}
+    assert failure_line(crashed, 2) == "model copy 1 of 2 was killed by SIGSEGV"
     everyone_lost = {0: failed(0, 3), 1: failed(1, 3)}
     assert (
         failure_line(everyone_lost, 2)

@@ -143,9 +143,17 @@ def failure_line(failures: Mapping[int, Any], replicas: int) -> str:
     """The one line for copies that failed: the copy that failed first, not one the launcher stopped after it
     (every other copy then ends with SIGTERM); a copy killed by a signal has no error of its own to point to."""
 
-    def first(rank: int) -> int:  # a copy's own failure, then a stop by a signal, then the loss of the others
+    def first(rank: int) -> int:
+        # a copy's own failure (an error exit, or SIGKILL: from outside, the OOM killer or a user, never a
+        # consequence of the others), then another signal (SIGABRT: a copy whose peer vanished can die in C++,
+        # "terminate called without an active exception", before the launcher stops it), then a stop by the
+        # launcher, then the loss of the others
         code = failures[rank].exitcode
-        return 0 if code not in _STOPPED else 2 if code == PEER_FAILED_EXIT else 1
+        if code == PEER_FAILED_EXIT:
+            return 3
+        if code in _STOPPED:
+            return 2
+        return 1 if code < 0 and code != -int(signal.SIGKILL) else 0
 
     rank = min(sorted(failures), key=first)
     code = failures[rank].exitcode
