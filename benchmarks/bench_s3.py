@@ -105,34 +105,23 @@ from pmakit import _env
 from pmakit.storage import mirror, registry  # the standard library and boto3: not torch
 marks = {"started": t0, "client": 0.0, "mirror": 0.0, "listing": 0.0, "made": 0.0}
 lock = threading.Lock()
-def add(key, seconds):
-    with lock:
-        marks[key] += seconds
-make_s3 = registry.SCHEMES["s3"]
+def timing(key, fn):  # fn, its time added to marks[key] (from any thread)
+    def call(*args):
+        start = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            with lock:
+                marks[key] += time.monotonic() - start
+    return call
+make_s3 = timing("client", registry.SCHEMES["s3"])
 def timed_client():
-    start = time.monotonic()
-    try:
-        made = make_s3()
-    finally:
-        add("client", time.monotonic() - start)
+    made = make_s3()
     for name in ("check_bucket", "listing"):
-        def timed_call(where, call=getattr(made, name)):
-            began = time.monotonic()
-            try:
-                return call(where)
-            finally:
-                add("listing", time.monotonic() - began)
-        setattr(made, name, timed_call)
+        setattr(made, name, timing("listing", getattr(made, name)))
     return made
 registry.SCHEMES["s3"] = timed_client
-make_mirror = mirror._mirror
-def timed_mirror(url):
-    start = time.monotonic()
-    try:
-        return make_mirror(url)
-    finally:
-        add("made", time.monotonic() - start)
-mirror._mirror = timed_mirror
+mirror._mirror = timing("made", mirror._mirror)
 gets = {"seconds": 0.0, "count": 0, "bytes": 0}
 read = mirror.RemoteFile.read
 def timed_read(self, start, stop):
