@@ -93,7 +93,10 @@ def make_snapshots(data: Path, args: argparse.Namespace) -> list[Path]:
         "torch_dtype": "bfloat16",
         "tie_word_embeddings": False,
     }
-    tag = f"L{args.layers}-H{args.hidden}-I{args.intermediate}-V{args.vocab}"
+    shards = getattr(args, "shards", 1)
+    tag = f"L{args.layers}-H{args.hidden}-I{args.intermediate}-V{args.vocab}" + (
+        f"-S{shards}" if shards > 1 else ""
+    )
     paths = []
     for i in range(args.n):
         d = data / tag / f"step-{i + 1:04d}"
@@ -102,17 +105,48 @@ def make_snapshots(data: Path, args: argparse.Namespace) -> list[Path]:
             continue
         d.mkdir(parents=True, exist_ok=True)
         g = torch.Generator().manual_seed(i)
-        shard = Shard(
-            "model.safetensors", tuple(OutputTensor(k, torch.bfloat16, s) for k, s in shapes.items())
-        )
-        writer = ShardWriter(d / "model.safetensors", shard)
-        for k, s in shapes.items():
-            writer.write(k, (torch.randn(s, generator=g) * 0.02).to(torch.bfloat16).reshape(-1))
-        writer.close(fsync=False)
+        files = _split(shapes, shards)
+        for name, group in files.items():
+            writer = ShardWriter(
+                d / name, Shard(name, tuple(OutputTensor(k, torch.bfloat16, s) for k, s in group))
+            )
+            for k, s in group:
+                writer.write(k, (torch.randn(s, generator=g) * 0.02).to(torch.bfloat16).reshape(-1))
+            writer.close(fsync=False)
+        if shards > 1:  # the index HF writes beside its shards
+            weight_map = {k: name for name, group in files.items() for k, _ in group}
+            index = {
+                "metadata": {"total_size": sum(2 * _numel(s) for s in shapes.values())},
+                "weight_map": weight_map,
+            }
+            (d / "model.safetensors.index.json").write_text(json.dumps(index))
         (d / "config.json").write_text(json.dumps(config))
         write_metadata(d, step=(i + 1) * 1000, tokens=(i + 1) * 10**9)
-        print(f"  made {d} ({(d / 'model.safetensors').stat().st_size / 1e9:.2f} GB)", flush=True)
+        size = sum(f.stat().st_size for f in d.glob("*.safetensors"))
+        print(f"  made {d} ({size / 1e9:.2f} GB in {shards} file(s))", flush=True)
     return paths
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _split(shapes: dict[str, tuple[int, ...]], shards: int) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    """The tensors in order, cut into ``shards`` files of about equal bytes, named as HF names its shards."""
+    if shards == 1:
+        return {"model.safetensors": list(shapes.items())}
+    total = sum(_numel(s) for s in shapes.values())
+    files: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    done = 0
+    for k, s in shapes.items():
+        if done >= total * len(files) / shards and len(files) < shards:
+            files.append([])
+        files[-1].append((k, s))
+        done += _numel(s)
+    return {f"model-{j + 1:05d}-of-{len(files):05d}.safetensors": group for j, group in enumerate(files)}
 
 
 def evict(paths: list[Path]) -> None:

@@ -230,6 +230,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--intermediate", type=int, default=2816)
+    ap.add_argument(
+        "--shards", type=int, default=1, help="safetensors files per snapshot (HF's sharded layout)"
+    )
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--s3-out", action="store_true", help="also s3 -> s3 (staged and uploaded)")
     ap.add_argument("--data", type=Path, default=ROOT / "bench-data" / "s3")
@@ -244,12 +247,14 @@ def main() -> None:
         vocab=32000,
         heads=16,
         kv_heads=4,
+        shards=args.shards,
     )
     snaps = make_snapshots(args.data, argparse.Namespace(n=max(ns), **vars(shape)))
     run = snaps[0].parent
-    size = sum(f.stat().st_size for f in run.rglob("*.safetensors")) / len(snaps)
+    size = sum(f.stat().st_size for snap in snaps for f in snap.glob("*.safetensors")) / len(snaps)
     print(
-        f"{max(ns)} bf16 snapshots of {size / 1e9:.3f} GB ({args.layers} layers, hidden {args.hidden}) on moto; "
+        f"{max(ns)} bf16 snapshots of {size / 1e9:.3f} GB ({args.layers} layers, hidden {args.hidden}, "
+        f"{args.shards} file(s) each) on moto; "
         f"{args.repeats} repeat(s); load average {os.getloadavg()[0]:.1f} at start on {os.cpu_count()} cores"
     )
     server = MotoServer()

@@ -128,11 +128,24 @@ def make_run(tmp_path: Path) -> Callable[..., Path]:
     return build
 
 
+_WORKER_PER_CORE = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")) >= len(os.sched_getaffinity(0))
+"""make test: ``-n 2`` on 2 cores."""
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment of a process a test starts to run pmakit: this checkout's sources, passive OpenMP waits and,
+    where the suite runs a worker per core (``make test``), one torch thread unless ``extra`` says otherwise, so
+    that the command's threads do not share a core with the other worker's (pmakit's default follows
+    OMP_NUM_THREADS, as under torchrun). The test workers themselves keep torch's default."""
+    single = {"OMP_NUM_THREADS": "1"} if _WORKER_PER_CORE else {}
+    return {**os.environ, "PYTHONPATH": str(SRC), "OMP_WAIT_POLICY": "PASSIVE", **single, **extra}
+
+
 def run_cli(
     *args: str | Path, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 1800
 ) -> subprocess.CompletedProcess[str]:
-    """Run the real `pmakit` entry point (python -m pmakit) on this checkout's sources."""
-    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_WAIT_POLICY": "PASSIVE", **(env or {})}
+    """Run the real `pmakit` entry point (python -m pmakit) on this checkout's sources (``cli_env``)."""
+    env = cli_env(**(env or {}))
     return subprocess.run(
         [sys.executable, "-m", "pmakit", *map(str, args)],
         capture_output=True,

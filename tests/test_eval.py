@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SRC, run_cli
+from conftest import SRC, cli_env, run_cli
 
 pytest.importorskip("lm_eval")
 
@@ -248,7 +248,7 @@ def test_a_killed_eval_resumes_where_it_stopped(tiny: dict[str, Path]) -> None:
     out = tiny["root"] / "killed.jsonl"
     args = ["eval", tiny["run"], "--merge", "sma:3", "--merge", "wma:3", "--tasks", TASKS, "--limit", "12",
             "--noise", "2", "-o", out]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_WAIT_POLICY": "PASSIVE", **tiny["env"]}  # type: ignore[dict-item]
+    env = cli_env(**tiny["env"])  # type: ignore[dict-item]
     proc = subprocess.Popen([sys.executable, "-m", "pmakit", *map(str, args)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     try:

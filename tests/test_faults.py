@@ -12,7 +12,6 @@ import contextlib
 import faulthandler
 import hashlib
 import json
-import os
 import random
 import signal
 import subprocess
@@ -27,13 +26,13 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from conftest import SRC, run_cli, state, write_snapshot
+from conftest import cli_env, run_cli, state, write_snapshot
 from pmakit.cli import cli
 from pmakit.metrics import read_metrics
 
 STEPS = (100, 200, 300, 400)
 SHAPES = {f"layers.{i}.weight": (256, 256) for i in range(8)}
-ENV = {**os.environ, "PYTHONPATH": str(SRC), "OMP_WAIT_POLICY": "PASSIVE"}
+ENV = cli_env()
 
 
 def build_run(root: Path) -> Path:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shlex
 import shutil
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SRC, state, write_snapshot
+from conftest import cli_env, state, write_snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -122,7 +121,7 @@ def copy_snapshots(src: Path, dst_names: list[str], root: Path) -> list[Path]:
 def run_python(code: str, cwd: Path, timeout: float = 1800) -> subprocess.CompletedProcess[str]:
     script = cwd / f"readme_example_{abs(hash(code)) % 10**8}.py"
     script.write_text(code)
-    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_WAIT_POLICY": "PASSIVE"}
+    env = cli_env()
     return subprocess.run(
         [sys.executable, str(script)], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
@@ -165,7 +164,7 @@ def run_shell_block(
         out = output_of(words)
         if out and (cwd / out).exists() and out not in resume:
             shutil.rmtree(cwd / out)  # the lines are alternatives: each writes its own fresh output
-        env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_WAIT_POLICY": "PASSIVE", "COLUMNS": "100"}
+        env = cli_env(COLUMNS="100")
         proc = subprocess.run(words, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
         assert proc.returncode == 0, f"docs example `{line}` exited {proc.returncode}:\n{proc.stderr[-3000:]}"
         assert "Traceback" not in proc.stderr, proc.stderr[-3000:]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SRC
+from conftest import cli_env
 from pmakit.formats import read_state
 
 CONFIG = """
@@ -34,7 +34,7 @@ train:
   seed: 0
 """
 
-ENV = {**os.environ, "PYTHONPATH": str(SRC), "OMP_WAIT_POLICY": "PASSIVE"}
+ENV = cli_env()
 """The copies run this checkout's sources, not an installed pmakit."""
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from conftest import SRC
+from conftest import cli_env
 from pmakit.errors import PmakitError
 from pmakit.merge import PROGRESS_DIR, merge, partial_dir
 from pmakit.merge._faults import KILL_ENV
@@ -127,7 +127,7 @@ def test_resume_refuses_other_options_and_partial_needs_a_flag(run: Path, tmp_pa
 
 def test_cli_resume_after_sigkill(run: Path, tmp_path: Path) -> None:
     """The real command, killed by SIGKILL in the middle of a shard, then resumed."""
-    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_WAIT_POLICY": "PASSIVE"}
+    env = cli_env()
     cmd = [sys.executable, "-m", "pmakit", "merge", str(run), "--last", "4", "-o", str(tmp_path / "out")]
     cmd += ["--max-shard-size", str(SHARD), "--quiet"]
     killed = subprocess.run(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SRC, run_cli
+from conftest import cli_env, run_cli
 from pmakit.config import load
 from pmakit.lab.evaldata import split_batches
 from pmakit.lab.scaling import Plan, Recipe, _section, plans, window
@@ -210,7 +209,7 @@ def test_killed_study_resumes_to_the_same_numbers(smoke: tuple[Path, str], tmp_p
     """kill -9 in the middle of a trunk, run the same command again: the uninterrupted study's results."""
     run, _ = smoke
     other = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_WAIT_POLICY": "PASSIVE"}
+    env = cli_env()
     cmd = [sys.executable, "-m", "pmakit", "experiment", "--preset", "scaling-smoke", "-o", str(other)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 1800

@@ -5,7 +5,6 @@ hand-computed values."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SRC, run_cli
+from conftest import cli_env, run_cli
 from pmakit.config import load
 from pmakit.lab.evaldata import split_batches
 from pmakit.lab.scaling import Recipe
@@ -235,7 +234,7 @@ def test_full_preset_meets_the_issue() -> None:
 def test_killed_study_resumes_to_the_same_numbers(smoke: Path, tmp_path: Path) -> None:
     """kill -9 in the middle of a trunk, run the same command again: the uninterrupted study's results."""
     other = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_WAIT_POLICY": "PASSIVE"}
+    env = cli_env()
     cmd = [sys.executable, "-m", "pmakit", "experiment", "--preset", "sweep-smoke", "-o", str(other)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 1800
