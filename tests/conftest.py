@@ -5,15 +5,26 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-    # A fresh kernel cache for each worker: inductor's shared one (/tmp/torchinductor_$USER) is not keyed by
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")) >= len(os.sched_getaffinity(0)):
+    # A worker per core (make test: -n 2 on 2 cores): one torch thread in each worker and in every process it starts
+    # (pmakit's default follows OMP_NUM_THREADS, as under torchrun), so that two workers' trainings do not share the
+    # cores four threads at a time.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ or "PMAKIT_TESTS_INDUCTOR" in os.environ:
+    # A fresh kernel cache for each process of the suite (the xdist controller's folder, then one per worker inside
+    # it) and the processes it starts: inductor's shared one (/tmp/torchinductor_$USER) is not keyed by
     # ATEN_CPU_CAPABILITY, and kernels built under another capability (an older pmakit's AVX2 pin, another torch
-    # program) give wrong numbers without an error when loaded (see pmakit._env.portable_math).
+    # program) give wrong numbers without an error when loaded (see pmakit._env.portable_math). Not shared between
+    # the workers either: with one folder for both, a compiled evaluation in one worker twice scored NaN (the same
+    # graph compiled at the same time by the other worker's `pmakit tune --compile`, likely; not reproduced when
+    # the two ran one after the other).
     import atexit
     import shutil
     import tempfile
 
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="pmakit-tests-inductor-")
+    parent = os.environ.get("PMAKIT_TESTS_INDUCTOR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="pmakit-tests-inductor-", dir=parent)
+    os.environ.setdefault("PMAKIT_TESTS_INDUCTOR", os.environ["TORCHINDUCTOR_CACHE_DIR"])
     atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 import subprocess
@@ -128,17 +139,10 @@ def make_run(tmp_path: Path) -> Callable[..., Path]:
     return build
 
 
-_WORKER_PER_CORE = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")) >= len(os.sched_getaffinity(0))
-"""make test: ``-n 2`` on 2 cores."""
-
-
 def cli_env(**extra: str) -> dict[str, str]:
-    """The environment of a process a test starts to run pmakit: this checkout's sources, passive OpenMP waits and,
-    where the suite runs a worker per core (``make test``), one torch thread unless ``extra`` says otherwise, so
-    that the command's threads do not share a core with the other worker's (pmakit's default follows
-    OMP_NUM_THREADS, as under torchrun). The test workers themselves keep torch's default."""
-    single = {"OMP_NUM_THREADS": "1"} if _WORKER_PER_CORE else {}
-    return {**os.environ, "PYTHONPATH": str(SRC), "OMP_WAIT_POLICY": "PASSIVE", **single, **extra}
+    """The environment of a process a test starts to run pmakit: this checkout's sources, passive OpenMP waits (and
+    the worker's one thread where the suite runs a worker per core), with ``extra`` on top."""
+    return {**os.environ, "PYTHONPATH": str(SRC), "OMP_WAIT_POLICY": "PASSIVE", **extra}
 
 
 def run_cli(

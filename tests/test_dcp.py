@@ -159,10 +159,24 @@ def test_dcp_merge_equals_hf_merge(
     assert (tmp_path / "dcp" / "config.json").exists()
 
 
-def test_dcp_output_round_trip(runs: dict[str, Path], tmp_path: Path) -> None:
+def test_dcp_output_round_trip(
+    runs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A layout output (DCP here) is the merged shards rewritten by the layout's writer: staged through the page
+    cache, so that the rewrite reads them from memory (O_DIRECT put them on storage only, and the rewrite read each
+    output byte back from it); a safetensors output is written with O_DIRECT."""
+    written: dict[str, list[bool]] = {"hf": [], "dcp": []}
+    real = merge_mod.stream.ShardWriter
+
+    def noting(path: Path, *args: Any, direct: bool = False, **kwargs: Any) -> Any:
+        written[path.parent.name.split(".")[1]].append(direct)  # .<out>.pmakit-partial
+        return real(path, *args, direct=direct, **kwargs)
+
+    monkeypatch.setattr(merge_mod.stream, "ShardWriter", noting)
     w = get_weights("sma", 3)
     merge(discover(runs["hf"]), w, tmp_path / "hf", fsync=False)
     merge(discover(runs["hf"]), w, tmp_path / "dcp", out_format="dcp", fsync=False)
+    assert written["hf"] and all(written["hf"]) and written["dcp"] and not any(written["dcp"])
     assert (tmp_path / "dcp" / ".metadata").exists()
     assert not list((tmp_path / "dcp").glob("*.safetensors"))
     want = load_dir(tmp_path / "hf")

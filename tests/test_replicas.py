@@ -172,9 +172,7 @@ def test_replicas_study_smoke_preset_end_to_end(tmp_path: Path) -> None:
 
     run = tmp_path / "study"
     cmd = [sys.executable, "-m", "pmakit", "experiment", "--preset", "replicas-smoke", "-o", str(run)]
-    done = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=1800, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-    )
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=cli_env())
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "results.jsonl").read_text().splitlines()]
     by = {(r["arm"], r["model"]): r for r in rows}
@@ -188,9 +186,7 @@ def test_replicas_study_smoke_preset_end_to_end(tmp_path: Path) -> None:
     report = (run / "report.md").read_text()
     assert "the 2% target" in report and "plots/replicas.png" in report
     # Re-running resumes: nothing is trained again, the scores are the same.
-    again = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=1800, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-    )
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=cli_env())
     assert again.returncode == 0, again.stderr[-3000:]
     assert "already trained" in again.stderr
     assert [json.loads(line) for line in (run / "results.jsonl").read_text().splitlines()] == rows

@@ -366,14 +366,15 @@ def _write_and_finish(
     plan, world, out = job.plan, job.world, job.out
     final, final_readers = _fp32_pass(job, readers, stack) if job.sums is not None else (plan, readers)
     last_progress = None if job.sums is not None else job.progress
+    staged = job.out_format != "safetensors"  # rewritten in the layout next: read back from the page cache
     run_stage(
         world,
         out,
         lambda: write_pass(
-            final, final_readers, job.partial, "", world, last_progress, job.fsync, job.killer
+            final, final_readers, job.partial, "", world, last_progress, job.fsync, job.killer, staged
         ),
     )
-    written = _layout_pass(job) if job.out_format != "safetensors" else None
+    written = _layout_pass(job) if staged else None
     return run_stage(
         world,
         out,
@@ -420,7 +421,9 @@ def _fp32_pass(
     run_stage(
         world,
         out,
-        lambda: write_pass(fp32, readers, job.partial, FP32_DIR, world, job.progress, job.fsync, job.killer),
+        lambda: write_pass(  # read back at once by the cast pass: through the page cache
+            fp32, readers, job.partial, FP32_DIR, world, job.progress, job.fsync, job.killer, staged=True
+        ),
     )
     run_stage(world, out, lambda: write_index(job.partial / FP32_DIR, fp32.shards), rank0=True)
     state = Snapshot(job.partial / FP32_DIR, tokens=job.plan.snapshots[-1].tokens, source="merge")

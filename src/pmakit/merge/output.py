@@ -177,8 +177,11 @@ def write_pass(
     progress: Callable[[int], None] | None,
     fsync: bool,
     killer: Killer,
+    staged: bool = False,
 ) -> None:
-    """Write the shards of ``plan`` this rank owns into ``partial/sub``, skipping those already finished."""
+    """Write the shards of ``plan`` this rank owns into ``partial/sub``, skipping those already finished.
+    ``staged``: they are read back at once (a framework layout's writer rewrites them): written through the page
+    cache, so that the rewrite reads them from memory, not again from storage."""
     directory = partial / sub
     directory.mkdir(exist_ok=True)
     prog = Ledger(partial)
@@ -194,7 +197,9 @@ def write_pass(
             if progress is not None:
                 progress(n)
 
-        files = stream_average(replace(plan, shards=[shard]), readers, directory, report, fsync, world.device)
+        files = stream_average(
+            replace(plan, shards=[shard]), readers, directory, report, fsync, world.device, cached=staged
+        )
         prog.record(rel, files[0])
         killer.shards += 1
         killer.at("after-shard")

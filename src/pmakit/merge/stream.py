@@ -276,10 +276,12 @@ class _Writer:
         n_buffers: int,
         fsync: bool,
         pin: bool = False,
+        cached: bool = False,
     ) -> None:
         self._plan = plan
         self._directory = directory
         self._fsync = fsync
+        self._direct = not cached
         self.free: queue.Queue[torch.Tensor] = queue.Queue()
         for _ in range(n_buffers):  # pinned: the GPU copies the sums back into them without a staging copy
             self.free.put(torch.empty(buffer_bytes, dtype=torch.uint8, pin_memory=pin))
@@ -314,7 +316,9 @@ class _Writer:
                 if writer is None or writer.shard is not shard:
                     if writer is not None:
                         self.files.append(self._close(writer, index))
-                    writer = ShardWriter(self._directory / shard.file, shard, direct=True, checksum=False)
+                    writer = ShardWriter(
+                        self._directory / shard.file, shard, direct=self._direct, checksum=False
+                    )
                     index = shard_index
                 writer.write(name, chunk)
                 if release is not None:
@@ -595,8 +599,13 @@ def stream_average(
     fsync: bool,
     device: str = "cpu",
     staged: bool | None = None,
+    cached: bool = False,
 ) -> list[dict[str, Any]]:
     """Write every shard of ``plan`` into ``directory``; returns the output files' names, sizes and sha256.
+
+    The shards are written with O_DIRECT (a merge's output is not read again by it: the page cache stays the
+    inputs'), or through the page cache with ``cached``: files read back at once (the staged shards a framework
+    layout's writer rewrites), which then come from memory rather than from storage.
 
     Worker threads fold chunks side by side (torch releases the GIL in its kernels): every input's bytes (views of
     the page cache) are converted to fp32 and added with their weight block by block, cast once into an output
@@ -611,7 +620,7 @@ def stream_average(
     if staged or (staged is None and device != "cpu"):
         folder = _device_fold(plan, readers, torch.device(device))
     with _Clock("wall"):  # the pass, from the writer thread's start to its end
-        return _stream(plan, readers, directory, progress, fsync, folder)
+        return _stream(plan, readers, directory, progress, fsync, folder, cached)
 
 
 def _device_fold(plan: MergePlan, readers: Sequence[Reader], device: torch.device) -> _DeviceFold:
@@ -629,10 +638,11 @@ def _stream(
     progress: Callable[[int], None] | None,
     fsync: bool,
     folder: _DeviceFold | None,
+    cached: bool,
 ) -> list[dict[str, Any]]:
     chunks = list(_chunks(plan))
     pin = folder is not None and folder.cuda
-    writer = _Writer(plan, directory, plan.buffer_bytes, plan.n_buffers, fsync, pin)
+    writer = _Writer(plan, directory, plan.buffer_bytes, plan.n_buffers, fsync, pin, cached)
     local = threading.local()
 
     def work(chunk: _Chunk, views: list[torch.Tensor], buf: torch.Tensor) -> tuple[torch.Tensor, bool]:
