@@ -186,6 +186,27 @@ def test_background_error_surfaces_at_the_next_call(tmp_path: Path, monkeypatch:
     assert [s.tokens for s in discover(tmp_path)] == [20]
 
 
+def test_a_signal_while_the_write_starts_leaves_a_saver_that_closes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM's handler raises SystemExit wherever the main thread is: inside ``Thread.start`` of a save, the
+    saver kept a thread never started, and the close on the way out raised "cannot join thread before it is
+    started" (a traceback in a stopped model copy's output)."""
+    saver = SnapshotSaver(tmp_path, 10)
+
+    def stopped(self: object) -> None:
+        raise SystemExit(143)
+
+    monkeypatch.setattr(saver_mod.threading.Thread, "start", stopped)
+    with pytest.raises(SystemExit):
+        saver.maybe_save(state(0), tokens=10, step=1)
+    saver.close()  # nothing to wait for, no error
+    monkeypatch.undo()
+    saver.maybe_save(state(0), tokens=20, step=2)
+    saver.close()
+    assert [s.tokens for s in discover(tmp_path)] == [20]
+
+
 def test_crash_mid_write_leaves_only_a_hidden_incomplete_dir(tmp_path: Path) -> None:
     """A process killed after the weights but before pmakit.json: merge's discover() does not see the snapshot."""
     script = textwrap.dedent(

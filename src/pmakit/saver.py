@@ -324,10 +324,9 @@ class SnapshotSaver:
         self.last_mark = max(self.last_mark, tokens // self.every_tokens)
         self.last_saved = snapshot
         if self.background:
-            self._thread = threading.Thread(
-                target=self._write_guarded, args=(snapshot, state), name="pmakit-saver"
-            )
-            self._thread.start()
+            thread = threading.Thread(target=self._write_guarded, args=(snapshot, state), name="pmakit-saver")
+            thread.start()  # kept once started: a signal's SystemExit inside start() left a thread join() refused
+            self._thread = thread
         else:
             wait_until_on_host(state)
             self._write(snapshot, state)
