@@ -16,7 +16,9 @@ ranks, each method in its own process:
   Manual mode: ``--merge-inputs iter_N:1/N ...``. Inputs: torch_dist checkpoints of a GPTModel (megatron-core,
   local layer spec, fp32) written by megatron-core's own save code (``tests/layouts/megatron_run.py``):
   ``mc16-tpK``: ``model-train``, the model's sharded state only, by the pinned megatron-core 0.16.1 (common.pt),
-  at TP=K over K ranks; ``lm19-tpK``: ``lm-train``, Megatron-LM 0.19.2's own ``save_checkpoint`` (model, optimizer,
+  at TP=K over K ranks; ``mc16moe-epK``: ``moe-model-train``, the same with 4 SequentialMLP experts and a sigmoid
+  router with its load-balancing ``expert_bias`` (megatron-core's MoE layer), TP=1 and expert parallelism EP=K over
+  K ranks; ``lm19-tpK``: ``lm-train``, Megatron-LM 0.19.2's own ``save_checkpoint`` (model, optimizer,
   RNG, the common state inside the DCP files). Both methods run under ``torchrun --nproc-per-node K``.
 - olmo-core-offline: OLMo-core's offline merge (``benchmarks/bench_olmo_merge.py``: whole fp32 state in memory,
   then one save) on checkpoints written by OLMo-core 3.0.0's own ``Checkpointer``.
@@ -145,11 +147,16 @@ def run_measured(
 
 def last_error(stderr: str) -> str:
     """The line that says why a command failed (an exception's message or an ``Error:`` line)."""
-    lines = [x.strip() for x in stderr.splitlines() if x.strip()]
+    lines = [x.strip() for x in stderr.splitlines() if x.strip().strip("=")]
     for line in reversed(lines):
         text = re.sub(r"^\[rank\d+\]: ", "", line)
         if text.startswith("Error:") or ("Error: " in text and not text.startswith("File ")):
             return text[:400]
+    exits = [
+        x for x in lines if x.startswith(("exitcode", "rank ", "error_file", "traceback"))
+    ]  # torchrun's summary
+    if exits:
+        return "; ".join(exits)[:400]
     return (lines[-1] if lines else "no output")[:400]
 
 
@@ -211,12 +218,14 @@ def megatron_cases(args: argparse.Namespace, data: Path) -> list[Case]:
         print(f"  skipped megatron: megatron-core 0.19 is not unpacked at {MCORE19} (make test does it)")
         return []
     cases = []
-    for mode, tag in (("model-train", "mc16"), ("lm-train", "lm19")):
+    for mode, tag in (("model-train", "mc16"), ("moe-model-train", "mc16moe"), ("lm-train", "lm19")):
         for ranks in args.tp:
-            name = f"{tag}-tp{ranks}"
+            name = f"{tag}-{'ep' if 'moe' in tag else 'tp'}{ranks}"
             inputs = megatron_inputs(data / name / "save", mode, ranks, args.n, args.megatron_size)
             out = data / name / "out"
-            tokens = ["--tokens-per-step", "64"] if mode == "model-train" else []  # no counters in these
+            tokens = (
+                ["--tokens-per-step", "64"] if mode != "lm-train" else []
+            )  # no counters in model-only ones
             pmakit = [
                 *launch(ranks),
                 "-m",
@@ -235,7 +244,11 @@ def megatron_cases(args: argparse.Namespace, data: Path) -> list[Case]:
                 outputs["peer"] = out / "peer"
             files = [f for p in inputs for f in p.iterdir() if f.is_file()]
             env = {**base_env(MCORE19), "MASTER_PORT": free_port()}  # the tool's own default is 29500
-            fmt = f"Megatron {'core 0.16.1 model-only' if tag == 'mc16' else 'LM 0.19.2 save_checkpoint'} TP{ranks}"
+            fmt = {
+                "mc16": f"Megatron core 0.16.1 model-only TP{ranks}",
+                "mc16moe": f"Megatron core 0.16.1 model-only MoE EP{ranks}",
+                "lm19": f"Megatron LM 0.19.2 save_checkpoint TP{ranks}",
+            }[tag]
             cases.append(
                 Case("megatron-wm", fmt, inputs, files, commands, outputs, {"peer": env}, ranks=ranks)
             )
