@@ -5,19 +5,15 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")) >= len(os.sched_getaffinity(0)):
-    # A worker per core (make test: -n 2 on 2 cores): one torch thread in each worker and in every process it starts
-    # (pmakit's default follows OMP_NUM_THREADS, as under torchrun), so that two workers' trainings do not share the
-    # cores four threads at a time.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ or "PMAKIT_TESTS_INDUCTOR" in os.environ:
     # A fresh kernel cache for each process of the suite (the xdist controller's folder, then one per worker inside
     # it) and the processes it starts: inductor's shared one (/tmp/torchinductor_$USER) is not keyed by
     # ATEN_CPU_CAPABILITY, and kernels built under another capability (an older pmakit's AVX2 pin, another torch
     # program) give wrong numbers without an error when loaded (see pmakit._env.portable_math). Not shared between
-    # the workers either: with one folder for both, a compiled evaluation in one worker twice scored NaN (the same
-    # graph compiled at the same time by the other worker's `pmakit tune --compile`, likely; not reproduced when
-    # the two ran one after the other).
+    # the workers either (one folder for both was inherited from the controller before).
+    # Not kept: OMP_NUM_THREADS=1 for the workers and what they start (16:40-17:05 instead of ~18 min): with it, the
+    # in-process compiled evaluation (tests/test_train.py) scored NaN in three of five full runs, with one cache or
+    # one a worker; never without it. Not understood.
     import atexit
     import shutil
     import tempfile
@@ -140,8 +136,8 @@ def make_run(tmp_path: Path) -> Callable[..., Path]:
 
 
 def cli_env(**extra: str) -> dict[str, str]:
-    """The environment of a process a test starts to run pmakit: this checkout's sources, passive OpenMP waits (and
-    the worker's one thread where the suite runs a worker per core), with ``extra`` on top."""
+    """The environment of a process a test starts to run pmakit: this checkout's sources and passive OpenMP waits,
+    with ``extra`` on top."""
     return {**os.environ, "PYTHONPATH": str(SRC), "OMP_WAIT_POLICY": "PASSIVE", **extra}
 
 

@@ -6,6 +6,7 @@ snapshots are only ever of the synced model. With no failure, torchft's local SG
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -113,8 +114,13 @@ def test_a_killed_copy_is_restarted_healed_and_the_run_finishes(tmp_path: Path, 
     while _max_step(watched) < 30:
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.2)
-    killed_at, dead = _max_step(watched), _copy_pid(proc.pid, victim)
+    dead = _copy_pid(proc.pid, victim)
     os.kill(dead, signal.SIGKILL)
+    with contextlib.suppress(psutil.NoSuchProcess):  # gone (reaped by the launcher): it writes no more
+        psutil.wait_procs([psutil.Process(dead)], timeout=60)
+    killed_at = _max_step(
+        watched
+    )  # read before the kill, a step the copy wrote meanwhile ended the wait at once
     _slow_down_until_back(proc, 1 - victim, watched, killed_at, dead)
     stdout, stderr = proc.communicate(timeout=1800)
 

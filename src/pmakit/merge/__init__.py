@@ -371,7 +371,7 @@ def _write_and_finish(
         world,
         out,
         lambda: write_pass(
-            final, final_readers, job.partial, "", world, last_progress, job.fsync, job.killer, staged
+            final, final_readers, job.partial, "", world, last_progress, job.fsync, job.killer, cached=staged
         ),
     )
     written = _layout_pass(job) if staged else None
@@ -422,7 +422,7 @@ def _fp32_pass(
         world,
         out,
         lambda: write_pass(  # read back at once by the cast pass: through the page cache
-            fp32, readers, job.partial, FP32_DIR, world, job.progress, job.fsync, job.killer, staged=True
+            fp32, readers, job.partial, FP32_DIR, world, job.progress, job.fsync, job.killer, cached=True
         ),
     )
     run_stage(world, out, lambda: write_index(job.partial / FP32_DIR, fp32.shards), rank0=True)

@@ -177,11 +177,11 @@ def write_pass(
     progress: Callable[[int], None] | None,
     fsync: bool,
     killer: Killer,
-    staged: bool = False,
+    cached: bool = False,
 ) -> None:
     """Write the shards of ``plan`` this rank owns into ``partial/sub``, skipping those already finished.
-    ``staged``: they are read back at once (a framework layout's writer rewrites them): written through the page
-    cache, so that the rewrite reads them from memory, not again from storage."""
+    ``cached``: they are read back at once (a layout's writer or the cast pass rewrites them): written through the
+    page cache, so that the rewrite reads them from memory, not again from storage."""
     directory = partial / sub
     directory.mkdir(exist_ok=True)
     prog = Ledger(partial)
@@ -198,7 +198,7 @@ def write_pass(
                 progress(n)
 
         files = stream_average(
-            replace(plan, shards=[shard]), readers, directory, report, fsync, world.device, cached=staged
+            replace(plan, shards=[shard]), readers, directory, report, fsync, world.device, cached=cached
         )
         prog.record(rel, files[0])
         killer.shards += 1
