@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import shutil
@@ -116,7 +117,7 @@ def make_snapshots(data: Path, args: argparse.Namespace) -> list[Path]:
         if shards > 1:  # the index HF writes beside its shards
             weight_map = {k: name for name, group in files.items() for k, _ in group}
             index = {
-                "metadata": {"total_size": sum(2 * _numel(s) for s in shapes.values())},
+                "metadata": {"total_size": sum(2 * math.prod(s) for s in shapes.values())},
                 "weight_map": weight_map,
             }
             (d / "model.safetensors.index.json").write_text(json.dumps(index))
@@ -127,25 +128,18 @@ def make_snapshots(data: Path, args: argparse.Namespace) -> list[Path]:
     return paths
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def _split(shapes: dict[str, tuple[int, ...]], shards: int) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
     """The tensors in order, cut into ``shards`` files of about equal bytes, named as HF names its shards."""
     if shards == 1:
         return {"model.safetensors": list(shapes.items())}
-    total = sum(_numel(s) for s in shapes.values())
+    total = sum(math.prod(s) for s in shapes.values())
     files: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     done = 0
     for k, s in shapes.items():
         if done >= total * len(files) / shards and len(files) < shards:
             files.append([])
         files[-1].append((k, s))
-        done += _numel(s)
+        done += math.prod(s)
     return {f"model-{j + 1:05d}-of-{len(files):05d}.safetensors": group for j, group in enumerate(files)}
 
 

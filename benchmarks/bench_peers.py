@@ -223,9 +223,8 @@ def megatron_cases(args: argparse.Namespace, data: Path) -> list[Case]:
             name = f"{tag}-{'ep' if 'moe' in tag else 'tp'}{ranks}"
             inputs = megatron_inputs(data / name / "save", mode, ranks, args.n, args.megatron_size)
             out = data / name / "out"
-            tokens = (
-                ["--tokens-per-step", "64"] if mode != "lm-train" else []
-            )  # no counters in model-only ones
+            # model-only checkpoints carry no token counters
+            tokens = ["--tokens-per-step", "64"] if mode != "lm-train" else []
             pmakit = [
                 *launch(ranks),
                 "-m",

@@ -12,7 +12,7 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ or "PMAKIT_TESTS_INDUCTOR" in os.
     # program) give wrong numbers without an error when loaded (see pmakit._env.portable_math). Not shared between
     # the workers either (one folder for both was inherited from the controller before).
     # Not kept: OMP_NUM_THREADS=1 for the workers and what they start (16:40-17:05 instead of ~18 min): with it, the
-    # in-process compiled evaluation (tests/test_train.py) scored NaN in three of five full runs, with one cache or
+    # in-process compiled evaluation (tests/test_train.py) scored NaN in three of six full runs, with one cache or
     # one a worker; never without it. Not understood.
     import atexit
     import shutil
