@@ -21,6 +21,7 @@ import pmakit.merge as merge_mod
 from conftest import SHAPES, state, write_snapshot
 from pmakit.cli import cli
 from pmakit.formats import open_reader
+from pmakit.formats.dcp_io import DCPReader
 from pmakit.merge import merge
 from pmakit.snapshot import discover, write_metadata
 from pmakit.weights import get_weights
@@ -157,6 +158,40 @@ def test_dcp_merge_equals_hf_merge(
     assert manifest["inputs"][0]["format"] == "dcp"
     assert any("exp_avg" in s for s in manifest["skipped_entries"])
     assert (tmp_path / "dcp" / "config.json").exists()
+
+
+def test_merge_chunks_are_cut_at_the_saved_slabs(
+    runs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A merge chunk across two saved slabs is read as a copy joining them (one per input for each chunk in flight):
+    the merge cuts its chunks where a reader's pieces begin (``Reader.breaks``), so that each read lies in one slab.
+    Pieces under ``MIN_PIECE_ELEMS`` on average are read joined (a chunk each would cost more than the copy)."""
+    monkeypatch.setattr(merge_mod.plan, "CHUNK_ELEMS", 100)
+    reads: list[tuple[Any, str, int, int]] = []
+    real = DCPReader.read
+
+    def spy(
+        self: DCPReader, name: str, start: int, stop: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        reads.append((self, name, start, stop))
+        return real(self, name, start, stop, out)
+
+    def in_one_slab(reader: Any, name: str, start: int, stop: int) -> bool:
+        return any(lo <= start and stop <= hi for lo, hi, _ in reader._unit_boxes(name))
+
+    monkeypatch.setattr(DCPReader, "read", spy)
+    w = get_weights("sma", 3)
+    merged = {}
+    for floor, folder in ((1, "cut"), (10**9, "joined")):
+        monkeypatch.setattr(merge_mod.stream, "MIN_PIECE_ELEMS", floor)
+        reads.clear()
+        merge(discover(runs["dcp2"]), w, tmp_path / folder, fsync=False)
+        assert any(r[1] == "embed.weight" for r in reads)
+        assert all(in_one_slab(*r) for r in reads) == (folder == "cut"), folder
+        merged[folder] = load_dir(tmp_path / folder)
+    assert merged["cut"].keys() == merged["joined"].keys()
+    for name, t in merged["cut"].items():
+        assert torch.equal(t, merged["joined"][name]), name
 
 
 def test_dcp_output_round_trip(

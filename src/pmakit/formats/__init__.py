@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +68,11 @@ class Reader(ABC):
         It may be a view of a memory-mapped file (valid until ``close``). ``out``, when given, is a uint8 buffer of
         at least the chunk's bytes that a reader which must copy may fill and return a view of.
         """
+
+    def breaks(self, name: str) -> Sequence[int]:
+        """Flat offsets inside tensor ``name`` where this reader's own pieces of it begin (past 0): a ``read`` across
+        one joins two pieces in a copy, a read within one may be a view. The merge cuts its chunks there."""
+        return ()
 
     def watch(self, sources: Iterable[ByteSource]) -> None:
         """Check ``sources`` (the files read, as opened) in ``verify``."""

@@ -473,6 +473,10 @@ class DCPReader(Reader):
         numel = self.tensors[name].numel
         return [(0, numel, _dcp().ChunkStorageMetadata(torch.Size([0] * len(size)), torch.Size(size)))]
 
+    def breaks(self, name: str) -> list[int]:
+        """Where the tensor's units begin (``_unit_boxes``): its saved slabs, or its dim-0 bands."""
+        return [lo for lo, _, _ in self._unit_boxes(name) if lo > 0]
+
     def _mapped(self, name: str, box: ChunkStorageMetadata) -> torch.Tensor | None:
         """A saved chunk as a view of the mapped file (see ``torch_record``), or None to load it through DCP."""
         if box not in self._md[name].chunks:

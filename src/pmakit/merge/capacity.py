@@ -395,21 +395,18 @@ def plan_report(
 
 
 def _unit_bytes(reader: Any) -> int:
-    """What a DCP input holds in memory beyond the merge's chunks: its largest saved chunk that cannot be mapped
-    from the file (0 for mapped files, and for DCP records ``torch_record`` maps)."""
+    """What a DCP input holds in memory beyond the merge's chunks: its largest unit (``DCPReader._unit_boxes``: a
+    saved slab, or a dim-0 band of chunks split on an inner dim) that is not a view of a mapped record (0 where
+    every unit is one)."""
     md = getattr(reader, "_md", None)
     if not md:
         return 0
     best = 0
-    for name, tensor_md in md.items():
+    for name in md:
         itemsize = reader.tensors[name].dtype.itemsize
-        for c in tensor_md.chunks:
-            if reader._mapped(name, c) is not None:
-                continue
-            n = itemsize
-            for d in c.sizes:
-                n *= d
-            best = max(best, n)
+        for lo, hi, box in reader._unit_boxes(name):
+            if reader._mapped(name, box) is None:
+                best = max(best, (hi - lo) * itemsize)
     return best
 
 

@@ -12,6 +12,7 @@ import collections
 import contextlib
 import gc
 import hashlib
+import itertools
 import logging
 import math
 import queue
@@ -144,7 +145,12 @@ class _Chunk:
     """Folded into the output dtype (False: the newest input's bytes, written as they are)."""
 
 
-def _chunks(plan: MergePlan) -> Iterator[_Chunk]:
+def _chunks(plan: MergePlan, readers: Sequence[Reader]) -> Iterator[_Chunk]:
+    """Each tensor in chunks of at most ``plan.chunk_elems``, cut also where an input holds it in pieces of its own
+    (``Reader.breaks``: a DCP checkpoint's saved slabs, or its layers): a chunk across two pieces is read as a copy
+    joining them, one per input for each chunk in flight (measured on Megatron's layer-stacked checkpoints: peak
+    RssAnon 399 -> 268 MiB a process at TP1, ~460 -> 311 at TP2). Pieces under ``MIN_PIECE_ELEMS`` on average are
+    not cut at (joining them is cheap, a chunk each would not be)."""
     step = plan.chunk_elems
     for s, shard in enumerate(plan.shards):
         for t in shard.tensors:
@@ -153,8 +159,17 @@ def _chunks(plan: MergePlan) -> Iterator[_Chunk]:
             # A tensor taken from the newest input is still folded (weight 1) when its dtype changes: a router
             # bias written in fp32 from a bf16 input.
             fold = is_float(info.dtype) and (plan.rule(t.name) == "average" or out_dtype != info.dtype)
-            for start in range(0, max(info.numel, 1), step):
-                yield _Chunk(s, t.name, start, min(start + step, info.numel), sources, weights, fold)
+            cuts = {c for i in sources for c in readers[i].breaks(t.name) if 0 < c < info.numel}
+            if info.numel < MIN_PIECE_ELEMS * (len(cuts) + 1):
+                cuts = set()
+            edges = [0, *sorted(cuts), max(info.numel, 1)]
+            for lo, hi in itertools.pairwise(edges):
+                for start in range(lo, hi, step):
+                    yield _Chunk(s, t.name, start, min(start + step, hi, info.numel), sources, weights, fold)
+
+
+MIN_PIECE_ELEMS = 2**18
+"""Pieces of an input's tensor (``Reader.breaks``) smaller than this on average are read joined (see ``_chunks``)."""
 
 
 class _Release:
@@ -640,7 +655,7 @@ def _stream(
     folder: _DeviceFold | None,
     cached: bool,
 ) -> list[dict[str, Any]]:
-    chunks = list(_chunks(plan))
+    chunks = list(_chunks(plan, readers))
     pin = folder is not None and folder.cuda
     writer = _Writer(plan, directory, plan.buffer_bytes, plan.n_buffers, fsync, pin, cached)
     local = threading.local()
