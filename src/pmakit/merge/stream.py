@@ -149,7 +149,7 @@ def _chunks(plan: MergePlan, readers: Sequence[Reader]) -> Iterator[_Chunk]:
     """Each tensor in chunks of at most ``plan.chunk_elems``, cut also where an input holds it in pieces of its own
     (``Reader.breaks``: a DCP checkpoint's saved slabs, or its layers): a chunk across two pieces is read as a copy
     joining them, one per input for each chunk in flight (measured on Megatron's layer-stacked checkpoints: peak
-    RssAnon 399 -> 268 MiB a process at TP1, ~460 -> 311 at TP2). Pieces under ``MIN_PIECE_ELEMS`` on average are
+    RssAnon 399 -> 296 MiB a process at TP1, ~465 -> 309 at TP2). Pieces under ``MIN_PIECE_ELEMS`` on average are
     not cut at (joining them is cheap, a chunk each would not be)."""
     step = plan.chunk_elems
     for s, shard in enumerate(plan.shards):
