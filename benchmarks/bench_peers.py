@@ -210,6 +210,14 @@ def megatron_inputs(save: Path, mode: str, ranks: int, n: int, size: str) -> lis
     return wanted
 
 
+MEGATRON_INPUTS = (
+    ("model-train", "mc16", "tp", "Megatron core 0.16.1 model-only"),
+    ("moe-model-train", "mc16moe", "ep", "Megatron core 0.16.1 model-only MoE"),
+    ("lm-train", "lm19", "tp", "Megatron LM 0.19.2 save_checkpoint"),
+)
+"""(megatron_run.py's mode, the inputs' folder prefix, the parallelism ``--tp K`` sets, the row's label)."""
+
+
 def megatron_cases(args: argparse.Namespace, data: Path) -> list[Case]:
     tool = megatron_tool(data, args.megatron_lm)
     if tool is None:
@@ -218,9 +226,9 @@ def megatron_cases(args: argparse.Namespace, data: Path) -> list[Case]:
         print(f"  skipped megatron: megatron-core 0.19 is not unpacked at {MCORE19} (make test does it)")
         return []
     cases = []
-    for mode, tag in (("model-train", "mc16"), ("moe-model-train", "mc16moe"), ("lm-train", "lm19")):
+    for mode, tag, split, label in MEGATRON_INPUTS:
         for ranks in args.tp:
-            name = f"{tag}-{'ep' if 'moe' in tag else 'tp'}{ranks}"
+            name = f"{tag}-{split}{ranks}"
             inputs = megatron_inputs(data / name / "save", mode, ranks, args.n, args.megatron_size)
             out = data / name / "out"
             # model-only checkpoints carry no token counters
@@ -243,11 +251,7 @@ def megatron_cases(args: argparse.Namespace, data: Path) -> list[Case]:
                 outputs["peer"] = out / "peer"
             files = [f for p in inputs for f in p.iterdir() if f.is_file()]
             env = {**base_env(MCORE19), "MASTER_PORT": free_port()}  # the tool's own default is 29500
-            fmt = {
-                "mc16": f"Megatron core 0.16.1 model-only TP{ranks}",
-                "mc16moe": f"Megatron core 0.16.1 model-only MoE EP{ranks}",
-                "lm19": f"Megatron LM 0.19.2 save_checkpoint TP{ranks}",
-            }[tag]
+            fmt = f"{label} {split.upper()}{ranks}"
             cases.append(
                 Case("megatron-wm", fmt, inputs, files, commands, outputs, {"peer": env}, ranks=ranks)
             )

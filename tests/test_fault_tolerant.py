@@ -118,9 +118,8 @@ def test_a_killed_copy_is_restarted_healed_and_the_run_finishes(tmp_path: Path, 
     os.kill(dead, signal.SIGKILL)
     with contextlib.suppress(psutil.NoSuchProcess):  # gone (reaped by the launcher): it writes no more
         psutil.wait_procs([psutil.Process(dead)], timeout=60)
-    killed_at = _max_step(
-        watched
-    )  # read before the kill, a step the copy wrote meanwhile ended the wait at once
+    # Read once the copy is gone: read before the kill, a step it wrote meanwhile ended the wait below at once.
+    killed_at = _max_step(watched)
     _slow_down_until_back(proc, 1 - victim, watched, killed_at, dead)
     stdout, stderr = proc.communicate(timeout=1800)
 

@@ -366,15 +366,15 @@ def _write_and_finish(
     plan, world, out = job.plan, job.world, job.out
     final, final_readers = _fp32_pass(job, readers, stack) if job.sums is not None else (plan, readers)
     last_progress = None if job.sums is not None else job.progress
-    staged = job.out_format != "safetensors"  # rewritten in the layout next: read back from the page cache
+    relaid = job.out_format != "safetensors"  # the layout's writer rewrites it next, from the page cache
     run_stage(
         world,
         out,
         lambda: write_pass(
-            final, final_readers, job.partial, "", world, last_progress, job.fsync, job.killer, cached=staged
+            final, final_readers, job.partial, "", world, last_progress, job.fsync, job.killer, cached=relaid
         ),
     )
-    written = _layout_pass(job) if staged else None
+    written = _layout_pass(job) if relaid else None
     return run_stage(
         world,
         out,
