@@ -141,13 +141,35 @@ def cli_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(SRC), "OMP_WAIT_POLICY": "PASSIVE", **extra}
 
 
+_launchers: list[Any] = []
+
+
 def run_cli(
-    *args: str | Path, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 1800
+    *args: str | Path,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 1800,
+    fresh: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """Run the real `pmakit` entry point (python -m pmakit) on this checkout's sources (``cli_env``)."""
-    env = cli_env(**(env or {}))
+    """Run the real `pmakit` entry point (``python -m pmakit``'s code) on this checkout's sources (``cli_env``), in
+    a process of its own: forked from one of the suite's launchers, which have loaded torch and the CLI once
+    (tests/cli_launcher.py), or a fresh interpreter (``fresh=True``; an environment that changes what is read at
+    import; everywhere with PMAKIT_TESTS_FRESH=1 in the suite's environment)."""
+    from cli_launcher import Launcher
+
+    words, env = [str(a) for a in args], cli_env(**(env or {}))
+    if not _launchers:
+        import atexit
+
+        _launchers.extend([Launcher(cli_env()), Launcher(cli_env(), pinned=True)])
+        for launcher in _launchers:
+            atexit.register(launcher.close)
+    if not fresh and not os.environ.get("PMAKIT_TESTS_FRESH"):
+        for launcher in _launchers:
+            if launcher.takes(words, env):
+                return launcher.run(words, cwd=cwd, env=env, timeout=timeout)
     return subprocess.run(
-        [sys.executable, "-m", "pmakit", *map(str, args)],
+        [sys.executable, "-m", "pmakit", *words],
         capture_output=True,
         text=True,
         env=env,
