@@ -30,7 +30,20 @@ from pathlib import Path
 
 # Variables a process reads while it starts or imports torch: a command whose environment differs from the
 # launcher's in one of them gets a fresh interpreter.
-IMPORT_TIME = ("OMP_", "KMP_", "MKL", "ATEN_", "TORCH", "PYTORCH", "CUDA", "NVIDIA", "PYTHON", "LD_", "GOMP", "PMAKIT_TESTS_")
+IMPORT_TIME = (
+    "OMP_",
+    "KMP_",
+    "MKL",
+    "ATEN_",
+    "TORCH",
+    "PYTORCH",
+    "CUDA",
+    "NVIDIA",
+    "PYTHON",
+    "LD_",
+    "GOMP",
+    "PMAKIT_TESTS_",
+)
 # Commands whose start differs from the others' (pmakit._env.portable_math): the pinned launcher's
 PINNED_COMMANDS = ("experiment", "train")
 
@@ -57,7 +70,10 @@ class Launcher:
     def _server(self) -> subprocess.Popen[bytes]:
         if self._proc is None or self._proc.poll() is not None:
             self._proc = subprocess.Popen(
-                [sys.executable, str(_SERVER), *(["pinned"] if self.pinned else [])], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self.env
+                [sys.executable, str(_SERVER), *(["pinned"] if self.pinned else [])],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=self.env,
             )
             ready = self._proc.stdout.readline()  # type: ignore[union-attr]
             if ready.strip() != b"ready":
@@ -71,7 +87,13 @@ class Launcher:
         with self._lock, tempfile.TemporaryDirectory(prefix="pmakit-cli-") as scratch:
             out, err = Path(scratch) / "out", Path(scratch) / "err"
             server = self._server()
-            request = {"args": args, "cwd": str(cwd or os.getcwd()), "env": env, "out": str(out), "err": str(err)}
+            request = {
+                "args": args,
+                "cwd": str(cwd or os.getcwd()),
+                "env": env,
+                "out": str(out),
+                "err": str(err),
+            }
             server.stdin.write(json.dumps(request).encode() + b"\n")  # type: ignore[union-attr]
             server.stdin.flush()  # type: ignore[union-attr]
             pid = int(server.stdout.readline())  # type: ignore[union-attr]

@@ -9,10 +9,12 @@ loop and runs the rest of this file: ``python -m pmakit``'s own module, to a nor
 import os
 import sys
 
-import pmakit  # noqa: F401  (first, as `python -m pmakit` imports it: its _env before torch)
+import pmakit  # (first, as `python -m pmakit` imports it: its _env before torch)
 from pmakit._env import portable_math, start_quickly
 
-if sys.argv[1:] == ["pinned"]:  # the launcher of the commands that train: their kernels pinned before torch loads
+if sys.argv[1:] == [
+    "pinned"
+]:  # the launcher of the commands that train: their kernels pinned before torch loads
     sys.argv[1:] = ["experiment"]
     portable_math()
 start_quickly("pmakit.cli")
