@@ -96,7 +96,7 @@ class Launcher:
             }
             server.stdin.write(json.dumps(request).encode() + b"\n")  # type: ignore[union-attr]
             server.stdin.flush()  # type: ignore[union-attr]
-            pid = int(server.stdout.readline())  # type: ignore[union-attr]
+            pid = int(self._answer(server))
             killed = threading.Event()
 
             def kill() -> None:
@@ -106,7 +106,7 @@ class Launcher:
             timer = threading.Timer(timeout, kill)
             timer.start()
             try:
-                status = int(server.stdout.readline())  # type: ignore[union-attr]
+                status = int(self._answer(server))
             finally:
                 timer.cancel()
             command = [sys.executable, "-m", "pmakit", *args]
@@ -114,6 +114,13 @@ class Launcher:
             if killed.is_set():
                 raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
             return subprocess.CompletedProcess(command, status, stdout, stderr)
+
+    @staticmethod
+    def _answer(server: subprocess.Popen[bytes]) -> bytes:
+        line = server.stdout.readline()  # type: ignore[union-attr]
+        if not line:
+            raise RuntimeError(f"the pmakit launcher ended (exit status {server.wait()})")
+        return line
 
     def close(self) -> None:
         if self._proc is not None and self._proc.poll() is None:

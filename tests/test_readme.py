@@ -3,13 +3,14 @@
 Each fenced block of the README and the docs pages is found here by its first line and has a recipe: the small
 inputs it assumes (a run directory, snapshots, a Trainer), built in a scratch directory, and the words that stand
 for them (``RUN_DIR``, ``SAVE_FOLDER``, ``SNAP1 SNAP2 SNAP3 ...``) replaced by their paths. Shell lines run through
-the real ``pmakit`` entry point (and ``torchrun``), Python blocks as scripts, each in the scratch directory: every
-one must exit 0 without a traceback. Blocks are alternatives, so an output directory a line names is removed before
-the line runs unless a later line of the same block reads it. A block without a recipe fails the test, so an example
-cannot be added to any of these pages, or drift from the code, without being run here. Not run here, each with its
-reason: ``make`` targets (``make test`` is this suite; ``make demo`` and ``make bench`` have their own targets) and
-the long studies (``--preset spike``, ``init``, ``scaling``: their smoke presets run in tests/test_studies.py and
-test_scaling.py). tests/test_docs.py checks the front page's shape and that every link between the pages resolves.
+the real ``pmakit`` entry point (``conftest.run_cli``: a process of its own) and ``torchrun``, Python blocks as
+scripts, each in the scratch directory: every one must exit 0 without a traceback. Blocks are alternatives, so an
+output directory a line names is removed before the line runs unless a later line of the same block reads it. A
+block without a recipe fails the test, so an example cannot be added to any of these pages, or drift from the code,
+without being run here. Not run here, each with its reason: ``make`` targets (``make test`` is this suite; ``make
+demo`` and ``make bench`` have their own targets) and the long studies (``--preset spike``, ``init``, ``scaling``:
+their smoke presets run in tests/test_studies.py and test_scaling.py). tests/test_docs.py checks the front page's
+shape and that every link between the pages resolves.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_env, state, write_snapshot
+from conftest import cli_env, run_cli, state, write_snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -164,8 +165,13 @@ def run_shell_block(
         out = output_of(words)
         if out and (cwd / out).exists() and out not in resume:
             shutil.rmtree(cwd / out)  # the lines are alternatives: each writes its own fresh output
-        env = cli_env(COLUMNS="100")
-        proc = subprocess.run(words, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        # the entry point's code, forked from the suite's launcher (run_cli)
+        if words[1:3] == ["-m", "pmakit"]:
+            proc = run_cli(*words[3:], cwd=cwd, env={"COLUMNS": "100"}, timeout=timeout)
+        else:
+            proc = subprocess.run(
+                words, cwd=cwd, env=cli_env(COLUMNS="100"), capture_output=True, text=True, timeout=timeout
+            )
         assert proc.returncode == 0, f"docs example `{line}` exited {proc.returncode}:\n{proc.stderr[-3000:]}"
         assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
         if out:

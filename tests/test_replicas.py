@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import cli_env
+from conftest import cli_env, run_cli
 from pmakit.formats import read_state
 
 CONFIG = """
@@ -123,9 +123,7 @@ def test_diloco_with_unit_outer_sgd_is_local_sgd_and_resumes_exactly(tmp_path: P
 
 
 def _pmakit(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "pmakit", *args], capture_output=True, text=True, timeout=1800, env=ENV
-    )
+    return run_cli(*args)
 
 
 def test_replicas_without_torchrun_launch_their_own_processes(tmp_path: Path) -> None:
