@@ -5,7 +5,8 @@ exactly like a real pre-training checkpoint would.
 
 With ``experts`` > 0 the model is transformers' own OLMoE (``OlmoeForCausalLM``: every MLP a mixture of experts
 with a top-k softmax router and no shared expert; of the HF MoEs it is the plainest, and Qwen2-MoE's shared expert
-only adds time on a CPU). Its router is swapped for ``BiasedRouter``, a subclass that adds a per-expert
+only adds time on a CPU). Its router is swapped for ``BiasedRouter`` (``pmakit.train.router``, loaded with the
+first MoE model: transformers' OLMoE code takes ~1 s to import), a subclass that adds a per-expert
 load-balancing bias to the routing scores for the top-k choice only (DeepSeek-V3's auxiliary-loss-free balancing).
 The bias is a persistent buffer named as in HF's DeepSeek-V3, ``mlp.gate.e_score_correction_bias``, so every
 snapshot carries it and a merge has to decide what to do with it (average it or take the newest). The trainer
@@ -17,13 +18,17 @@ as trained, build the model with ``build_model`` and load the state into it.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import torch
 
 from pmakit.config import AT_LEAST_1, NON_NEGATIVE, check_fields
 from pmakit.errors import PmakitError
+
+if TYPE_CHECKING:
+    from pmakit.train.router import BiasedRouter
 
 
 @dataclass(frozen=True)
@@ -121,6 +126,8 @@ def build_model(
     deterministic in ``seed``, fp32 on the CPU."""
     from transformers import LlamaForCausalLM, OlmoeForCausalLM
 
+    if cfg.moe:
+        from pmakit.train.router import BiasedRouter
     config = (olmoe_config if cfg.moe else llama_config)(cfg, vocab_size, **token_ids)
     config._attn_implementation = "sdpa"
     with torch.random.fork_rng(devices=[]):
@@ -132,59 +139,10 @@ def build_model(
     return model
 
 
-def _router_base() -> type[torch.nn.Module]:
-    from transformers.models.olmoe.modeling_olmoe import OlmoeTopKRouter
-
-    return OlmoeTopKRouter
-
-
-class BiasedRouter(_router_base()):  # type: ignore[misc]
-    """OLMoE's top-k router with a load-balancing bias on the choice (not the weights) of the experts.
-
-    ``e_score_correction_bias`` (persistent, fp32) is added to the softmax probabilities before the top-k; the
-    chosen experts' weights are their unbiased probabilities, renormalised as OLMoE does. In training mode the router
-    counts the tokens each expert was given (``load``, not persistent) for ``balance_experts``.
-    ``observe``: when set, every forward appends (unbiased probabilities, chosen experts) to it, for the routing
-    health of a held-out set (``routing_stats``).
-    """
-
-    def __init__(self, config: Any) -> None:
-        super().__init__(config)
-        self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts))
-        self.register_buffer("load", torch.zeros(self.num_experts), persistent=False)
-        self.observe: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-
-    @classmethod
-    def replacing(cls, router: torch.nn.Module) -> BiasedRouter:
-        """A biased router with ``router``'s config and weight (zero bias)."""
-        new = cls.__new__(cls)
-        torch.nn.Module.__init__(new)
-        new.top_k, new.num_experts = router.top_k, router.num_experts
-        new.norm_topk_prob, new.hidden_dim = router.norm_topk_prob, router.hidden_dim
-        new.weight = router.weight
-        new.register_buffer("e_score_correction_bias", torch.zeros(new.num_experts))
-        new.register_buffer("load", torch.zeros(new.num_experts), persistent=False)
-        new.observe = None
-        return new
-
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-        logits = torch.nn.functional.linear(hidden_states, self.weight)
-        probs = torch.softmax(logits, dtype=torch.float, dim=-1)
-        chosen = torch.topk(probs.detach() + self.e_score_correction_bias, self.top_k, dim=-1).indices
-        weights = probs.gather(-1, chosen)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        if self.training:
-            self.load += torch.bincount(chosen.reshape(-1), minlength=self.num_experts).to(self.load)
-        if self.observe is not None:
-            self.observe.append((probs.detach(), chosen))
-        return logits, weights.to(logits.dtype), chosen
-
-
 def routers(model: torch.nn.Module) -> list[BiasedRouter]:
     """The model's biased routers, first layer first (empty for a dense model)."""
-    return [m for m in model.modules() if isinstance(m, BiasedRouter)]
+    router = sys.modules.get("pmakit.train.router")  # none built before the module that defines them loads
+    return [m for m in model.modules() if isinstance(m, router.BiasedRouter)] if router else []
 
 
 def balance_experts(model: torch.nn.Module, rate: float) -> None:
