@@ -14,7 +14,8 @@ The commands that train (experiment, train) pin the CPU's kernels before torch l
 they are forked from a second launcher that set the same variables before it loaded torch. Not for a command whose
 environment differs from the launcher's in what is read at import time (the OpenMP, MKL, ATen, CUDA, torch and Python
 variables): ``conftest.run_cli`` starts a fresh interpreter for those, and for any test that asks for one
-(``fresh=True``).
+(``fresh=True``). A launcher runs one command at a time: a test that races two commands, or kills one at a moment
+counted from its start, starts them with ``subprocess`` as before.
 """
 
 from __future__ import annotations
