@@ -124,15 +124,18 @@ def build_model(
 ) -> torch.nn.Module:
     """A freshly initialised ``LlamaForCausalLM`` (``OlmoeForCausalLM`` with biased routers when ``cfg.experts``),
     deterministic in ``seed``, fp32 on the CPU."""
-    from transformers import LlamaForCausalLM, OlmoeForCausalLM
+    model_class: Any
+    if cfg.moe:  # each class imported alone: transformers loads a model's code when its class is first named
+        from transformers import OlmoeForCausalLM as model_class
 
-    if cfg.moe:
         from pmakit.train.router import BiasedRouter
+    else:
+        from transformers import LlamaForCausalLM as model_class
     config = (olmoe_config if cfg.moe else llama_config)(cfg, vocab_size, **token_ids)
     config._attn_implementation = "sdpa"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = (OlmoeForCausalLM if cfg.moe else LlamaForCausalLM)(config)
+        model = model_class(config)
         if cfg.moe:
             for layer in model.model.layers:
                 layer.mlp.gate = BiasedRouter.replacing(layer.mlp.gate)
