@@ -8,13 +8,13 @@ loop and runs the rest of this file: ``python -m pmakit``'s own module, to a nor
 
 import os
 import sys
+from typing import Any
 
 import pmakit  # (first, as `python -m pmakit` imports it: its _env before torch)
 from pmakit._env import portable_math, start_quickly
 
-if sys.argv[1:] == [
-    "pinned"
-]:  # the launcher of the commands that train: their kernels pinned before torch loads
+# The launcher of the commands that train: their kernels pinned before torch loads
+if sys.argv[1:] == ["pinned"]:
     sys.argv[1:] = ["experiment"]
     portable_math()
 start_quickly("pmakit.cli")
@@ -23,7 +23,7 @@ import runpy  # noqa: E402
 import threading  # noqa: E402
 
 
-def serve() -> dict:
+def serve() -> dict[str, Any]:
     """Answer requests until stdin closes (then exit); return a request in the child forked for it."""
     import json
 
