@@ -29,6 +29,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from pmakit._env import PINNED_COMMANDS
+
 # Variables a process reads while it starts or imports torch: a command whose environment differs from the
 # launcher's in one of them gets a fresh interpreter.
 IMPORT_TIME = (
@@ -45,8 +47,6 @@ IMPORT_TIME = (
     "GOMP",
     "PMAKIT_TESTS_",
 )
-# Commands whose start differs from the others' (pmakit._env.portable_math): the pinned launcher's
-PINNED_COMMANDS = ("experiment", "train")
 
 _SERVER = Path(__file__).resolve().parent / "cli_launcher_server.py"
 
@@ -63,7 +63,7 @@ class Launcher:
 
     def takes(self, args: list[str], env: dict[str, str]) -> bool:
         """Whether this command can be forked from this launcher (see the module's text)."""
-        if (args[:1] != [] and args[0] in PINNED_COMMANDS) != self.pinned:
+        if (bool(args) and args[0] in PINNED_COMMANDS) != self.pinned:
             return False
         changed = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
         return not any(k.startswith(IMPORT_TIME) for k in changed)

@@ -1,5 +1,5 @@
 """The launcher process of tests/cli_launcher.py: loads the `pmakit` command once, then forks a child per request.
-With the argument ``pinned``, it first sets what ``pmakit._env.portable_math`` sets for experiment and train.
+With the argument ``pinned``, it first sets what ``pmakit._env.portable_math`` sets for the commands that train.
 
 Requests are JSON lines on stdin ({args, cwd, env, out, err}); for each, the launcher writes the child's pid, then
 its exit status (negative: the signal that ended it, as ``subprocess`` reports it), a line each. A child leaves the
@@ -11,12 +11,11 @@ import sys
 from typing import Any
 
 import pmakit  # (first, as `python -m pmakit` imports it: its _env before torch)
-from pmakit._env import portable_math, start_quickly
+from pmakit._env import PINNED_COMMANDS, portable_math, start_quickly
 
 # The launcher of the commands that train: their kernels pinned before torch loads
 if sys.argv[1:] == ["pinned"]:
-    sys.argv[1:] = ["experiment"]
-    portable_math()
+    portable_math(PINNED_COMMANDS[0])
 start_quickly("pmakit.cli")
 
 import runpy  # noqa: E402

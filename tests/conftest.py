@@ -23,6 +23,8 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ or "PMAKIT_TESTS_INDUCTOR" in os.
     os.environ.setdefault("PMAKIT_TESTS_INDUCTOR", os.environ["TORCHINDUCTOR_CACHE_DIR"])
     atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
+import atexit
+import functools
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -141,7 +143,15 @@ def cli_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(SRC), "OMP_WAIT_POLICY": "PASSIVE", **extra}
 
 
-_launchers: list[Any] = []
+@functools.cache
+def _launchers() -> tuple[Any, ...]:
+    """This pytest process's two launchers (tests/cli_launcher.py), closed at its exit."""
+    from cli_launcher import Launcher
+
+    launchers = (Launcher(cli_env()), Launcher(cli_env(), pinned=True))
+    for launcher in launchers:
+        atexit.register(launcher.close)
+    return launchers
 
 
 def run_cli(
@@ -155,17 +165,9 @@ def run_cli(
     a process of its own: forked from one of the suite's launchers, which have loaded torch and the CLI once
     (tests/cli_launcher.py), or a fresh interpreter (``fresh=True``; an environment that changes what is read at
     import; everywhere with PMAKIT_TESTS_FRESH=1 in the suite's environment)."""
-    from cli_launcher import Launcher
-
     words, env = [str(a) for a in args], cli_env(**(env or {}))
-    if not _launchers:
-        import atexit
-
-        _launchers.extend([Launcher(cli_env()), Launcher(cli_env(), pinned=True)])
-        for launcher in _launchers:
-            atexit.register(launcher.close)
     if not fresh and not os.environ.get("PMAKIT_TESTS_FRESH"):
-        for launcher in _launchers:
+        for launcher in _launchers():
             if launcher.takes(words, env):
                 return launcher.run(words, cwd=cwd, env=env, timeout=timeout)
     return subprocess.run(

@@ -1,15 +1,18 @@
 """The merge and inspect commands through the real entry point: results, and one-line errors for bad input."""
 
 import json
+import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from conftest import run_cli, state, write_snapshot
+from conftest import _launchers, cli_env, run_cli, state, write_snapshot
 from pmakit.merge import partial_dir
 
 
@@ -315,3 +318,41 @@ def test_a_snapshot_interval_no_sync_fits_names_what_does() -> None:
     with pytest.raises(PmakitError, match=r"--sync-every 1, 2, 4 fit$"):
         check_sync_interval(ReplicaConfig(sync_every=3), 2, 16_384, 2_048)
     check_sync_interval(ReplicaConfig(sync_every=4), 2, 16_384, 2_048)
+
+
+def _same_run(text: str, out: Path) -> str:
+    """A command's output without what differs between two runs of it: the output's name, times and rates, the
+    memory free."""
+    return re.sub(r"\d+\.\d+ (s\b|[KMG]iB/s|GiB of memory)", r"# \1", text.replace(str(out), "OUT"))
+
+
+def test_the_suites_launcher_runs_a_command_as_a_fresh_interpreter_does(
+    make_run: Callable[..., Path], tmp_path: Path
+) -> None:
+    """run_cli forks most commands from a launcher that loaded torch and the CLI once (tests/cli_launcher.py): what
+    a command prints, writes and exits with must be what ``python -m pmakit`` in a new interpreter gives."""
+    run = make_run(4)
+    out = tmp_path / "out"
+    cases = {
+        "merge": ("merge", run, "--last", "2", "--dtype", "fp32", "-o", out),  # run twice: then refused
+        "mistake": ("merge", tmp_path / "nothing-here", "-o", out),  # one Error line, exit 1
+        "usage": ("inspect", run, "-o", out),  # click's usage error, exit 2
+        "inspect": ("inspect", run),
+    }
+    got: dict[str, dict[str, list[Any]]] = {}
+    for case, args in cases.items():
+        words = [str(a) for a in args]
+        assert _launchers()[0].takes(words, cli_env())
+        got[case] = {}
+        for how in ("launcher", "fresh"):
+            shutil.rmtree(out, ignore_errors=True)
+            procs = [run_cli(*words, fresh=how == "fresh") for _ in range(2)]
+            got[case][how] = [
+                (p.returncode, _same_run(p.stdout, out), _same_run(p.stderr, out)) for p in procs
+            ]
+            got[case][how].append(sorted((f.name, f.read_bytes()) for f in out.glob("*.safetensors")))
+        assert got[case]["launcher"] == got[case]["fresh"], case
+    assert [got[case]["fresh"][0][0] for case in cases] == [0, 1, 2, 0]
+    # the second merge into the same output is refused; the first one's weights are there
+    assert got["merge"]["fresh"][1][0] == 1 and got["merge"]["fresh"][2]
+    assert got["mistake"]["fresh"][0][2].startswith("Error: ")

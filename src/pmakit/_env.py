@@ -59,14 +59,19 @@ def start_quickly(module: str) -> ModuleType:
     return loaded
 
 
-def portable_math() -> None:
+PINNED_COMMANDS = ("experiment", "train")
+"""The commands whose float results ``portable_math`` pins: the ones that train."""
+
+
+def portable_math(command: str | None = None) -> None:
     """Make the command's float results the same on every x86-64 CPU: set before torch loads, unless the user did.
+    ``command``: the pmakit command about to run (default: this process's, ``sys.argv[1]``).
 
     ATen's kernels and MKL's GEMM pick their vector code by CPU (AVX2, AVX-512, AMX), and each width sums in another
     order: 30 fp32 steps of the demo's model end with other weights under AVX-512 kernels than under AVX2 ones, so
     two machines drift apart. Pinned to AVX2 (every x86-64 CPU of the last decade has it), the same run gives the
     same bits (measured: identical weights at 1, 2 and 8 threads).
-    Only the commands that train (``experiment``, ``train``): their numbers are the ones a README or a paper
+    Only the commands that train (``PINNED_COMMANDS``): their numbers are the ones a README or a paper
     quotes; the others keep the fastest kernels (``tune --compile``'s choices match its eager run's with them).
 
     Inductor's compiled-kernel cache is not keyed by ``ATEN_CPU_CAPABILITY``: a kernel built under AVX-512 and loaded
@@ -74,7 +79,9 @@ def portable_math() -> None:
     -17.91 was right, NaN losses in a compiled training step). So where pmakit sets the pin it also gives the pinned
     processes a cache folder of their own, beside the user's (``TORCHINDUCTOR_CACHE_DIR`` or torch's default).
     """
-    if sys.argv[1:2] not in (["experiment"], ["train"]):
+    if command is None:
+        command = sys.argv[1] if len(sys.argv) > 1 else ""
+    if command not in PINNED_COMMANDS:
         return
     if platform.machine().lower() in ("x86_64", "amd64") and "ATEN_CPU_CAPABILITY" not in os.environ:
         os.environ["ATEN_CPU_CAPABILITY"] = "avx2"

@@ -6,7 +6,8 @@ exactly like a real pre-training checkpoint would.
 With ``experts`` > 0 the model is transformers' own OLMoE (``OlmoeForCausalLM``: every MLP a mixture of experts
 with a top-k softmax router and no shared expert; of the HF MoEs it is the plainest, and Qwen2-MoE's shared expert
 only adds time on a CPU). Its router is swapped for ``BiasedRouter`` (``pmakit.train.router``, loaded with the
-first MoE model: transformers' OLMoE code takes ~1 s to import), a subclass that adds a per-expert
+first MoE model, so that checking a config loads none of transformers' modelling code: ~2.3 s after torch), a
+subclass that adds a per-expert
 load-balancing bias to the routing scores for the top-k choice only (DeepSeek-V3's auxiliary-loss-free balancing).
 The bias is a persistent buffer named as in HF's DeepSeek-V3, ``mlp.gate.e_score_correction_bias``, so every
 snapshot carries it and a merge has to decide what to do with it (average it or take the newest). The trainer
@@ -124,18 +125,15 @@ def build_model(
 ) -> torch.nn.Module:
     """A freshly initialised ``LlamaForCausalLM`` (``OlmoeForCausalLM`` with biased routers when ``cfg.experts``),
     deterministic in ``seed``, fp32 on the CPU."""
-    model_class: Any
-    if cfg.moe:  # each class imported alone: transformers loads a model's code when its class is first named
-        from transformers import OlmoeForCausalLM as model_class
+    from transformers import LlamaForCausalLM, OlmoeForCausalLM
 
+    if cfg.moe:
         from pmakit.train.router import BiasedRouter
-    else:
-        from transformers import LlamaForCausalLM as model_class
     config = (olmoe_config if cfg.moe else llama_config)(cfg, vocab_size, **token_ids)
     config._attn_implementation = "sdpa"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = model_class(config)
+        model = (OlmoeForCausalLM if cfg.moe else LlamaForCausalLM)(config)
         if cfg.moe:
             for layer in model.model.layers:
                 layer.mlp.gate = BiasedRouter.replacing(layer.mlp.gate)
