@@ -227,3 +227,35 @@ def test_a_lost_rank_is_one_line_and_an_interruption_not_a_failure(monkeypatch: 
         OSError(28, "full"), one
     )
     assert not _interrupted(RuntimeError("a bug"), one)
+
+
+GROUP_LEFT_SCRIPT = """
+import os, sys
+import torch
+from pmakit.world import init_from_env, shutdown
+assert "torch.distributed.checkpoint" not in sys.modules  # imported late, by the DCP writer, as in a merge
+world = init_from_env("cpu")
+from pmakit.formats import dcp_io
+dcp_io.save({f"rank{world.rank}": torch.ones(4)}, sys.argv[1], distributed=True, fsync=False)
+shutdown(world)
+threads = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+with open(f"{sys.argv[1]}.threads.{world.rank}", "w") as f:
+    f.write(" ".join(threads))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the threads from /proc")
+def test_a_rank_that_wrote_dcp_leaves_no_gloo_thread_behind(tmp_path: Path) -> None:
+    """After ``shutdown`` no gloo thread is left: torch.distributed.nn.functional, imported by DCP after the group
+    was up, used to hold the default group, and its threads then ran on into interpreter exit, where a rank now
+    and then aborted ("terminate called without an active exception")."""
+    script = tmp_path / "rank.py"
+    script.write_text(GROUP_LEFT_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    cmd += ["--master-port", str(_free_port()), str(script), str(tmp_path / "out")]
+    ran = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    threads = [(tmp_path / f"out.threads.{rank}").read_text() for rank in (0, 1)]
+    assert all("python" in x for x in threads), threads  # the main thread read as such
+    assert not any("gloo" in x for x in threads), threads

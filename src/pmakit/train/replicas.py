@@ -326,7 +326,9 @@ def from_env(config: ReplicaConfig | None) -> SingleCopy:
         )
     import torch.distributed as dist
 
+    from pmakit.world import start_process_group
+
     started = not dist.is_initialized()
     if started:
-        dist.init_process_group("gloo")  # pmakit's trainer keeps its model on the CPU
+        start_process_group("gloo")  # pmakit's trainer keeps its model on the CPU
     return Replicas(config, owns_group=started)
