@@ -356,3 +356,31 @@ def test_the_suites_launcher_runs_a_command_as_a_fresh_interpreter_does(
     # the second merge into the same output is refused; the first one's weights are there
     assert got["merge"]["fresh"][1][0] == 1 and got["merge"]["fresh"][2]
     assert got["mistake"]["fresh"][0][2].startswith("Error: ")
+
+
+def test_a_training_command_from_the_launcher_trains_the_same_bits_as_a_fresh_one(tmp_path: Path) -> None:
+    """experiment and train come from the launcher that pinned the kernels and loaded transformers' modelling code
+    (tests/cli_launcher.py): the snapshots, losses and output must be a fresh interpreter's, bit for bit."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, module in enumerate((shutil, subprocess, json, re)):
+        (corpus / f"m{i}.py").write_text(Path(module.__file__ or "").read_text())
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        f"preset: smoke\ntrain:\n  corpus: {corpus}\n  vocab_size: 300\n  val_fraction: 0.25\n"
+        "  max_corpus_bytes: null\n  model: {layers: 1, hidden: 32, heads: 2, seq_len: 32}\n  batch_size: 4\n"
+        "  total_tokens: 1024\n  warmup_tokens: 128\n  every_tokens: 256\n  eval_every: 2\n  eval_batches: 2\n"
+    )
+    env = {"PMAKIT_CACHE": str(tmp_path / "cache")}
+    assert _launchers()[1].takes(["train"], cli_env(**env))
+    got = {}
+    for how in ("launcher", "fresh"):
+        run = tmp_path / how
+        proc = run_cli("train", config, "-o", run, env=env, fresh=how == "fresh")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        losses = [{k: v for k, v in r.items() if "loss" in k or "norm" in k} for r in records]
+        weights = sorted((str(f.relative_to(run)), f.read_bytes()) for f in run.rglob("*.safetensors"))
+        got[how] = (_same_run(proc.stdout, run), losses, weights)
+    assert len(got["fresh"][2]) >= 4 and any(got["fresh"][1])  # the snapshots and the checkpoint
+    assert got["launcher"] == got["fresh"]
