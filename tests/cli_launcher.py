@@ -10,13 +10,12 @@ traceback included) and atexit handlers are its own. The launcher runs no torch 
 thread pool to lose in the child: it checks that it runs one Python thread; numpy's OpenBLAS pool, a native
 thread, shuts itself down at a fork and starts again in the child).
 
-The commands that train (experiment, train) pin the CPU's kernels before torch loads
-(``pmakit._env.portable_math``): they are forked from a second launcher that set the same variables before it loaded
-torch, and that has also loaded the transformers modelling code they load when they build their model. Not for a
-command whose environment differs from the launcher's in what is read at import time (the OpenMP, MKL, ATen, CUDA,
-torch, Python and Hugging Face variables): ``conftest.run_cli`` starts a fresh interpreter for those, and for any
-test that asks for one (``fresh=True``). A launcher runs one command at a time: a test that races two commands, or
-kills one at a moment counted from its start, starts them with ``subprocess`` as before.
+The commands that train (experiment, train) pin the CPU's kernels before torch loads (``pmakit._env.portable_math``):
+they are forked from a second launcher that set the same variables before it loaded torch. Not for a command whose
+environment differs from the launcher's in what is read at import time (the OpenMP, MKL, ATen, CUDA, torch and Python
+variables): ``conftest.run_cli`` starts a fresh interpreter for those, and for any test that asks for one
+(``fresh=True``). A launcher runs one command at a time: a test that races two commands, or kills one at a moment
+counted from its start, starts them with ``subprocess`` as before.
 """
 
 from __future__ import annotations
@@ -48,16 +47,6 @@ IMPORT_TIME = (
     "GOMP",
     "PMAKIT_TESTS_",
 )
-LOADED_FOR_TRAINING = (  # ... and those transformers and huggingface_hub read, loaded by the launcher of training
-    "HF_",
-    "HUGGINGFACE",
-    "TRANSFORMERS",
-    "TOKENIZERS",
-    "USE_",
-    "XDG_",
-    "HOME",
-    "TQDM",
-)
 
 _SERVER = Path(__file__).resolve().parent / "cli_launcher_server.py"
 
@@ -77,8 +66,7 @@ class Launcher:
         if (bool(args) and args[0] in PINNED_COMMANDS) != self.pinned:
             return False
         changed = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
-        read = IMPORT_TIME + LOADED_FOR_TRAINING if self.pinned else IMPORT_TIME
-        return not any(k.startswith(read) for k in changed)
+        return not any(k.startswith(IMPORT_TIME) for k in changed)
 
     def _server(self) -> subprocess.Popen[bytes]:
         if self._proc is None or self._proc.poll() is not None:

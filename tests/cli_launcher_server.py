@@ -14,18 +14,9 @@ import pmakit  # (first, as `python -m pmakit` imports it: its _env before torch
 from pmakit._env import PINNED_COMMANDS, portable_math, start_quickly
 
 # The launcher of the commands that train: their kernels pinned before torch loads
-PINNED = sys.argv[1:] == ["pinned"]
-if PINNED:
+if sys.argv[1:] == ["pinned"]:
     portable_math(PINNED_COMMANDS[0])
 start_quickly("pmakit.cli")
-if PINNED:
-    # What building a model loads (transformers' modelling code, ~2 s of CPU a command): experiment and train
-    # build their model before anything else reads the environment that transformers and huggingface_hub read at
-    # import, so loading it here, in the same environment (tests/cli_launcher.py compares it), is what a fresh
-    # process does a moment later. Not for the other commands: `pmakit eval` sets lm-eval's offline variables first.
-    import transformers
-
-    transformers.LlamaForCausalLM, transformers.OlmoeForCausalLM  # noqa: B018  (the lazy module's imports)
 
 import runpy  # noqa: E402
 import threading  # noqa: E402
