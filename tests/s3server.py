@@ -106,6 +106,9 @@ class FaultProxy:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            # Headers and body go out in two writes: with Nagle on, each response waited ~40 ms for the
+            # client's delayed ACK (a real store answers in well under that)
+            disable_nagle_algorithm = True
 
             def log_message(self, *args: Any) -> None:
                 pass
