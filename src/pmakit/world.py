@@ -98,8 +98,8 @@ def start_process_group(backend: str, **options: Any) -> None:
     the group is up (DCP imports it, and a merge that writes DCP imports DCP late), it holds the default group for
     the rest of the process: ``destroy_process_group`` then leaves gloo's threads running, and a rank could abort
     at interpreter exit ("terminate called without an active exception", SIGABRT): once in 98 two-rank merges of
-    a Megatron checkpoint on a busy 2-core machine, none in 100 with it imported first, when it binds the
-    placeholder instead (3 ms).
+    a Megatron checkpoint on a busy 2-core machine, none in 100 with it imported first, when it binds ``None``
+    instead (the default group, looked up at each call; 3 ms).
     """
     import torch.distributed as dist
     import torch.distributed.nn.functional  # noqa: F401  (see above)
