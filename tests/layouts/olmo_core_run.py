@@ -24,7 +24,15 @@ in torch ops, ``binned_gather``/``binned_scatter`` below), and running several j
 OLMo-core's module-level FSDP world mesh between them (``build_world_mesh`` refuses a second one).
 """
 
+# ruff: noqa: E402  (the collector is off before the framework's imports: see below)
 from __future__ import annotations
+
+import gc
+
+# A test's short framework process: no cyclic garbage collection (as torchtitan's and Megatron-LM's own manual-GC
+# settings do between their collections). Walking the ~10^6 objects that torch and the framework create at import
+# was ~20% of a 6-step Megatron run's CPU (7.8 -> 6.2 s), ~6% of torchtitan's; what is computed is the same.
+gc.disable()
 
 import json
 import os
