@@ -23,8 +23,9 @@ import time
 import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 from xml.sax.saxutils import escape
+
+from s3server import StoreHandler
 
 
 @dataclass
@@ -68,15 +69,7 @@ class HostileS3:
         self._lock = threading.Lock()
         server = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-            # Headers and body go out in two writes: with Nagle on, each response waited ~40 ms for the
-            # client's delayed ACK (a real store answers in well under that)
-            disable_nagle_algorithm = True
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
+        class Handler(StoreHandler):
             def do_HEAD(self) -> None:
                 server._handle(self, head=True)
 

@@ -35,7 +35,12 @@ def run_framework(
     path: tuple[Path, ...] = (),
 ) -> subprocess.CompletedProcess[str]:
     """Run a framework driver script (``torchrun`` for ``ranks > 1``), with ``path`` first on PYTHONPATH; fail
-    the test with its output tail. ``timeout`` guards against a hang only."""
+    the test with its output tail. ``timeout`` guards against a hang only.
+
+    The drivers (``*_run.py``) turn the cyclic garbage collector off before the framework's imports, as torchtitan's
+    and Megatron-LM's own manual-GC settings do: walking the objects torch and the framework create at import was
+    ~20% of a 6-step Megatron run's CPU (7.8 -> 6.2 s, ``/usr/bin/time``) and ~6% of 5 torchtitan steps (9.2 ->
+    8.7 s); what they compute is the same."""
     pythonpath = os.pathsep.join(map(str, (*path, SRC)))
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"}
     launcher = [sys.executable]

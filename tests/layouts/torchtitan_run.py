@@ -55,9 +55,7 @@ from __future__ import annotations
 
 import gc
 
-# A test's short framework process: no cyclic garbage collection (as torchtitan's and Megatron-LM's own manual-GC
-# settings do between their collections). Walking the ~10^6 objects that torch and the framework create at import
-# was ~20% of a 6-step Megatron run's CPU (7.8 -> 6.2 s), ~6% of torchtitan's; what is computed is the same.
+# No cyclic garbage collection in a framework process of the tests: see run_framework in tests/layouts/conftest.py
 gc.disable()
 
 import os
