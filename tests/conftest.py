@@ -25,6 +25,7 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ or "PMAKIT_TESTS_INDUCTOR" in os.
 
 import atexit
 import functools
+import gc
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -267,6 +268,17 @@ class _LoadGroupCheck:
                 "xdist_group but no @group in its id, so every worker would build the groups' study runs again; "
                 "see the pytest pin in pyproject.toml"
             )
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The objects the collection created (torch, the frameworks, the test modules) live to the end of the run: frozen,
+    as pmakit's CLI freezes torch's after its import, and the youngest generation collected every 10,000
+    allocations instead of 700. The cyclic collector took 9.6 s of a 144 s run of five in-process-heavy test files
+    (test_merge, test_report, test_scaling_fit, layouts/test_torchtitan, test_train; ``gc.callbacks`` timing), 4.7 s
+    frozen, 2.5 s frozen with the threshold: 134 s. Nothing a test asserts depends on when garbage is collected
+    (the one test that needs it collected calls ``gc.collect()``)."""
+    gc.freeze()
+    gc.set_threshold(10_000, 10, 10)
 
 
 def pytest_configure(config: pytest.Config) -> None:
