@@ -270,6 +270,22 @@ class _LoadGroupCheck:
             )
 
 
+@pytest.fixture(autouse=True)
+def _environment_kept() -> Iterator[None]:
+    """Each test ends with the environment variables it began with. A library that a test loads in-process may set
+    some for the rest of the process (``import lightning`` sets PYTORCH_NVML_BASED_CUDA_CHECK): left there, each later
+    ``run_cli`` of that worker differed from its launcher's environment in an import-time variable and started a fresh
+    interpreter instead (237 commands of a full suite did, ~1.4 CPU-s of start-up each; found by logging every
+    process's CPU at exit)."""
+    before = dict(os.environ)
+    yield
+    for key in set(os.environ) - set(before) - {"PYTEST_CURRENT_TEST"}:
+        del os.environ[key]
+    for key, value in before.items():
+        if key != "PYTEST_CURRENT_TEST" and os.environ.get(key) != value:
+            os.environ[key] = value
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """The objects the collection created (torch, the frameworks, the test modules) live to the end of the run: frozen,
     as pmakit's CLI freezes torch's after its import, and the youngest generation collected every 10,000
