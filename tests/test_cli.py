@@ -5,14 +5,14 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from conftest import cli_env, run_cli, state, write_snapshot
+from conftest import _launchers, cli_env, run_cli, state, write_snapshot
 from pmakit.merge import partial_dir
 
 
@@ -327,21 +327,8 @@ def _same_run(text: str, out: Path) -> str:
     return re.sub(r"\d+\.\d+ (s\b|GiB of memory)", r"# \1", text)
 
 
-@pytest.fixture
-def launchers() -> Iterator[tuple[Any, Any]]:
-    """A launcher of each kind started with this moment's environment (the suite's own were started with the
-    environment of their first use, which a test run in-process before may have changed since: then run_cli
-    rightly starts a fresh interpreter, and a comparison through it would compare two fresh ones)."""
-    from cli_launcher import Launcher
-
-    pair = (Launcher(cli_env()), Launcher(cli_env(), pinned=True))
-    yield pair
-    for launcher in pair:
-        launcher.close()
-
-
 def test_the_suites_launcher_runs_a_command_as_a_fresh_interpreter_does(
-    make_run: Callable[..., Path], tmp_path: Path, launchers: tuple[Any, Any]
+    make_run: Callable[..., Path], tmp_path: Path
 ) -> None:
     """run_cli forks most commands from a launcher that loaded torch and the CLI once (tests/cli_launcher.py): what
     a command prints, writes and exits with must be what ``python -m pmakit`` in a new interpreter gives."""
@@ -356,11 +343,11 @@ def test_the_suites_launcher_runs_a_command_as_a_fresh_interpreter_does(
     got: dict[str, dict[str, list[Any]]] = {}
     for case, args in cases.items():
         words = [str(a) for a in args]
-        assert launchers[0].takes(words, cli_env())
+        assert _launchers()[0].takes(words, cli_env())
         got[case] = {}
         for how in ("launcher", "fresh"):
             shutil.rmtree(out, ignore_errors=True)
-            procs = [_launched(launchers[0], words, fresh=how == "fresh") for _ in range(2)]
+            procs = [run_cli(*words, fresh=how == "fresh") for _ in range(2)]
             got[case][how] = [
                 (p.returncode, _same_run(p.stdout, out), _same_run(p.stderr, out)) for p in procs
             ]
@@ -372,18 +359,7 @@ def test_the_suites_launcher_runs_a_command_as_a_fresh_interpreter_does(
     assert got["mistake"]["fresh"][0][2].startswith("Error: ")
 
 
-def _launched(
-    launcher: Any, words: list[str], *, fresh: bool, **env: str
-) -> subprocess.CompletedProcess[str]:
-    """``words`` run from ``launcher``, or by run_cli in a fresh interpreter."""
-    if fresh:
-        return run_cli(*words, env=env, fresh=True)
-    return launcher.run(words, cwd=None, env=cli_env(**env), timeout=1800)
-
-
-def test_a_training_command_from_the_launcher_trains_the_same_bits_as_a_fresh_one(
-    tmp_path: Path, launchers: tuple[Any, Any]
-) -> None:
+def test_a_training_command_from_the_launcher_trains_the_same_bits_as_a_fresh_one(tmp_path: Path) -> None:
     """experiment and train come from the launcher that pinned the kernels before it loaded torch
     (tests/cli_launcher.py): the snapshots, losses and output must be a fresh interpreter's, bit for bit."""
     corpus = tmp_path / "corpus"
@@ -397,11 +373,11 @@ def test_a_training_command_from_the_launcher_trains_the_same_bits_as_a_fresh_on
         "  total_tokens: 1024\n  warmup_tokens: 128\n  every_tokens: 256\n  eval_every: 2\n  eval_batches: 2\n"
     )
     env = {"PMAKIT_CACHE": str(tmp_path / "cache")}
-    assert launchers[1].takes(["train"], cli_env(**env))
+    assert _launchers()[1].takes(["train"], cli_env(**env))
     got = {}
     for how in ("launcher", "fresh"):
         run = tmp_path / how
-        proc = _launched(launchers[1], ["train", str(config), "-o", str(run)], fresh=how == "fresh", **env)
+        proc = run_cli("train", config, "-o", run, env=env, fresh=how == "fresh")
         assert proc.returncode == 0, proc.stderr[-3000:]
         records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         losses = [{k: v for k, v in r.items() if "loss" in k or "norm" in k} for r in records]
