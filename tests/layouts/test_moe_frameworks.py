@@ -52,11 +52,11 @@ def test_torchtitan_moe_merge_is_the_hand_average_and_torchtitan_loads_it(
     assert not any("tokens_per_expert" in k for k in got)
     manifest = json.loads((runs["merged"] / "pmakit-merge.json").read_text())
     assert [Path(i["path"]).name for i in manifest["inputs"]] == ["step-1", "step-2", "step-3"]
-    # The manifest lists the router biases (layers 1..5 are MoE) and their rule; no counter reached the merge.
+    # The manifest lists the router biases (layers 1 and 2 are MoE) and their rule; no counter reached the merge.
     assert manifest["buffers"] == "average" and set(manifest["tensor_kinds"]) == {"router_bias"}
     biases = manifest["tensor_kinds"]["router_bias"]
     assert biases["rule"] == "average" and biases["dtype"] == "float32"
-    assert sorted(biases["names"]) == [f"layers.{i}.moe.expert_bias_E" for i in range(1, 6)]
+    assert sorted(biases["names"]) == [f"layers.{i}.moe.expert_bias_E" for i in (1, 2)]
 
     # torchtitan loaded the merge (initial_load_path, model only) into its model, exactly, and trained a step.
     loaded = torch.load(runs["root"] / "loaded.pt", weights_only=True)

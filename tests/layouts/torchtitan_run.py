@@ -4,7 +4,8 @@ other in one process (torchtitan skips its process-group set-up once one exists)
 
 Every job builds its config with torchtitan's own ``ConfigManager`` from the command line a user would type
 (``--module llama3 --config llama3_debugmodel`` and the options below), then builds ``Trainer`` from it. Before the
-first mode, ``--module deepseek_v3`` picks the deepseek_v3 debug model instead (MoE: 8 routed experts as grouped
+first mode, ``--module deepseek_v3`` picks the deepseek_v3 debug model instead (3 of its 6 layers: see ``_smaller``;
+MoE: 8 routed experts as grouped
 ``[E, ...]`` tensors, 2 shared, top-3 routing, aux-loss-free ``expert_bias_E``), and ``--ep N`` sets
 ``--parallelism.expert_parallel_degree N`` (with ``--training.disable_cuda_graphs``, which torchtitan requires of
 EP's all-to-all dispatcher; no CPU patch beyond those below was needed for EP over gloo).
@@ -175,12 +176,17 @@ tt_dist_utils.set_pg_timeouts = lambda **kwargs: None  # its barrier passes devi
 
 def _smaller(build: Any, **sizes: int) -> Any:
     """torchtitan's layer-list builder with smaller sizes: the MoE debug models' expert sizes (64 experts of 768 for
-    qwen3, 8 of 2880 for gpt_oss) make gigabyte checkpoints, too much for a CPU test."""
+    qwen3, 8 of 2880 for gpt_oss) make gigabyte checkpoints, too much for a CPU test; deepseek_v3's keeps its sizes
+    (8 experts of 256) but 3 of its 6 layers (the dense one and two MoE), which halves its 380 MB checkpoints and the
+    time of the suite's 8 training steps and 4 loads."""
     return lambda **kw: build(**{**kw, **sizes})
 
 
+import torchtitan.models.deepseek_v3 as tt_deepseek_v3
 import torchtitan.models.gpt_oss as tt_gpt_oss
 import torchtitan.models.qwen3 as tt_qwen3
+
+tt_deepseek_v3._build_dsv3_layers = _smaller(tt_deepseek_v3._build_dsv3_layers, n_layers=3)  # type: ignore[attr-defined]
 
 tt_qwen3._build_qwen3_moe_layers = _smaller(  # type: ignore[attr-defined]
     tt_qwen3._build_qwen3_moe_layers, n_layers=2, num_experts=8, top_k=2, moe_hidden_dim=64
