@@ -62,16 +62,22 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
+@pytest.fixture(scope="module")
+def synchronous(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Synchronous data parallel under torchrun (plain SGD, 2 copies): the run two tests compare with."""
+    tmp = tmp_path_factory.mktemp("synchronous")
+    _torchrun(_config(tmp, "sgd"), tmp / "run", "--sync", "gradients")
+    return tmp / "run"
+
+
 @pytest.mark.slow
-def test_local_sgd_with_h1_equals_synchronous_data_parallel(tmp_path: Path) -> None:
+def test_local_sgd_with_h1_equals_synchronous_data_parallel(synchronous: Path, tmp_path: Path) -> None:
     # With plain SGD, averaging the copies after every step is the all-reduced gradient step:
     # mean_r(p - lr g_r) = p - lr mean_r(g_r).
-    cfg = _config(tmp_path, "sgd")
-    _torchrun(cfg, tmp_path / "sync", "--sync", "gradients")
-    _torchrun(cfg, tmp_path / "local", "--sync-every", "1")
-    sync, local = _weights(tmp_path / "sync", 10), _weights(tmp_path / "local", 10)
+    _torchrun(_config(tmp_path, "sgd"), tmp_path / "local", "--sync-every", "1")
+    sync, local = _weights(synchronous, 10), _weights(tmp_path / "local", 10)
     assert _max_diff(sync, local) < 1e-6
-    assert _max_diff(sync, _weights(tmp_path / "sync", 5)) > 1e-3  # the model did move
+    assert _max_diff(sync, _weights(synchronous, 5)) > 1e-3  # the model did move
 
 
 @pytest.mark.slow
@@ -126,12 +132,12 @@ def _pmakit(*args: str) -> subprocess.CompletedProcess[str]:
     return run_cli(*args)
 
 
-def test_replicas_without_torchrun_launch_their_own_processes(tmp_path: Path) -> None:
+def test_replicas_without_torchrun_launch_their_own_processes(synchronous: Path, tmp_path: Path) -> None:
     sgd = _config(tmp_path, "sgd")
     done = _pmakit("train", str(sgd), "-o", str(tmp_path / "own"), "--replicas", "2", "--sync", "gradients")
     assert done.returncode == 0, done.stderr[-3000:]
-    _torchrun(sgd, tmp_path / "torchrun", "--sync", "gradients")
-    assert _max_diff(_weights(tmp_path / "own", 10), _weights(tmp_path / "torchrun", 10)) == 0.0
+    # the same run under torchrun
+    assert _max_diff(_weights(tmp_path / "own", 10), _weights(synchronous, 10)) == 0.0
 
 
 def test_replica_mistakes_are_one_line_and_write_nothing(tmp_path: Path) -> None:
@@ -169,8 +175,8 @@ def test_replicas_study_smoke_preset_end_to_end(tmp_path: Path) -> None:
     import json
 
     run = tmp_path / "study"
-    cmd = [sys.executable, "-m", "pmakit", "experiment", "--preset", "replicas-smoke", "-o", str(run)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=cli_env())
+    cmd = ("experiment", "--preset", "replicas-smoke", "-o", str(run))
+    done = run_cli(*cmd, timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "results.jsonl").read_text().splitlines()]
     by = {(r["arm"], r["model"]): r for r in rows}
@@ -184,7 +190,7 @@ def test_replicas_study_smoke_preset_end_to_end(tmp_path: Path) -> None:
     report = (run / "report.md").read_text()
     assert "the 2% target" in report and "plots/replicas.png" in report
     # Re-running resumes: nothing is trained again, the scores are the same.
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=cli_env())
+    again = run_cli(*cmd, timeout=1800)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "already trained" in again.stderr
     assert [json.loads(line) for line in (run / "results.jsonl").read_text().splitlines()] == rows
