@@ -67,53 +67,47 @@ def test_merge_killed_at_random_moments_then_run_again(tmp_path: Path) -> None:
     reference = weights_of(tmp_path / "ref")
     assert len(reference) >= 3
     rng = random.Random(13)
+
+    def merge_into(out: Path, hook: str | None = None, delay: float | None = None) -> tuple[int, float]:
+        """The merge into ``out`` in a process of its own, killed by the kill hook at ``hook`` or by SIGKILL
+        ``delay`` seconds after its start: its exit status and how long it ran."""
+        start = time.monotonic()
+        env = {**ENV, "PMAKIT_TEST_KILL": hook} if hook else ENV
+        proc = subprocess.Popen(pmakit(*cmd, "-o", out), env=env, stderr=subprocess.DEVNULL)
+        if delay is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(delay)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+        return proc.wait(120), time.monotonic() - start
+
     # Moments: the kill hook's points (inside a shard, between shards, before the final rename) and 9 wall-clock
     # kills at random delays after start. A delay is drawn below the shortest run seen to finish first (2.5 s to
-    # begin with), and a run that finished before its kill is checked and drawn again: on a fast machine or in a
-    # fast hour as many processes are killed as on a slow one (5 of 9 runs once finished first, failing the count).
-    moments: list[str | None] = [
-        "in-shard:0",
-        "after-shard:1",
-        "after-shard:4",
-        "in-shard:5",
-        "before-rename",
-    ]
-    moments += [None] * 9
-    outcomes = {"killed": 0, "finished before the kill": 0, "killed after the output was in place": 0}
-    window = 2.5
-    for k, moment in enumerate(moments):
+    # begin with), and a run that finished before its kill is checked and drawn again, so that a fast machine has
+    # as many runs killed as a slow one.
+    moments = ["in-shard:0", "after-shard:1", "after-shard:4", "in-shard:5", "before-rename", *[None] * 9]
+    window, finished_first = 2.5, 0
+    for k, hook in enumerate(moments):
         out = tmp_path / f"out{k}"
-        for _attempt in range(10):  # a hang guard only: each miss narrows the window to a run's real length
-            env = {**ENV, "PMAKIT_TEST_KILL": moment} if moment else ENV
-            start = time.monotonic()
-            proc = subprocess.Popen(pmakit(*cmd, "-o", out), env=env, stderr=subprocess.PIPE)
-            if moment is None:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(rng.uniform(0.08, 1.0) * window)
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGKILL)
-            rc = proc.wait(120)
-            if rc == -9 or moment is not None:
-                break
-            outcomes["finished before the kill"] += 1
-            window = min(window, time.monotonic() - start)
-            assert rc == 0, proc.communicate()[1]
-            assert weights_of(out) == reference
-            shutil.rmtree(out)
-        if rc == 0:  # a hook moment the merge never reached
-            outcomes["finished before the kill"] += 1
-            assert weights_of(out) == reference
-            continue
-        outcomes["killed"] += rc == -9
-        again = CliRunner().invoke(cli, list(map(str, [*cmd, "-o", out])))  # the very same command
-        if again.exit_code == 1 and "exists; pass --force" in again.stderr:
-            outcomes["killed after the output was in place"] += 1  # a clean refusal, of a finished output
+        if hook:
+            rc, _ = merge_into(out, hook=hook)
         else:
-            assert again.exit_code == 0, (moment, again.output)
-        assert weights_of(out) == reference, moment
+            for _attempt in range(10):  # a hang guard only: each miss narrows the window to a run's length
+                rc, took = merge_into(out, delay=rng.uniform(0.08, 1.0) * window)
+                if rc != 0:
+                    break
+                finished_first += 1
+                window = min(window, took)
+                assert weights_of(out) == reference
+                shutil.rmtree(out)
+        assert rc == -9, (hook or f"no wall-clock kill in 10 runs ({finished_first} finished first)", rc)
+        again = CliRunner().invoke(cli, list(map(str, [*cmd, "-o", out])))  # the very same command
+        # killed after the output was in place: a clean refusal of a finished output; otherwise the same merge again
+        if not (again.exit_code == 1 and "exists; pass --force" in again.stderr):
+            assert again.exit_code == 0, (hook, again.output)
+        assert weights_of(out) == reference, hook
         manifest_matches_bytes(out)
         assert not list(tmp_path.glob(f".out{k}*"))  # no partial output, old copy or lock file left
-    assert outcomes["killed"] == len(moments), outcomes
 
 
 @pytest.mark.parametrize("how", ["TERM", "INT"])

@@ -315,8 +315,8 @@ def torchtitan_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
 def torchtitan_moe_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """torchtitan's deepseek_v3 debug model, 3 of its 6 layers (MoE: 8 grouped experts stored as ``[E, ...]``
     tensors, a shared expert, the router's aux-loss-free ``expert_bias_E``), trained by torchtitan's Trainer in one
-    process: ``ws1`` (3 steps,
-    a checkpoint every step, step-3 the model-only last save), ``pmakit merge ws1 -o merged`` and
+    process: ``ws1`` (3 steps, a checkpoint every step, step-3 the model-only last save), ``pmakit merge ws1 -o
+    merged`` and
     ``--format safetensors -o merged-hf`` (no token flags), torchtitan loading each and taking a training step
     (``loaded.pt``/``.json``, ``loaded-hf.pt``/``.json``, as ``torchtitan_runs``); ``lasthf`` (3 steps with
     ``--checkpoint.last_save_in_hf``: step-3 in HF names), ``lasthf-merged`` and torchtitan loading it

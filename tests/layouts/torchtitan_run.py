@@ -4,9 +4,9 @@ other in one process (torchtitan skips its process-group set-up once one exists)
 
 Every job builds its config with torchtitan's own ``ConfigManager`` from the command line a user would type
 (``--module llama3 --config llama3_debugmodel`` and the options below), then builds ``Trainer`` from it. Before the
-first mode, ``--module deepseek_v3`` picks the deepseek_v3 debug model instead (3 of its 6 layers: see ``_smaller``;
-MoE: 8 routed experts as grouped
-``[E, ...]`` tensors, 2 shared, top-3 routing, aux-loss-free ``expert_bias_E``), and ``--ep N`` sets
+first mode, ``--module deepseek_v3`` picks the deepseek_v3 debug model instead (3 of its 6 layers: see
+``_smaller``; MoE: 8 routed experts as grouped ``[E, ...]`` tensors, 2 shared, top-3 routing, aux-loss-free
+``expert_bias_E``), and ``--ep N`` sets
 ``--parallelism.expert_parallel_degree N`` (with ``--training.disable_cuda_graphs``, which torchtitan requires of
 EP's all-to-all dispatcher; no CPU patch beyond those below was needed for EP over gloo).
 
