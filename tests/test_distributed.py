@@ -229,6 +229,44 @@ def test_a_lost_rank_is_one_line_and_an_interruption_not_a_failure(monkeypatch: 
     assert not _interrupted(RuntimeError("a bug"), one)
 
 
+@pytest.mark.parametrize(("peer", "outcome"), [(0, "failed"), (1, "cut"), (2, "done")])
+def test_a_stage_cut_on_another_rank_is_an_interruption_there_too(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, peer: int, outcome: str
+) -> None:
+    """A stage that another rank left because its store stopped answering (or Ctrl-C) ends this rank as an
+    interruption too, so rank 0 keeps the partial output for the same command; a failure there (a bad input) is
+    a failure here. The other rank's word comes through the MIN all-reduce, stubbed here (torchrun runs it in the
+    merge tests)."""
+    import torch.distributed as dist
+
+    from pmakit.errors import Interrupted
+    from pmakit.merge import _interrupted
+    from pmakit.merge.output import run_stage
+    from pmakit.storage.base import StoreUnreachable
+    from pmakit.world import World
+
+    def with_peer(flag: torch.Tensor, op: object = None, **_: object) -> None:
+        assert op == dist.ReduceOp.MIN
+        flag.clamp_(max=peer)
+
+    monkeypatch.setattr(dist, "all_reduce", with_peer)
+    two = World(0, 2)
+    if outcome == "done":
+        assert run_stage(two, tmp_path, lambda: "written") == "written"
+        return
+    with pytest.raises(PmakitError, match="on another rank") as raised:
+        run_stage(two, tmp_path, lambda: "written")
+    assert isinstance(raised.value, Interrupted) == (outcome == "cut")
+    assert _interrupted(raised.value, two) == (outcome == "cut")
+
+    def gone() -> None:
+        raise StoreUnreachable("s3://b/r/x.safetensors: reading bytes 0-16: failed 5 times (ConnectionError)")
+
+    with pytest.raises(StoreUnreachable):  # this rank's own error, whatever the others said
+        run_stage(two, tmp_path, gone)
+    assert _interrupted(StoreUnreachable("gone"), World())
+
+
 GROUP_LEFT_SCRIPT = """
 import os, sys
 import torch

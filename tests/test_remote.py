@@ -1,6 +1,7 @@
 """Merging where big runs keep their checkpoints: s3:// in and out, against a real S3 API server (moto) on
 localhost, through the real CLI. Faults come from a proxy in front of the server: GETs broken off mid-body and
-SlowDown answers (retried), the endpoint gone mid-merge (one line; a rerun with --resume completes)."""
+SlowDown answers (retried), the endpoint gone mid-merge (one line, the finished shards kept; a rerun with
+--resume continues)."""
 
 from __future__ import annotations
 
@@ -161,40 +162,69 @@ def test_endpoint_gone_mid_publish_leaves_no_manifest_and_resume_completes(
     ).read_bytes()
 
 
-def test_endpoint_gone_mid_merge_is_one_line_and_resume_completes(s3_server: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("gone", ["down", "503"])
+def test_endpoint_gone_mid_merge_keeps_the_finished_shard_and_resume_continues(
+    s3_server: Any, tmp_path: Path, gone: str
+) -> None:
+    """The store stops answering (connections closed, or 503 SlowDown past the retries) after the merge finished
+    its first output shard: one line, the finished shard kept (a cut, not a bad input: a 70B merge from S3 does not
+    start over after an outage), and the same command with --resume continues from it, byte-equal to the merge of
+    the same files on disk."""
+    import os
+    import time
+
+    from pmakit.merge.output import PROGRESS_DIR, partial_dir
+    from pmakit.storage.source import BLOCK_BYTES
+
     root = tmp_path / "run"
-    for k in (1, 2):  # two output shards, so that the rerun has a finished one to keep
-        write_snapshot(root / f"step-{k}", state(k), step=k, tokens=k * 10)
+    # "a" (8 MiB) is the first output shard and lies in each input's first 16 MiB block; "b" (16 MiB) crosses
+    # into the second block, whose GETs fail.
+    shapes = {"a": (2048, 1024), "b": (4096, 1024)}
+    for k in (1, 2):
+        write_snapshot(root / f"step-{k}", state(k, torch.float32, shapes), step=k, tokens=k * 10)
     bucket = _bucket(s3_server)
     upload_tree(s3_server.client(), root, bucket, "r")
+    out = tmp_path / "out"
+    progress = partial_dir(out) / PROGRESS_DIR
     proxy = FaultProxy(s3_server.port)
-    gets = {"n": 0, "down": True}
+    down = {"on": True, "cut": 0}
 
     def fault(method: str, path: str, headers: dict[str, str]) -> str | None:
-        if method == "GET" and "Range" in headers and path.endswith(".safetensors"):
-            gets["n"] += 1  # the mirror reads the two headers, then the merge the tensors' bytes
-            return "down" if gets["down"] and gets["n"] > 2 else None
-        return None
+        if not (down["on"] and method == "GET" and path.endswith(".safetensors") and "Range" in headers):
+            return None
+        if int(headers["Range"].split("=")[1].split("-")[0]) < BLOCK_BYTES:
+            return None  # the headers and every first block
+        deadline = time.monotonic() + 600  # a hang guard only: the first shard is recorded long before
+        while not list(progress.glob("*.json")) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the store goes down once the first shard is on disk and recorded
+        down["cut"] += 1
+        return gone
 
     proxy.fault = fault
     env = {**s3_server.env(proxy.url), "AWS_MAX_ATTEMPTS": "2"}
-    out = tmp_path / "out"
-    args = ("merge", f"s3://{bucket}/r", "-o", out, "--quiet", "--max-shard-size", "3KB")
+    args = ("merge", f"s3://{bucket}/r", "-o", out, "--max-shard-size", "10MB")
     try:
         cut = run_cli(*args, env=env)
-        assert "reading bytes" in _one_line_error(cut)
-        assert not (out / MERGE_MANIFEST).exists()
-        gets["down"] = False
+        assert "reading bytes" in _one_line_error(cut) and ("SlowDown" in cut.stderr) == (gone == "503")
+        assert down["cut"] > 0 and not out.exists()
+        assert "merge interrupted; what it wrote is kept" in cut.stderr, cut.stderr[-2000:]
+        kept = [p.name.removesuffix(".json") for p in progress.glob("*.safetensors.json")]
+        assert len(kept) == 1, kept
+        before = os.stat(partial_dir(out) / kept[0])
+        down["on"] = False
         done = run_cli(*args, "--resume", env=env)
     finally:
         proxy.stop()
     assert done.returncode == 0, done.stderr
-    assert (out / MERGE_MANIFEST).is_file()
-    assert (
-        run_cli("merge", root, "-o", tmp_path / "local", "--quiet", "--max-shard-size", "3KB").returncode == 0
-    )
-    for f in sorted((tmp_path / "local").glob("*.safetensors")):
-        assert (out / f.name).read_bytes() == f.read_bytes()
+    assert "continuing the interrupted merge" in done.stderr, done.stderr[-2000:]
+    after = os.stat(out / kept[0])  # the kept shard is the one published, not written again
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    local = tmp_path / "local"
+    assert run_cli("merge", root, "-o", local, "--quiet", "--max-shard-size", "10MB").returncode == 0
+    shards = sorted(f.name for f in local.glob("*.safetensors"))
+    assert len(shards) > len(kept) and sorted(f.name for f in out.glob("*.safetensors")) == shards
+    for name in shards:
+        assert (out / name).read_bytes() == (local / name).read_bytes()
 
 
 def test_missing_bucket_is_one_line(s3_server: Any, tmp_path: Path) -> None:

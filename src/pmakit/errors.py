@@ -1,4 +1,4 @@
-"""The one error type of the project: a user mistake or a bad input, reported as one line."""
+"""The project's error type: a user mistake or a bad input, reported as one line (``Interrupted``: a cut from outside)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,12 @@ class PmakitError(Exception):
 
     def __init__(self, *args: object) -> None:
         super().__init__(*(redact(a) if isinstance(a, str) else a for a in args))
+
+
+class Interrupted(PmakitError):
+    """Stopped by something outside the inputs and options, which the same command may not meet again: a store
+    that stopped answering after every retry, another rank lost. A merge keeps what it finished for the same command
+    to continue (as after Ctrl-C or SIGTERM); a failure of the inputs themselves removes it."""
 
 
 def first_line(exc: BaseException) -> str:

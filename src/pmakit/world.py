@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pmakit.errors import PmakitError, first_line
+from pmakit.errors import Interrupted, PmakitError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ TIMEOUT = datetime.timedelta(hours=12)
 """How long a rank waits for the others at an agreement point (a rank's share of a 70B merge takes hours)."""
 
 
-class RankLost(PmakitError):
+class RankLost(Interrupted):
     """Another rank stopped (killed, out of memory, its node gone) while this one waited for it at an agreement."""
 
 
@@ -47,18 +47,22 @@ class World:
 
     def agree(self, ok: bool) -> bool:
         """True when every rank says ``ok`` (a collective: every rank must call it at the same point)."""
+        return self.least(1 if ok else 0) == 1
+
+    def least(self, value: int) -> int:
+        """The smallest ``value`` any rank gives (a collective, as ``agree``)."""
         if not self.distributed:
-            return ok
+            return value
         import torch.distributed as dist
 
-        flag = torch.tensor([1 if ok else 0], device=self._collective_device())
+        flag = torch.tensor([value], device=self._collective_device())
         try:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         except Exception as e:  # gloo / NCCL: a peer's process is gone
             raise RankLost(
                 f"another rank stopped while rank {self.rank} waited for it ({first_line(e)})"
             ) from e
-        return bool(flag.item())
+        return int(flag.item())
 
     def _collective_device(self) -> torch.device:
         if self.device == "cuda":

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from pmakit.errors import PmakitError
+from pmakit.errors import Interrupted, PmakitError
 from pmakit.formats import Reader, is_float
 from pmakit.formats.safetensors_io import write_index
 from pmakit.guard import guard_output, output_lock
@@ -60,7 +60,7 @@ from pmakit.merge.url import merge_to_url, refuse_local_only
 from pmakit.snapshot import Snapshot
 from pmakit.storage.mirror import origin
 from pmakit.storage.registry import is_remote
-from pmakit.world import RankLost, World
+from pmakit.world import World
 
 __all__ = [
     "DTYPES",
@@ -334,9 +334,10 @@ def _leave_partial(partial: Path, error: BaseException, world: World) -> None:
 
 
 def _interrupted(error: BaseException, world: World) -> bool:
-    """Stopped from outside rather than failed: Ctrl-C, SIGTERM (torchrun stopping the group), a lost rank. Its
-    partial output is kept for the same command to continue; a failure (bad input, disk full) removes it."""
-    if isinstance(error, (KeyboardInterrupt, SystemExit, RankLost)):
+    """Stopped from outside rather than failed: Ctrl-C, SIGTERM (torchrun stopping the group), a lost rank, a store
+    that stopped answering (``Interrupted``). Its partial output is kept for the same command to continue; a failure
+    (bad input, disk full) removes it."""
+    if isinstance(error, (KeyboardInterrupt, SystemExit, Interrupted)):
         return True
     # A collective other than our agreements (a layout writer's) failing under torchrun: a peer is gone.
     return world.distributed and not isinstance(error, (PmakitError, OSError))

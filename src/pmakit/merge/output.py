@@ -19,7 +19,7 @@ import torch
 
 import pmakit
 from pmakit.checksums import sha256_file
-from pmakit.errors import PmakitError, redact
+from pmakit.errors import Interrupted, PmakitError, redact
 from pmakit.formats import Reader
 from pmakit.formats.safetensors_io import write_index
 from pmakit.layouts import layout_of, open_weights, writer
@@ -249,7 +249,9 @@ def prepare_output(
 
 def run_stage(world: World, out: Path, fn: Callable[[], Any], rank0: bool = False) -> Any:
     """Run ``fn`` on every rank (or on rank 0 only), then agree: if any rank failed, every rank raises (its own
-    error, or a pointer to the rank that has it). Every rank passes the same stages in the same order."""
+    error, or a pointer to the rank that has it), an ``Interrupted`` one where no rank failed but one was cut (a
+    store that stopped answering: the merge's finished work is kept). Every rank passes the same stages in the
+    same order."""
     error: BaseException | None = None
     result = None
     try:
@@ -257,7 +259,8 @@ def run_stage(world: World, out: Path, fn: Callable[[], Any], rank0: bool = Fals
             result = fn()
     except BaseException as e:
         error = e
-    everyone = world.agree(error is None)
+    cut = isinstance(error, (KeyboardInterrupt, SystemExit, Interrupted))
+    least = world.least(_DONE if error is None else _CUT if cut else _FAILED)
     if isinstance(error, OSError):
         where = f" ({error.filename})" if error.filename else ""  # which file: one an input lacks, say
         raise PmakitError(
@@ -266,9 +269,15 @@ def run_stage(world: World, out: Path, fn: Callable[[], Any], rank0: bool = Fals
         ) from error
     if error is not None:
         raise error
-    if not everyone:
+    if least == _CUT:
+        raise Interrupted("the merge was cut on another rank (its error is in that rank's output)")
+    if least == _FAILED:
         raise PmakitError("the merge failed on another rank (its error is in that rank's output)")
     return result
+
+
+_FAILED, _CUT, _DONE = 0, 1, 2
+"""What a rank says of a stage (``run_stage``): the least of them over the ranks is the stage's outcome."""
 
 
 def write_layout(plan: MergePlan, partial: Path, world: World, fsync: bool, out_format: str) -> list[str]:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
 from pmakit import limits
-from pmakit.errors import PmakitError
+from pmakit.errors import Interrupted, PmakitError
 
 IN_FLIGHT = 32
 """Ranged GETs in flight at most (the pool's threads; also the S3 client's connection pool)."""
@@ -24,6 +24,11 @@ SHA256_KEY = "pmakit-sha256"
 """Object metadata: the uploaded file's sha256 (a resumed publish skips objects that already carry the right one)."""
 
 T = TypeVar("T")
+
+
+class StoreUnreachable(Interrupted):
+    """A store that did not answer after every retry (the connection refused or cut, a 5xx answer): a cut, not a
+    bad input. A merge reading from it keeps its finished shards for the same command (``--resume``) to continue."""
 
 
 @dataclass(frozen=True)
@@ -112,7 +117,7 @@ def retried(fn: Callable[[], T], what: str, transient: tuple[type[BaseException]
             return fn()
         except transient as e:
             if attempt == attempts:
-                raise PmakitError(f"{what}: failed {attempts} times ({type(e).__name__}: {e})") from None
+                raise StoreUnreachable(f"{what}: failed {attempts} times ({type(e).__name__}: {e})") from None
             time.sleep(min(8.0, 0.2 * 2**attempt))
     raise AssertionError("unreachable")
 

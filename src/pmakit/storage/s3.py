@@ -20,6 +20,7 @@ from pmakit.storage.base import (
     Listed,
     Location,
     Store,
+    StoreUnreachable,
     T,
     check_listing,
     get_seconds,
@@ -71,6 +72,9 @@ class S3Store(Store):
                 "~/.aws/credentials)"
             ) from None
         except ClientError as e:
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+            if status >= 500:  # still failing after botocore's own retries (503 SlowDown, 500 InternalError)
+                raise StoreUnreachable(f"{where.url}: {what} failed ({_client_error(e)})") from None
             raise PmakitError(f"{where.url}: {what} failed ({_client_error(e)})") from None
         except BotoCoreError as e:
             raise PmakitError(f"{where.url}: {what} failed ({e})") from None
