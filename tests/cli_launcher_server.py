@@ -19,6 +19,7 @@ if sys.argv[1:] == ["pinned"]:
 start_quickly("pmakit.cli")
 
 import runpy  # noqa: E402
+import tempfile  # noqa: E402
 import threading  # noqa: E402
 
 
@@ -52,6 +53,7 @@ os.chdir(request["cwd"])
 sys.path[0] = os.getcwd()  # as `python -m` sets it
 os.environ.clear()
 os.environ.update(request["env"])
+tempfile.tempdir = None  # the launcher's was cached ('/tmp'): the command's TMPDIR, as a new interpreter reads it
 for fd, path, flags in (
     (0, os.devnull, os.O_RDONLY),
     (1, request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),

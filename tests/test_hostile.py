@@ -29,6 +29,7 @@ from conftest import SRC, run_cli, state, write_snapshot
 from pmakit.cli import cli
 from pmakit.formats import safetensors_io, torch_io
 from pmakit.guard import LOCK_SUFFIX
+from pmakit.merge.output import partial_dir
 
 STEPS = (100, 200, 300)
 
@@ -907,7 +908,8 @@ def test_same_command_continues_a_killed_merge(tmp_path: Path) -> None:  # issue
     for f in files:
         assert (tmp_path / "out" / f).read_bytes() == (tmp_path / "ref" / f).read_bytes()
     # --force starts over instead.
-    run_cli(*cmd, "--force", env={"PMAKIT_TEST_KILL": "after-shard:1"})
+    assert run_cli(*cmd, "--force", env={"PMAKIT_TEST_KILL": "after-shard:1"}).returncode == -9
+    assert partial_dir(tmp_path / "out").is_dir()  # an interrupted merge that --force must not continue
     fresh = run_cli(*cmd, "--force")
     assert fresh.returncode == 0 and "continuing" not in fresh.stderr
 

@@ -45,14 +45,16 @@ def test_blocks_and_workers_match_reference(
     assert got["step_counter"].tolist() == [3]
 
 
+@pytest.mark.parametrize("where", [3, 507, 1023])  # the first chunk's first block, a middle one, the last's last
 def test_nan_found_in_any_block(
-    make_run: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    make_run: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: int
 ) -> None:
     monkeypatch.setattr(merge_mod.plan, "CHUNK_ELEMS", 100)
     monkeypatch.setattr(merge_mod.stream, "BLOCK_ELEMS", 7)
     run = make_run(3)
     bad = state(2)
-    bad["embed.weight"].view(-1)[1000] = float("nan")  # in the last chunk's last block
+    assert bad["embed.weight"].numel() == 1024  # chunks of 100 elements, the last 1000-1023; blocks of 7
+    bad["embed.weight"].view(-1)[where] = float("nan")
     write_snapshot(run / "step-000200", bad, step=200, tokens=2000)
     snaps = discover(run)
     with pytest.raises(PmakitError, match="non-finite values.*embed.weight"):

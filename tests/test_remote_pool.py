@@ -107,6 +107,7 @@ def test_a_merge_from_s3_leaves_no_mirror_behind(
     upload_tree(s3_server.client(), run, bucket, "runs/r1")
     scratch = tmp_path / "tmp"
     scratch.mkdir()
+    made = scratch.stat().st_mtime_ns
     out = tmp_path / "out"
     proc = run_cli(
         "merge", f"s3://{bucket}/runs/r1", "-o", out, env={**s3_server.env(), "TMPDIR": str(scratch)}
@@ -114,4 +115,5 @@ def test_a_merge_from_s3_leaves_no_mirror_behind(
     assert proc.returncode == 0, proc.stderr
     assert str(out) in proc.stdout  # the result's lines, all of them out before the process left
     assert (out / "model.safetensors").is_file()
+    assert scratch.stat().st_mtime_ns != made  # the mirror was made there (a folder added and removed)
     assert not list(scratch.glob(f"{mirror.MIRROR_PREFIX}*"))  # the exit handler removed the mirror
