@@ -57,10 +57,29 @@ def test_smoke_shows_the_merge_beating_the_latest_snapshot(smoke: tuple[Path, st
 
 
 def test_headline_merge_is_the_real_engine_and_matches_the_grid(smoke: tuple[Path, str]) -> None:
+    """RUN/merged is the grid's best SMA on the SELECTION split at the last fork (its window: the row's N, V and
+    end), merged by the streaming engine."""
+    from pmakit.runs import read_jsonl
+
     run, _ = smoke
     manifest = json.loads((run / "merged" / "pmakit-merge.json").read_text())
+    results = read_jsonl(run / "results.jsonl")
+    last = max(r["fork_tokens"] for r in results)
+    grid = [
+        r
+        for r in results
+        if r["fork_tokens"] == last
+        and r["model"] == "merged"
+        and r["method"] == "sma"
+        and r["split"] == "selection"
+    ]
+    best = min(grid, key=lambda r: r["val_loss"])
+    assert len(grid) >= 4 and manifest["experiment_row"] == best["label"]
+    assert manifest["selection"] == {"last": best["n"], "every": best["v_tokens"], "until": best["tokens"]}
     snaps = {s.path.resolve(): s for s in discover(run / "main")}
     chosen = [snaps[Path(i["path"])] for i in manifest["inputs"]]
+    assert len(chosen) == best["n"] and chosen[-1].tokens == best["tokens"]
+    assert all(b.tokens - a.tokens == best["v_tokens"] for a, b in zip(chosen, chosen[1:]))
     states = [load_file(s.path / "model.safetensors") for s in chosen]
     merged = load_file(run / "merged" / "model.safetensors")
     for name, value in merged.items():

@@ -44,13 +44,14 @@ def _config(tmp: Path, name: str, total: int = 2560, optimizer: str = "sgd") -> 
     return path
 
 
-def _torchrun(config: Path, out: Path, *args: str) -> None:
+def _torchrun(config: Path, out: Path, *args: str) -> str:
     env = {**ENV, "PMAKIT_CACHE": os.environ.get("PMAKIT_CACHE", "")}
     env = {k: v for k, v in env.items() if v}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += ["-m", "pmakit", "train", str(config), "-o", str(out), "--replicas", "2", *args]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
+    return done.stderr
 
 
 def _weights(run: Path, step: int) -> dict[str, torch.Tensor]:
@@ -103,7 +104,8 @@ def test_diloco_with_unit_outer_sgd_is_local_sgd_and_resumes_exactly(tmp_path: P
     diloco = ("--sync-every", "5", "--outer", "nesterov", "--save-replicas")
     _torchrun(cfg, tmp_path / "straight", *diloco)
     _torchrun(_config(tmp_path, "half", total=1280, optimizer="adamw"), tmp_path / "resumed", *diloco)
-    _torchrun(cfg, tmp_path / "resumed", *diloco)
+    again = _torchrun(cfg, tmp_path / "resumed", *diloco)
+    assert "resumed " in again and "(step 5)" in again, again[-3000:]  # continued from the half run's checkpoint
     straight, resumed = _weights(tmp_path / "straight", 10), _weights(tmp_path / "resumed", 10)
     assert _max_diff(straight, resumed) == 0.0
     _torchrun(cfg, tmp_path / "local-adam", "--sync-every", "5")

@@ -390,7 +390,15 @@ def test_every_number_in_html_comes_from_the_run_files(full_run: Path) -> None:
 
 def test_number_check_catches_a_made_up_number(full_run: Path) -> None:
     allowed = traceable_values(full_run)
-    assert untraceable("latest 3.1416 ± 0.0271, gain 97.3 s.e., 41% recovered", allowed) != []
+    # each kind of number on its own: a loss and its s.e., a gain in s.e., a share recovered
+    for made_up in ("latest 3.1416", "± 0.0271", "gain 97.3 s.e.", "41% recovered"):
+        assert untraceable(made_up, allowed), made_up
+    assert untraceable("latest 3.1416 ± 0.0271, gain 97.3 s.e., 41% recovered", allowed) == [
+        "3.1416 (loss)",
+        "0.0271 (loss)",
+        "97.3 (z)",
+        "41% (pct)",
+    ]
 
 
 def test_headline_table_matches_the_results_file(full_run: Path) -> None:

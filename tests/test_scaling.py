@@ -216,10 +216,12 @@ def test_killed_study_resumes_to_the_same_numbers(smoke: tuple[Path, str], tmp_p
     while not (other / "m" / "trunk" / "checkpoint").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(0.3)
+    assert proc.poll() is None, "the study ended before the kill"  # else nothing below would test a resume
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     done = run_cli("experiment", "--preset", "scaling-smoke", "-o", other, timeout=1800)
     assert done.returncode == 0, done.stderr[-2000:]
+    assert "resumed " in done.stderr, done.stderr[-2000:]  # the killed trunk continued from its checkpoint
 
     def losses(r: Path) -> dict:
         return {(x["size"], x["tokens"], x["kind"]): x["val_loss"] for x in jsonl(r / "results.jsonl")}

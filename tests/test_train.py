@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -101,10 +102,16 @@ def test_resume_continues_exactly(corpus_dir: Path, tmp_path: Path) -> None:
 
 
 def test_rollback_and_stop(corpus_dir: Path, tmp_path: Path) -> None:
+    rolled: dict[str, dict[str, torch.Tensor]] = {}
+
     class Roll(Callback):
         def on_step_end(self, trainer: Trainer, record: dict[str, object]) -> None:
             if trainer.step == 10:
-                trainer.rollback(trainer.averager.average(), optimizer="reset", reason={"why": "test"})
+                average = trainer.averager.average()
+                rolled["from"] = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+                trainer.rollback(average, optimizer="reset", reason={"why": "test"})
+                rolled["to"] = {k: v.clone() for k, v in average.items()}
+                rolled["model"] = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
                 trainer.set_lr_factor(0.5, trainer.tokens + 256)
             if trainer.step == 15:
                 raise StopTraining("enough")
@@ -116,6 +123,10 @@ def test_rollback_and_stop(corpus_dir: Path, tmp_path: Path) -> None:
     events = [r for r in read_metrics(run) if r["kind"] == "event"]
     assert [e["event"] for e in events] == ["rollback", "stop"]
     assert events[0]["why"] == "test" and trainer.step == 15
+    # the model took the averaged weights (the online merge, not the step-10 weights it had)
+    to, model = rolled["to"], rolled["model"]
+    assert to and all(torch.equal(model[k], to[k].to(model[k].dtype)) for k in to)
+    assert any(not torch.equal(rolled["from"][k], model[k]) for k in to)
     # lowered from the rollback (1280 tokens) until 1536 tokens, scheduled after
     assert trainer.lr_at(1500) == pytest.approx(trainer.schedule(1500) * 0.5)
     assert trainer.lr_at(1600) == pytest.approx(trainer.schedule(1600))
@@ -201,8 +212,13 @@ def test_train_cli_writes_a_run_and_resumes(corpus_dir: Path, tmp_path: Path) ->
         "missing" not in md and "| 1.536K |" in md and "6 snapshots in `snapshots/`, every 256 tokens" in md
     )
     assert (tmp_path / "run" / "plots" / "train_curves.png").stat().st_size > 0
+    trained = sorted((f.relative_to(tmp_path), f.stat().st_mtime_ns) for f in (tmp_path / "run").rglob("*"))
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
     again = run_cli("train", config, "-o", tmp_path / "run", env=env_cache)
     assert again.returncode == 0 and "trained 1,536 tokens" in again.stdout  # nothing left to do
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics  # no step trained again
+    snapshots = [(f, t) for f, t in trained if f.parts[1:2] == ("snapshots",)]
+    assert snapshots and all((tmp_path / f).stat().st_mtime_ns == t for f, t in snapshots)
     bad = run_cli("train", config, "-o", tmp_path / "r2", "--corpus", tmp_path / "missing", env=env_cache)
     assert bad.returncode != 0 and "Traceback" not in bad.stderr and bad.stderr.startswith("Error: ")
 
@@ -427,6 +443,8 @@ def test_a_run_resumes_after_it_is_moved_and_named_from_elsewhere(
     resumed = run_cli("train", "-o", "moved", cwd=elsewhere, env=kernels)  # the config saved in the run
     assert resumed.returncode == 0 and "Traceback" not in resumed.stderr, resumed.stderr[-3000:]
     assert "trained 3,072 tokens" in resumed.stdout
+    continued = re.search(r"resumed \S*moved at (\d+) tokens \(step (\d+)\)", resumed.stderr)
+    assert continued and int(continued[2]) > 0, resumed.stderr[-3000:]  # not started over
     moved = elsewhere / "moved"
     assert [s.tokens for s in discover(moved)] == [s.tokens for s in discover(tmp_path / "straight")]
     final = f"snapshots/step-{24:08d}/model.safetensors"

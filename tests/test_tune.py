@@ -337,18 +337,30 @@ def test_time_budget_stops_the_search(tiny: dict[str, Path], cache: Path, tmp_pa
 
 
 def test_eval_cmd_scores_merges_written_to_disk(tiny: dict[str, Path], tmp_path: Path) -> None:
-    """A user command that prints a loss: here the mean of the head weights, so the choice is predictable."""
-    script = tmp_path / "score.py"
+    """A user command that prints a loss: here the mean of the final norm's weights of the merge written to disk,
+    plus 1 on the test split, so every score and the choice can be checked."""
+    script, calls = tmp_path / "score.py", tmp_path / "calls.txt"
     script.write_text(
         "import sys\nfrom safetensors.numpy import load_file\n"  # no torch import: a fast command
         "t = load_file(sys.argv[1] + '/model.safetensors')\n"
-        "print('loss', float(t['model.norm.weight'].mean()))\n"
+        "loss = float(t['model.norm.weight'].astype('float64').mean()) + (sys.argv[2] == 'test')\n"
+        f"open({str(calls)!r}, 'a').write(f'{{sys.argv[2]}} {{loss!r}}\\n')\n"
+        "print('step 7 loss', loss)\n"  # the last number printed is the loss
     )
     out = tmp_path / "cmd"
     record = _tune(tiny, out, budget_evals=4, eval_cmd=f"{sys.executable} {script} {{model}} {{split}}")
     assert len(record["trials"]) == 4 and record["comparisons"]["tuned - last"]["delta_se"] is None
+    logged = [line.split() for line in calls.read_text().splitlines()]
+    assert {split for split, _ in logged} == {"selection", "test"}
+    selection = {float(x) for split, x in logged if split == "selection"}
+    losses = [t["selection_loss"] for t in record["trials"]]
+    assert set(losses) <= selection  # each trial's score is what the command printed for it
+    tuned = record["models"]["tuned"]
+    assert tuned["selection_loss"] == min(losses)  # chosen on selection
+    assert tuned["test_loss"] == pytest.approx(tuned["selection_loss"] + 1, abs=1e-12)  # {split} given
+    written = read_state(out)["model.norm.weight"].double().mean().item()
+    assert written == pytest.approx(tuned["selection_loss"], abs=1e-6)  # the chosen merge is the one written
     assert not (tmp_path / ".cmd.tune-scratch").exists()
-    assert (out / "model.safetensors").is_file()
 
 
 # --- the CLI
@@ -439,11 +451,14 @@ def test_experiment_headline_chosen_on_selection_reported_on_test(smoke_experime
         oracle = [r for r in at if r["split"] == "test" and r["role"] == "oracle"]
         sma = {(r["n"], r["v_tokens"]) for r in grid if r["method"] == "sma"}
         assert sorted((r["n"], r["v_tokens"]) for r in oracle) == sorted(sma) and len(sma) >= 4
-        if test["best"]["method"] == "sma":  # the same window, scored on the same test batches
+        # the best SMA chosen on selection (and the best merge, where it is an SMA): the oracle's scores of the same
+        # window on the same test batches
+        assert test["best-sma"]["method"] == "sma"
+        for role in ("best-sma", "best") if test["best"]["method"] == "sma" else ("best-sma",):
             twin = next(
-                r for r in oracle if (r["n"], r["v_tokens"]) == (test["best"]["n"], test["best"]["v_tokens"])
+                r for r in oracle if (r["n"], r["v_tokens"]) == (test[role]["n"], test[role]["v_tokens"])
             )
-            assert twin["batch_losses"] == pytest.approx(test["best"]["batch_losses"])
+            assert twin["batch_losses"] == pytest.approx(test[role]["batch_losses"])
         latest = test["latest"]["batch_losses"]
         assert len(latest) == exp["heldout"]["batches"]["test"]
         for role in ("best", "fixed", "tuned"):
@@ -491,7 +506,7 @@ def test_a_run_too_big_for_memory_asks_for_eval_cmd(
         available = 1000  # bytes: less than two snapshots of the 1-layer model
 
     monkeypatch.setattr(psutil, "virtual_memory", lambda: Tiny())
-    with pytest.raises(PmakitError, match="--eval-cmd"):
+    with pytest.raises(PmakitError, match="GB available; pass --eval-cmd"):
         _tune(tiny, tmp_path / "big")
     assert not (tmp_path / "big").exists()
 

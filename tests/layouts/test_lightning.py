@@ -111,7 +111,9 @@ def test_found_in_a_folder_and_one_by_one(runs: dict[str, Path]) -> None:
 
     # No token count and no flag: one line that says what to do.
     r = invoke("merge", runs["plain"], "-o", runs["root"] / "never")
-    assert r.exit_code != 0 and "--tokens-per-step" in r.stderr.splitlines()[-1], r.output
+    lines = r.stderr.strip().splitlines()
+    assert r.exit_code == 1 and [x for x in lines if x.startswith("Error")] == lines[-1:], r.output
+    assert "--tokens-per-step" in lines[-1] and "Traceback" not in r.output
     assert not (runs["root"] / "never").exists()
 
 

@@ -148,11 +148,10 @@ class Candidate:
         return tuple(s.tokens for s in self.snapshots), tuple(round(w, 9) for w in self.weights)
 
     def record(self) -> dict[str, Any]:
-        return {
-            **self.params,
-            "tokens": [s.tokens for s in self.snapshots],
-            "weights": [round(w, 6) for w in self.weights],
-        }
+        """The merge as tune.json and the study's rows keep it: the weights whole (JSON gives them back exactly), so
+        that the merge rebuilt from a record (``chosen_candidate``), scored on the test split and written, is the
+        one the trial scored (rounded, it was another merge, scored again on selection)."""
+        return {**self.params, "tokens": [s.tokens for s in self.snapshots], "weights": list(self.weights)}
 
 
 # --------------------------------------------------------------------------------------------------- the space
