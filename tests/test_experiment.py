@@ -64,7 +64,7 @@ def test_headline_merge_is_the_real_engine_and_matches_the_grid(smoke: tuple[Pat
     run, _ = smoke
     manifest = json.loads((run / "merged" / "pmakit-merge.json").read_text())
     results = read_jsonl(run / "results.jsonl")
-    last = max(r["fork_tokens"] for r in results)
+    last = max(r["fork_tokens"] for r in results if r["fork_tokens"] is not None)
     grid = [
         r
         for r in results
