@@ -1,4 +1,4 @@
-"""The project's error type: a user mistake or a bad input, reported as one line (``Interrupted``: a cut from outside)."""
+"""The project's error type: a user mistake or a bad input, reported as one line (``Interrupted``: a cut)."""
 
 from __future__ import annotations
 
