@@ -53,7 +53,8 @@ os.chdir(request["cwd"])
 sys.path[0] = os.getcwd()  # as `python -m` sets it
 os.environ.clear()
 os.environ.update(request["env"])
-tempfile.tempdir = None  # the launcher's was cached ('/tmp'): the command's TMPDIR, as a new interpreter reads it
+# The launcher's tempdir was cached ('/tmp'): the command's TMPDIR, read as a new interpreter reads it.
+tempfile.tempdir = None
 for fd, path, flags in (
     (0, os.devnull, os.O_RDONLY),
     (1, request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),

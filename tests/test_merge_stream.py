@@ -45,7 +45,8 @@ def test_blocks_and_workers_match_reference(
     assert got["step_counter"].tolist() == [3]
 
 
-@pytest.mark.parametrize("where", [3, 507, 1023])  # the first chunk's first block, a middle one, the last's last
+# the first chunk's first block, a middle one, the last chunk's last
+@pytest.mark.parametrize("where", [3, 507, 1023])
 def test_nan_found_in_any_block(
     make_run: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: int
 ) -> None:

@@ -105,7 +105,8 @@ def test_diloco_with_unit_outer_sgd_is_local_sgd_and_resumes_exactly(tmp_path: P
     _torchrun(cfg, tmp_path / "straight", *diloco)
     _torchrun(_config(tmp_path, "half", total=1280, optimizer="adamw"), tmp_path / "resumed", *diloco)
     again = _torchrun(cfg, tmp_path / "resumed", *diloco)
-    assert "resumed " in again and "(step 5)" in again, again[-3000:]  # continued from the half run's checkpoint
+    # continued from the half run's checkpoint
+    assert "resumed " in again and "(step 5)" in again, again[-3000:]
     straight, resumed = _weights(tmp_path / "straight", 10), _weights(tmp_path / "resumed", 10)
     assert _max_diff(straight, resumed) == 0.0
     _torchrun(cfg, tmp_path / "local-adam", "--sync-every", "5")
