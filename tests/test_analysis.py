@@ -261,7 +261,8 @@ def test_cli_without_a_run_config_uses_corpus_with_the_snapshot_tokenizer(tmp_pa
     snaps = sorted((run / "main" / "snapshots").iterdir())
     proc = run_cli("analyze", *snaps, "--grid", "2", "-o", tmp_path / "out")
     assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines()[-1].startswith("Error: no run config found")
+    lines = [x for x in proc.stderr.strip().splitlines() if not x.startswith("info: ")]
+    assert len(lines) == 1 and lines[0].startswith("Error: no run config found"), proc.stderr
     tokenizer = train_tokenizer([text.read_text()], 300)
     for snap in snaps:
         save_tokenizer(tokenizer, snap)

@@ -20,7 +20,8 @@ def assert_one_line_error(proc: object, *fragments: str) -> None:
     assert proc.returncode != 0  # type: ignore[attr-defined]
     err = proc.stderr.strip()  # type: ignore[attr-defined]
     assert "Traceback" not in err, err
-    assert err.startswith("Error: "), err
+    lines = err.splitlines()  # one Error line; a list of details below it is indented
+    assert err.startswith("Error: ") and all(x.startswith("  ") for x in lines[1:]), err
     for f in fragments:
         assert f in err, (f, err)
 
@@ -300,7 +301,9 @@ def test_small_first_hour_answers(tmp_path: Path) -> None:
         write_snapshot(tmp_path / "run" / f"step-{k}", state(k, torch.float32), step=k, tokens=100 * k)
     # --alpha with a weighting it does nothing for: one line, no merge
     sma = run_cli("merge", tmp_path / "run", "-o", tmp_path / "a", "--alpha", "0.5")
-    assert sma.returncode == 1 and sma.stderr.splitlines()[-1].startswith("Error: --alpha is the EMA factor")
+    assert sma.returncode == 1
+    assert [x for x in sma.stderr.splitlines() if not x.startswith("info: ")] == sma.stderr.splitlines()[-1:]
+    assert sma.stderr.splitlines()[-1].startswith("Error: --alpha is the EMA factor"), sma.stderr
     assert not (tmp_path / "a").exists()
     # --keep-fp32 on an fp32 merge writes no pmakit-fp32/ and says why
     kept = run_cli("merge", tmp_path / "run", "-o", tmp_path / "k", "--keep-fp32", "-q")
@@ -328,10 +331,11 @@ def _same_run(text: str, out: Path) -> str:
 
 
 def test_the_suites_launcher_runs_a_command_as_a_fresh_interpreter_does(
-    make_run: Callable[..., Path], tmp_path: Path
+    make_run: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """run_cli forks most commands from a launcher that loaded torch and the CLI once (tests/cli_launcher.py): what
     a command prints, writes and exits with must be what ``python -m pmakit`` in a new interpreter gives."""
+    monkeypatch.delenv("PMAKIT_TESTS_FRESH", raising=False)  # (that would compare fresh with fresh)
     run = make_run(4)
     out = tmp_path / "out"
     cases = {
@@ -359,9 +363,12 @@ def test_the_suites_launcher_runs_a_command_as_a_fresh_interpreter_does(
     assert got["mistake"]["fresh"][0][2].startswith("Error: ")
 
 
-def test_a_training_command_from_the_launcher_trains_the_same_bits_as_a_fresh_one(tmp_path: Path) -> None:
+def test_a_training_command_from_the_launcher_trains_the_same_bits_as_a_fresh_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """experiment and train come from the launcher that pinned the kernels before it loaded torch
     (tests/cli_launcher.py): the snapshots, losses and output must be a fresh interpreter's, bit for bit."""
+    monkeypatch.delenv("PMAKIT_TESTS_FRESH", raising=False)  # (that would compare fresh with fresh)
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i, module in enumerate((shutil, subprocess, json, re)):

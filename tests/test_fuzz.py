@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from conftest import state, write_snapshot
 from pmakit.cli import cli
-from pmakit.merge import average_states
+from pmakit.merge import average_states, partial_dir
 
 STEPS = (100, 200, 300)
 SETTINGS = settings(
@@ -77,10 +77,9 @@ def check_refusal(result: Any, out: Path) -> None:
     assert isinstance(result.exception, SystemExit), repr(result.exception)
     assert result.exit_code != 0
     assert "Traceback" not in result.output
-    assert result.stderr.rstrip().splitlines()[-1].startswith("Error: ") or "\n  " in result.stderr, (
-        result.stderr
-    )
-    assert not (out / "pmakit-merge.json").exists()
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error")]
+    assert len(errors) == 1 and errors[0].startswith("Error: "), result.stderr
+    assert not out.exists() and not partial_dir(out).exists()  # nothing written, nothing half-written
 
 
 def trusted_load(directory: Path) -> dict[str, torch.Tensor] | None:

@@ -280,14 +280,16 @@ def test_safetensors_snapshot_still_merges(tmp_path: Path) -> None:
 
 
 def test_claims_the_vm_would_allocate_before_checking_are_refused_first() -> None:
-    """A 10-byte pickle asking for a memo slot at index 4e9 (the VM grows its memo to 32 GB), or a BYTEARRAY8 of a
-    terabyte (allocated before it is read): refused before the VM runs, in one error."""
+    """A 10-byte pickle asking for a memo slot at index 4e9 (the VM grows its memo to 32 GB): refused by the scan
+    before the VM runs; a BYTEARRAY8 of a terabyte: refused by the VM, which checks the length against the bytes
+    left before it allocates. One error each, never a MemoryError."""
     allowed = dcp_io._metadata_pickles()
     memo = b"\x80\x04N" + b"r" + struct.pack("<I", 4_000_000_000) + b"."
     buffer = b"\x80\x05\x96" + struct.pack("<Q", 2**40) + b"."
-    for data in (memo, buffer):
-        with pytest.raises(PmakitError):
+    for data, words in ((memo, "refused"), (buffer, "bytes in a bytearray8, but only 1 remain")):
+        with pytest.raises(PmakitError, match=words) as refused:
             safe_pickle.loads(data, allowed)
+        assert "MemoryError" not in str(refused.value)
 
 
 class _Kind(enum.Enum):

@@ -69,7 +69,9 @@ def olmo_core_all(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     - ``cb-full``, ``cb-resumed``, ``cb-ws2``: pmakit's PMACallback on the Trainer, 8 steps, uninterrupted; killed
       after step 5 (its last checkpoint is step 4) and resumed by the Trainer; under FSDP over 2 ranks. Each has
       ``save`` (OLMo-core's checkpoints) and ``pma`` (pmakit's snapshots and metrics.jsonl); ``cb-full`` also
-      ``score-step2.json``, its step-2 snapshot scored on the callback's lm-eval task outside the trainer.
+      ``score-step2.json``, its step-2 snapshot scored on the callback's lm-eval task outside the trainer, and
+      ``score-avg8.json`` / ``score-step8.json``: the same for ``pmakit merge --last 3`` of its snapshots at step 8
+      (the callback's window then) and for the step-8 snapshot alone.
     """
     pytest.importorskip("olmo_core")
     root = tmp_path_factory.mktemp("olmo_core")
@@ -91,6 +93,16 @@ def olmo_core_all(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             p["cb-full"] / "pma" / "step-00000002",
             root / "work",
             p["cb-full"] / "score-step2.json",
+        ),
+        # the step-8 merge of the callback's window (steps 4, 6, 8) by pmakit merge, and the step-8 weights alone
+        *("+", "cli", "merge", p["cb-full"] / "pma", "--last", "3", "-o", root / "avg8", "-q"),
+        *("+", "score", root / "avg8", root / "work", p["cb-full"] / "score-avg8.json"),
+        *(
+            "+",
+            "score",
+            p["cb-full"] / "pma" / "step-00000008",
+            root / "work",
+            p["cb-full"] / "score-step8.json",
         ),
     )
     run_framework(

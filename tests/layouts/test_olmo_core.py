@@ -245,8 +245,9 @@ def test_callback_resumes_the_interrupted_window(olmo_core_callback_runs: dict[s
 def test_callback_scores_the_average_on_lm_eval_tasks(olmo_core_callback_runs: dict[str, Path]) -> None:
     """At each evaluation the average is scored on an lm-eval task (OLMo-core's Transformer seen by HFLM through
     CausalLMView): in metrics.jsonl and the trainer's own metrics, alike; at step 2 the average is the step-2
-    snapshot alone and scores what its weights score in a fresh model outside the trainer; a resumed run and the
-    FSDP run over 2 ranks log the same scores."""
+    snapshot alone and scores what its weights score in a fresh model outside the trainer; at step 8 the logged
+    scores are those of `pmakit merge --last 3` of the snapshots (steps 4, 6, 8) in a fresh model, not the live
+    weights'; a resumed run and the FSDP run over 2 ranks log the same scores."""
     keys = ("eval_merged/olmo_choice/acc", "eval_merged/olmo_choice/acc_norm")
     run = olmo_core_callback_runs["full"]
     logged = {s: {k: r[k] for k in keys} for s, r in evals(run).items()}
@@ -254,6 +255,9 @@ def test_callback_scores_the_average_on_lm_eval_tasks(olmo_core_callback_runs: d
     lines = (run / "pma" / "trainer_metrics.jsonl").read_text().splitlines()
     assert {r["step"]: {k: r[k] for k in keys} for r in map(json.loads, lines)} == logged
     assert json.loads((run / "score-step2.json").read_text()) == logged[2]
+    # at step 8 the window is steps 4, 6 and 8: the logged scores are those of their merge, not of the live weights
+    average, live = (json.loads((run / f"score-{x}.json").read_text()) for x in ("avg8", "step8"))
+    assert average == logged[8] and live != logged[8]
     resumed, ws2 = evals(olmo_core_callback_runs["resumed"]), evals(olmo_core_callback_runs["ws2"])
     assert all(resumed[s][k] == logged[s][k] for s in (6, 8) for k in keys)
     assert all(ws2[s][k] == logged[s][k] for s in logged for k in keys)
