@@ -448,3 +448,30 @@ def test_average_states_reads_a_generator_one_state_at_a_time() -> None:
     assert torch.equal(got["step_counter"], state(5)["step_counter"])
     with pytest.raises(ValueError, match="fewer states"):
         merge_mod.average_states([state(1)], [0.5, 0.5])
+
+
+def test_a_partial_output_killed_before_its_plan_is_started_again(
+    make_run: Callable[..., Path], tmp_path: Path
+) -> None:
+    """SIGKILL between making the partial directory and recording the plan in it (seen in the suite's random-kill
+    test) left a partial the same command refused ("no readable progress record ... pass --force"): with nothing
+    written there is nothing to keep, so the merge starts again. A partial holding files but no plan still needs
+    --force: its files cannot be checked."""
+    snaps = discover(make_run(3))
+    out, ref = tmp_path / "out", tmp_path / "ref"
+    merge(snaps, [1 / 3] * 3, ref, fsync=False)
+    (partial_dir(out) / PROGRESS_DIR).mkdir(
+        parents=True
+    )  # as a kill right after Ledger.start's mkdir leaves it
+    merge(snaps, [1 / 3] * 3, out, fsync=False)
+    assert not partial_dir(out).exists()
+    for f in ref.glob("*.safetensors"):
+        assert (out / f.name).read_bytes() == f.read_bytes()
+    other = tmp_path / "other"
+    partial_dir(other).mkdir()
+    (partial_dir(other) / "model.safetensors").write_bytes(b"half")
+    with pytest.raises(
+        PmakitError, match="no readable progress record, so it cannot be resumed; pass --force"
+    ):
+        merge(snaps, [1 / 3] * 3, other, fsync=False)
+    assert (partial_dir(other) / "model.safetensors").read_bytes() == b"half"

@@ -131,6 +131,13 @@ class Ledger:
         self.dir.mkdir(parents=True)
         atomic_write_text(self.dir / "plan.json", json.dumps({"fingerprint": fingerprint}))
 
+    def begun(self) -> bool:
+        """Whether the merge recorded its plan or wrote anything: a partial directory without either was stopped as
+        it began (killed between making the directory and recording the plan), and holds no work to keep."""
+        if (self.dir / "plan.json").exists():
+            return True
+        return any(p.name != PROGRESS_DIR for p in self.partial.iterdir())
+
     def check(self, fingerprint: str) -> None:
         try:
             recorded = json.loads((self.dir / "plan.json").read_text()).get("fingerprint")
@@ -229,10 +236,12 @@ def prepare_output(
     if out.exists() and not force:
         raise PmakitError(f"{out} exists; pass --force to replace it")
     if partial.exists():
-        if resume or not force:
+        if (resume or not force) and Ledger(partial).begun():
             Ledger(partial).check(fingerprint)
             log.warning("continuing the interrupted merge in %s (same inputs and options)", partial)
             return
+        if not force:
+            log.info("%s was stopped before it recorded its plan (nothing to keep); starting again", partial)
         shutil.rmtree(partial)
     elif resume:
         log.info("no interrupted merge in %s; starting from the beginning", partial)
