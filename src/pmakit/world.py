@@ -45,12 +45,8 @@ class World:
     def distributed(self) -> bool:
         return self.size > 1
 
-    def agree(self, ok: bool) -> bool:
-        """True when every rank says ``ok`` (a collective: every rank must call it at the same point)."""
-        return self.least(1 if ok else 0) == 1
-
     def least(self, value: int) -> int:
-        """The smallest ``value`` any rank gives (a collective, as ``agree``)."""
+        """The smallest ``value`` any rank gives (a collective: every rank must call it at the same point)."""
         if not self.distributed:
             return value
         import torch.distributed as dist

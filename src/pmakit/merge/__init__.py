@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from pmakit.errors import Interrupted, PmakitError
+from pmakit.errors import PmakitError
 from pmakit.formats import Reader, is_float
 from pmakit.formats.safetensors_io import write_index
 from pmakit.guard import guard_output, output_lock
@@ -43,6 +43,7 @@ from pmakit.merge._faults import Killer as _Killer
 from pmakit.merge.incremental import Increment, incremental_methods, plan_increment
 from pmakit.merge.output import (
     FP32_DIR,
+    INTERRUPTIONS,
     PROGRESS_DIR,
     Ledger,
     finish_output,
@@ -337,7 +338,7 @@ def _interrupted(error: BaseException, world: World) -> bool:
     """Stopped from outside rather than failed: Ctrl-C, SIGTERM (torchrun stopping the group), a lost rank, a store
     that stopped answering (``Interrupted``). Its partial output is kept for the same command to continue; a failure
     (bad input, disk full) removes it."""
-    if isinstance(error, (KeyboardInterrupt, SystemExit, Interrupted)):
+    if isinstance(error, INTERRUPTIONS):
         return True
     # A collective other than our agreements (a layout writer's) failing under torchrun: a peer is gone.
     return world.distributed and not isinstance(error, (PmakitError, OSError))

@@ -236,8 +236,9 @@ def prepare_output(
     if out.exists() and not force:
         raise PmakitError(f"{out} exists; pass --force to replace it")
     if partial.exists():
-        if (resume or not force) and Ledger(partial).begun():
-            Ledger(partial).check(fingerprint)
+        ledger = Ledger(partial)
+        if (resume or not force) and ledger.begun():
+            ledger.check(fingerprint)
             log.warning("continuing the interrupted merge in %s (same inputs and options)", partial)
             return
         if not force:
@@ -268,8 +269,7 @@ def run_stage(world: World, out: Path, fn: Callable[[], Any], rank0: bool = Fals
             result = fn()
     except BaseException as e:
         error = e
-    cut = isinstance(error, (KeyboardInterrupt, SystemExit, Interrupted))
-    least = world.least(_DONE if error is None else _CUT if cut else _FAILED)
+    least = world.least(_DONE if error is None else _CUT if isinstance(error, INTERRUPTIONS) else _FAILED)
     if isinstance(error, OSError):
         where = f" ({error.filename})" if error.filename else ""  # which file: one an input lacks, say
         raise PmakitError(
@@ -285,6 +285,8 @@ def run_stage(world: World, out: Path, fn: Callable[[], Any], rank0: bool = Fals
     return result
 
 
+INTERRUPTIONS = (KeyboardInterrupt, SystemExit, Interrupted)
+"""Stops from outside (Ctrl-C, SIGTERM, a lost rank, a store that stopped answering): a merge keeps its work."""
 _FAILED, _CUT, _DONE = 0, 1, 2
 """What a rank says of a stage (``run_stage``): the least of them over the ranks is the stage's outcome."""
 
