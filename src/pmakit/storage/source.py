@@ -21,6 +21,7 @@ import os
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -77,11 +78,10 @@ class Sequential:
         began = time.perf_counter()
         parts = [memoryview(f.result()) for f in futures]
         self.waited += time.perf_counter() - began
-        lo = start - first * BLOCK_BYTES
+        lo, hi = start - first * BLOCK_BYTES, stop - last * BLOCK_BYTES
         if len(parts) == 1:
-            return parts[0][lo : lo + stop - start]
-        joined = b"".join(parts)
-        return memoryview(joined)[lo : lo + stop - start]
+            return parts[0][lo:hi]
+        return b"".join([parts[0][lo:], *parts[1:-1], parts[-1][:hi]])  # a copy of just the range
 
     def _advance(self, start: int, stop: int) -> bool:
         """Start the blocks ``[start, stop)`` needs and the stream's share ahead of it; False (nothing started) for a
@@ -96,12 +96,15 @@ class Sequential:
             return False
         with _STREAMS_LOCK:
             _STREAMS.add(self)
-            share = max(2, AHEAD_BLOCKS // len(_STREAMS))
+            share = max(2, (AHEAD_BLOCKS - len(_EARLY)) // len(_STREAMS))
         end = min(self.remote.size, max(stop, start + share * BLOCK_BYTES))
         while self._next * BLOCK_BYTES < end:
             a = self._next * BLOCK_BYTES
-            rank = functools.partial(self._ahead, self._next)
-            self._blocks[self._next] = self.remote.fetch(a, min(self.remote.size, a + BLOCK_BYTES), rank)
+            early = _claim_early(self.remote.placeholder, self._next)
+            if early is None:
+                rank = functools.partial(self._ahead, self._next)
+                early = self.remote.fetch(a, min(self.remote.size, a + BLOCK_BYTES), rank)
+            self._blocks[self._next] = early
             self._next += 1
         if self._next * BLOCK_BYTES >= self.remote.size:  # all started: no share of the pool needed any more
             with _STREAMS_LOCK:
@@ -119,6 +122,8 @@ class Sequential:
             self._blocks.clear()
         with _STREAMS_LOCK:
             _STREAMS.discard(self)
+        if self._next != -1:  # read: what of the file was fetched early and not taken is not needed (a reader
+            _drop_early(self.remote.placeholder)  # opened and closed unread, for its header, leaves it)
 
 
 _STREAMS: set[Sequential] = set()
@@ -129,6 +134,48 @@ _STREAMS_LOCK = threading.Lock()
 AHEAD_BLOCKS = IN_FLIGHT * 3 // 2
 """Blocks fetched ahead over all streams: in flight or fetched and not yet read. More than the pool's ``IN_FLIGHT``
 GETs, so that blocks fetched early (a stream waits for the slowest of the N) do not leave the pool idle."""
+EARLY_BLOCKS = AHEAD_BLOCKS // 2
+"""Blocks ``fetch_early`` may start over all files: part of ``AHEAD_BLOCKS`` (the streams fetch ahead less while
+they are held)."""
+EARLY_PER_FILE = 4
+"""Blocks ``fetch_early`` starts a file at most (the first ones)."""
+
+
+def fetch_early(files: Sequence[RemoteFile]) -> None:
+    """Start the first blocks of ``files`` before any reader asks for them: a command that will read them front to
+    back starts them while it is still importing torch (``pmakit.storage.mirror.prefetch``, for a merge of a remote
+    run's newest snapshots). The stream that reads such a file takes its blocks (``Sequential``) instead of
+    fetching them again. Memory stays within the read-ahead's: the blocks held here count against
+    ``AHEAD_BLOCKS``, and a file's go when its stream closes; a file guessed wrongly (never read) keeps at most
+    ``EARLY_PER_FILE`` blocks of ``EARLY_BLOCKS`` in all until the process ends."""
+    if not files:
+        return
+    per_file = max(1, min(EARLY_PER_FILE, EARLY_BLOCKS // len(files)))
+    with _EARLY_LOCK:
+        for block in range(per_file):  # every file's first block before any file's second
+            for file in files:
+                a = block * BLOCK_BYTES
+                key = (file.placeholder, block)
+                if len(_EARLY) >= EARLY_BLOCKS or a >= file.size or key in _EARLY:
+                    continue
+                rank = functools.partial(int, block)  # as ranked by a stream reading the file's first block
+                _EARLY[key] = file.fetch(a, min(file.size, a + BLOCK_BYTES), rank)
+
+
+def _claim_early(placeholder: Path, block: int) -> Future[bytes] | None:
+    with _EARLY_LOCK:
+        return _EARLY.pop((placeholder, block), None)
+
+
+def _drop_early(placeholder: Path) -> None:
+    with _EARLY_LOCK:
+        for key in [k for k in _EARLY if k[0] == placeholder]:
+            _EARLY.pop(key).cancel()
+
+
+_EARLY: dict[tuple[Path, int], Future[bytes]] = {}
+"""Blocks ``fetch_early`` started and no stream took yet, by (placeholder, block)."""
+_EARLY_LOCK = threading.Lock()
 
 
 class ByteSource(ABC):
