@@ -185,12 +185,14 @@ def test_blocks_fetched_while_torch_imports_are_the_merges_own(
 ) -> None:
     """``prefetch`` with ``newest``: once the mirror is made, the first blocks of the newest snapshot's file are
     fetched; the stream that reads the file takes them (no second GET, the same bytes), a reader opened and closed
-    unread (for a header) leaves them, and a stream that closes drops what it did not take."""
+    unread (for a header) leaves them, a stream that closes drops what it did not take, and the first read of a
+    merge that opened no reader for the guessed file drops them."""
     from pmakit.storage import registry
 
     monkeypatch.setattr(source, "BLOCK_BYTES", 4096)
     monkeypatch.setattr(mirror, "HEAD_BYTES", 256)
     monkeypatch.setattr(source, "_EARLY", {})
+    monkeypatch.setattr(source, "_OPENED", set())
     for k, v in s3_server.env().items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(registry, "_STORES", {})  # a client made under this test's endpoint
@@ -244,3 +246,10 @@ def test_blocks_fetched_while_torch_imports_are_the_merges_own(
     with source.open_source(first, sequential=True) as reader:
         assert bytes(reader.read(8, 100)) == (root / "step-1" / "model.safetensors").read_bytes()[8:100]
     assert source._EARLY == {}  # the blocks it did not take go with the stream
+
+    mirror.prefetch([url], newest=1)  # a guess the merge proves wrong: it reads the older snapshot only
+    fresh = mirror.localize(url)
+    assert {k[0] for k in source._EARLY} == {fresh / "step-2" / "model.safetensors"}
+    with source.open_source(fresh / "step-1" / "model.safetensors", sequential=True) as reader:
+        assert bytes(reader.read(8, 100)) == (root / "step-1" / "model.safetensors").read_bytes()[8:100]
+        assert source._EARLY == {}  # dropped at its first read: no reader had opened the guessed file

@@ -51,6 +51,9 @@ class Sequential:
         self._reading = 0
         """The block the last read began in: a block's GET ranks by how far past it the block lies."""
         self._lock = threading.Lock()
+        with _EARLY_LOCK:
+            if _EARLY:
+                _OPENED.add(remote.placeholder)
         self.waited = 0.0
         """Seconds the reading thread waited for blocks (benchmarks)."""
 
@@ -87,6 +90,10 @@ class Sequential:
         """Start the blocks ``[start, stop)`` needs and the stream's share ahead of it; False (nothing started) for a
         range behind the blocks held: the caller GETs it on its own."""
         first = start // BLOCK_BYTES
+        if (
+            self._next == -1
+        ):  # the merge's readers are all open: what was fetched early for others is not needed
+            _prune_early()
         if self._next == -1 or first > self._next + 2:  # the first read, or past unread bytes: start there
             for future in self._blocks.values():
                 future.cancel()
@@ -146,8 +153,8 @@ def fetch_early(files: Sequence[RemoteFile]) -> None:
     back starts them while it is still importing torch (``pmakit.storage.mirror.prefetch``, for a merge of a remote
     run's newest snapshots). The stream that reads such a file takes its blocks (``Sequential``) instead of
     fetching them again. Memory stays within the read-ahead's: the blocks held here count against
-    ``AHEAD_BLOCKS``, and a file's go when its stream closes; a file guessed wrongly (never read) keeps at most
-    ``EARLY_PER_FILE`` blocks of ``EARLY_BLOCKS`` in all until the process ends."""
+    ``AHEAD_BLOCKS``; a file's go when its stream closes, and those of a file guessed wrongly (no reader opened it)
+    at the first read of any stream (``_prune_early``)."""
     if not files:
         return
     per_file = max(1, min(EARLY_PER_FILE, EARLY_BLOCKS // len(files)))
@@ -164,17 +171,39 @@ def fetch_early(files: Sequence[RemoteFile]) -> None:
 
 def _claim_early(placeholder: Path, block: int) -> Future[bytes] | None:
     with _EARLY_LOCK:
-        return _EARLY.pop((placeholder, block), None)
+        if not _EARLY:
+            return None
+        claimed = _EARLY.pop((placeholder, block), None)
+        _forget_opened()
+        return claimed
 
 
 def _drop_early(placeholder: Path) -> None:
     with _EARLY_LOCK:
         for key in [k for k in _EARLY if k[0] == placeholder]:
             _EARLY.pop(key).cancel()
+        _forget_opened()
+
+
+def _prune_early() -> None:
+    """Drop the blocks fetched early for files no reader has opened: a reader opens all its files as it is made,
+    and a merge makes all its readers before it reads, so at a stream's first read these were guessed wrongly."""
+    with _EARLY_LOCK:
+        for key in [k for k in _EARLY if k[0] not in _OPENED]:
+            _EARLY.pop(key).cancel()
+        _forget_opened()
+
+
+def _forget_opened() -> None:
+    """(Under ``_EARLY_LOCK``) the streams made are noted only while blocks fetched early wait."""
+    if not _EARLY:
+        _OPENED.clear()
 
 
 _EARLY: dict[tuple[Path, int], Future[bytes]] = {}
 """Blocks ``fetch_early`` started and no stream took yet, by (placeholder, block)."""
+_OPENED: set[Path] = set()
+"""The placeholders a stream was made for while ``_EARLY`` held blocks (``_prune_early``)."""
 _EARLY_LOCK = threading.Lock()
 
 
