@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -88,14 +90,30 @@ def test_memory_bounds_the_workers_and_the_read_ahead() -> None:
     assert (tiny.workers, tiny.read_ahead) == (1, 1)
 
 
-def test_the_environment_overrides_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_environment_overrides_the_cores(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert size_fold(16, 120 * GiB, BUF, READ, override=3).workers == 3
     assert workers_override({}) is None and workers_override({"PMAKIT_FOLD_WORKERS": "6"}) == 6
     for bad in ("0", "two", "-1"):
         with pytest.raises(PmakitError, match="PMAKIT_FOLD_WORKERS"):
             workers_override({"PMAKIT_FOLD_WORKERS": bad})
+    # torchrun's LOCAL_WORLD_SIZE=2: the two ranks share this machine's cores, each half of one process's (rounded
+    # up), and the CPUs it may run on are the affinity mask's
     node = read_node({"LOCAL_WORLD_SIZE": "2"})
-    assert node.local_ranks == 2 and node.cores == usable_cores(node.affinity, node.quota, 2)
+    assert node.local_ranks == 2 and node.cores == math.ceil(read_node({}).cores / 2)
+    assert node.affinity == len(os.sched_getaffinity(0))
+    # and on a node whose numbers are known (that one may have one core, where halving changes nothing): 16 CPUs
+    # and a cgroup quota of 6 cores give one process 6, each of 2 ranks 3, each of 4 ranks 2 (1.5 rounded up)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    _files(tmp_path, {
+        "cg/cgroup.controllers": "cpu",
+        "cg/job/cpu.max": "600000 100000\n",
+        "proc-cgroup": "0::/job\n",
+    })  # fmt: skip
+    monkeypatch.setattr(resources, "CGROUP_ROOT", tmp_path / "cg")
+    monkeypatch.setattr(resources, "PROC_CGROUP", tmp_path / "proc-cgroup")
+    node = read_node({"LOCAL_WORLD_SIZE": "2"})
+    assert (node.affinity, node.quota, node.local_ranks, node.cores) == (16, 6.0, 2, 3)
+    assert read_node({}).cores == 6 and read_node({"LOCAL_WORLD_SIZE": "4"}).cores == 2
 
 
 def test_the_merge_plan_carries_the_sizing_and_its_memory(

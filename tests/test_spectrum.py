@@ -27,23 +27,40 @@ def test_sma_gain_is_the_dirichlet_kernel_and_ema_the_one_pole_filter() -> None:
     np.testing.assert_allclose(gain(get_weights("ema", 200, alpha=a), f), one_pole, rtol=1e-6)
 
 
-def _run(root: Path, t: int = 40) -> Path:
-    """Snapshots theta_t = slow drift + white jitter along a fixed direction, in an experiment-shaped run."""
+def _run(root: Path, t: int = 40) -> tuple[Path, np.ndarray]:
+    """Snapshots theta_t = slow drift + white jitter along a fixed direction, in an experiment-shaped run; and the
+    coefficients c_t of that direction (theta_t = base + c_t * direction)."""
     g = torch.Generator().manual_seed(0)
     base = torch.randn(4096, generator=g)
     direction = torch.randn(4096, generator=g)
+    coefficients = []
     for i in range(t):
         drift = np.sin(2 * np.pi * i / (4 * t))  # far below one cycle per window
         jitter = float(torch.randn((), generator=g))
-        state = {"w": base + (5 * drift + 0.5 * jitter) * direction}
+        coefficients.append(5 * drift + 0.5 * jitter)
+        state = {"w": base + coefficients[-1] * direction}
         write_snapshot(
             root / "main" / "snapshots" / f"step-{i + 1:04d}", state, step=i + 1, tokens=100 * (i + 1)
         )
-    return root
+    return root, np.asarray(coefficients)
+
+
+def _removed_power(c: np.ndarray, weights: list[float]) -> float:
+    """The share of the power of the series ``c`` above f = 0 that the merge ``weights`` (oldest first) removes,
+    from numpy's DFT and the filter's response written out (independent of pmakit.lab.spectrum and scipy).
+
+    Every bin k = 1..T-1 of the two-sided DFT (the negative frequencies counted as themselves, as a one-sided
+    periodogram doubles them) weighted by 1 - |sum_j w_j e^(-2 pi i f_k j)|^2, j counted back from the newest.
+    """
+    power = np.abs(np.fft.fft(c - c.mean())) ** 2
+    f = np.fft.fftfreq(len(c))
+    lags = np.arange(len(weights))
+    kept = np.abs(np.exp(-2j * np.pi * np.outer(f, lags)) @ np.asarray(weights[::-1])) ** 2
+    return float((power[1:] * (1 - kept[1:])).sum() / power[1:].sum())
 
 
 def test_drift_sits_low_and_jitter_spreads_flat(tmp_path: Path) -> None:
-    run = _run(tmp_path)
+    run, coefficients = _run(tmp_path)
     snaps = discover(run / "main" / "snapshots")
     _, p = power_spectrum(trajectory(snaps))
     assert p[1:3].sum() > 10 * p[len(p) // 2 :].mean()  # the drift's power sits in the lowest bins
@@ -55,6 +72,19 @@ def test_drift_sits_low_and_jitter_spreads_flat(tmp_path: Path) -> None:
     # what SMA keeps of the high band is its gain there: the jitter floor is cut, the drift is kept
     high = np.asarray(saved["frequencies"]) > 1 / 8
     assert np.asarray(sma["gain"])[high].max() < 0.06 and 0 < sma["removed_power"] < 1
+    # The removed share follows from the coefficients alone: each snapshot is base + c_t * direction, so every
+    # projection, its mean removed, is (d . direction) * (c_t - mean c): each direction's periodogram is P_c(f)
+    # times a constant, and the share of power removed is P_c's, whatever the directions. The snapshots hold
+    # theta_t in fp32 and the projections are fp32 dot products over 4096 entries: the deviations are off by a few
+    # 1e-7 relative, the share by as much (4e-8 seen). rel=1e-5 leaves a wide margin and still tells apart another
+    # window (SMA N=7 or 9: over 10%), a linear trend taken out before the periodogram or its one-sided inner
+    # bins not doubled (0.5%).
+    assert sma["weights"] == pytest.approx([1 / 8] * 8)
+    assert sma["removed_power"] == pytest.approx(_removed_power(coefficients, [1 / 8] * 8), rel=1e-5)
+    for label, filtered in saved["filters"].items():  # EMA and WSM too, from the weights the record names
+        assert filtered["removed_power"] == pytest.approx(
+            _removed_power(coefficients, filtered["weights"]), rel=1e-5
+        ), label
 
 
 def test_experiment_report_has_the_spectrum(smoke_experiment: tuple[Path, str]) -> None:

@@ -26,6 +26,8 @@ from pmakit.report.blocks import Block, Heading, Paragraph
 from pmakit.runs import RESULTS, RESULTS_CSV, atomic_write_json, read_jsonl
 
 STUDY = "toy"
+MEASURED: list[int] = []
+"""The i the toy study measured, in order, over every invocation of a test (the fixture empties it)."""
 
 # --- the lab module: a study that "scores" i -> i * i, appending one row at a time (resumable)
 
@@ -47,7 +49,8 @@ def run_study(
     rows = ResultRows(run.dir / RESULTS, lambda r: r["i"])
     for i in range(n):
         if i not in rows:
-            rows.add({"i": i, "square": i * i})
+            MEASURED.append(i)
+            rows.add({"i": i, "square": i * i, "measurement": len(MEASURED)})
     write_csv(run.dir / RESULTS_CSV, ("i", "square"), rows.rows)
     started = run.previous().get("started", run.started)
     atomic_write_json(
@@ -77,6 +80,7 @@ def toy(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
     """The toy study's line in each table, and its config file."""
     monkeypatch.setitem(runner.STUDIES, STUDY, __name__)
     monkeypatch.setitem(sections.SECTIONS, STUDY, __name__)
+    MEASURED.clear()
     config = tmp_path / "toy.json"
     config.write_text(json.dumps({"study": STUDY, STUDY: {"n": 4}}))
     yield config
@@ -96,9 +100,31 @@ def test_a_study_registered_in_both_tables_runs_and_reports(toy: Path, tmp_path:
     assert json.loads((run / "config.json").read_text()) == {STUDY: {"n": 4}}
     assert "The squares sum to 14." in (run / "report.md").read_text()
 
+    assert MEASURED == [0, 1, 2, 3]
+    uninterrupted, first = (run / RESULTS).read_bytes(), read_jsonl(run / RESULTS)
+
     again = _pmakit("experiment", toy, "-o", run)  # resumed: no row measured twice
     assert again.exit_code == 0, again.output
     assert len(read_jsonl(run / RESULTS)) == 4
+    # nothing measured again, and the rows are the first run's, byte for byte (each row names the measurement that
+    # made it: a row measured anew, even to the same square, would carry a later one)
+    assert MEASURED == [0, 1, 2, 3] and (run / RESULTS).read_bytes() == uninterrupted
+
+    # Killed after two rows (the rest of the file, the stamp of the finish and the report never written): the
+    # resumed run keeps those two rows as they are and measures the other two only, as the uninterrupted run did.
+    kept = b"".join(uninterrupted.splitlines(keepends=True)[:2])
+    (run / RESULTS).write_bytes(kept)
+    for name in ("experiment.json", "report.md", "report.html", RESULTS_CSV):
+        (run / name).unlink()
+    resumed = _pmakit("experiment", toy, "-o", run)
+    assert resumed.exit_code == 0, resumed.output
+    assert MEASURED == [0, 1, 2, 3, 2, 3]
+    rows = read_jsonl(run / RESULTS)
+    assert (run / RESULTS).read_bytes().startswith(kept) and rows[:2] == first[:2]
+    made = [(r["i"], r["square"], r["measurement"]) for r in rows]
+    assert made == [(0, 0, 1), (1, 1, 2), (2, 4, 5), (3, 9, 6)]
+    assert [(r["i"], r["square"]) for r in rows] == [(r["i"], r["square"]) for r in first]
+    assert (run / RESULTS_CSV).read_text().splitlines() == ["i,square", "0,0", "1,1", "2,4", "3,9"]
 
     report = _pmakit("report", run)
     assert report.exit_code == 0, report.output

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 
 from conftest import load_dir
 from pmakit.cli import cli
@@ -55,6 +55,21 @@ def trainer_output(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+def one_error_line(r: Result) -> str:
+    """The error line of a command refused as pmakit refuses input: exit code 1 from click's ``Error:`` (not an
+    exception escaping, which CliRunner catches without printing a traceback), no traceback, and on stderr exactly
+    one line starting with ``Error:``; before it only pmakit's log lines (``info:``, ``warning:``), after it only
+    indented details (as ``test_cli.assert_one_line_error`` checks of the installed command)."""
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.exception, r.output)
+    assert "Traceback" not in r.output, r.output  # stdout and stderr
+    lines = r.stderr.splitlines()
+    at = [i for i, x in enumerate(lines) if x.startswith("Error:")]
+    assert len(at) == 1 and lines[at[0]].startswith("Error: "), r.stderr
+    assert all(x.startswith(("info: ", "warning: ")) for x in lines[: at[0]]), r.stderr
+    assert all(x.startswith("  ") for x in lines[at[0] + 1 :]), r.stderr
+    return lines[at[0]]
+
+
 def test_defaults_need_tokens_per_step_and_say_so(trainer_output: Path, tmp_path: Path) -> None:
     names = sorted(p.name for p in trainer_output.iterdir() if p.name.startswith("checkpoint-"))
     assert names == [f"checkpoint-{s}" for s in (2, 4, 6)]
@@ -64,14 +79,13 @@ def test_defaults_need_tokens_per_step_and_say_so(trainer_output: Path, tmp_path
     final, last = load_dir(trainer_output), load_dir(trainer_output / names[-1])
     assert all(torch.equal(final[k], last[k]) for k in last)
     r = CliRunner().invoke(cli, ["merge", str(trainer_output), "-o", str(tmp_path / "out")])
-    assert r.exit_code == 1
-    last = r.stderr.splitlines()[-1]
-    assert last.startswith("Error: ") and "pass --tokens-per-step N" in last, r.stderr
-    assert "include_num_input_tokens_seen=True" in last and "pmakit.json" not in last, last
+    error = one_error_line(r)
+    assert "pass --tokens-per-step N" in error, r.stderr
+    assert "include_num_input_tokens_seen=True" in error and "pmakit.json" not in error, error
     assert not (tmp_path / "out").exists()
     r = CliRunner().invoke(cli, ["inspect", str(trainer_output)])
-    last = r.stderr.splitlines()[-1]
-    assert r.exit_code == 1 and "pass --tokens-per-step N" in last and "pmakit.json" not in last, r.stderr
+    error = one_error_line(r)
+    assert "pass --tokens-per-step N" in error and "pmakit.json" not in error, r.stderr
 
     r = CliRunner().invoke(
         cli,
