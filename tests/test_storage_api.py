@@ -213,19 +213,14 @@ def test_the_cli_prefetches_its_inputs_not_its_output(monkeypatch: pytest.Monkey
     from pmakit import _env
     from pmakit.storage import mirror
 
-    started: list[tuple[list[str], int | None]] = []
-    monkeypatch.setattr(mirror, "prefetch", lambda urls, newest: started.append((list(urls), newest)))
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    started: list[list[str]] = []
+    monkeypatch.setattr(mirror, "prefetch", lambda urls: started.append(list(urls)))
     _env.prefetch_inputs(["merge", "s3://b/run", "gs://c/s1", "-o", "s3://b/out", "--last", "4"])
     _env.prefetch_inputs(["inspect", "--output", "s3://b/x", "s3://b/run"])
     _env.prefetch_inputs(["merge", "s3://b/run", "--output=s3://b/out"])
     _env.prefetch_inputs(["merge", "runs/local", "-o", "s3://b/out"])  # nothing remote to read
     _env.prefetch_inputs(["train", "s3://b/run"])  # not a command that mirrors its arguments
-    assert started == [  # with the newest snapshots a merge will read, as its arguments say (10 by default)
-        (["s3://b/run", "gs://c/s1"], 4),
-        (["s3://b/run"], None),
-        (["s3://b/run"], 10),
-    ]
+    assert started == [["s3://b/run", "gs://c/s1"], ["s3://b/run"], ["s3://b/run"]]
 
 
 def test_an_unused_prefetch_leaves_no_folder(s3_server: Any, bucket: str, tmp_path: Path) -> None:

@@ -121,28 +121,7 @@ def prefetch_inputs(argv: list[str]) -> None:
     if urls:
         from pmakit.storage.mirror import prefetch  # the standard library (and the store's client): not torch
 
-        prefetch(urls, newest=_merged_newest(argv))
-
-
-def _merged_newest(argv: list[str]) -> int | None:
-    """How many of the newest snapshots ``pmakit merge ARGV`` takes, as far as its arguments alone say: ``--last
-    N``, else the default window (``pmakit.runs.DEFAULT_LAST``; a run's recorded window may differ: the guess
-    then fetches a few blocks in vain). None for any other command, a selection the arguments leave open
-    (``--recipe``, ``--every``, ``--until``, ``--exclude``), an update (``--from-previous``) or a dry run, and
-    under torchrun (each rank reads a share of the tensors)."""
-    from pmakit.runs import DEFAULT_LAST
-
-    if argv[:1] != ["merge"] or os.environ.get("WORLD_SIZE", "1").strip() not in ("", "1"):
-        return None
-    newest: int | None = DEFAULT_LAST
-    for i, token in enumerate(argv):
-        name, _, value = token.partition("=")
-        if name in ("--recipe", "--every", "--until", "--exclude", "--from-previous", "--dry-run", "--help"):
-            return None
-        if name == "--last":
-            value = value or (argv[i + 1] if i + 1 < len(argv) else "")
-            newest = int(value) if value.isdigit() and int(value) > 0 else None
-    return newest
+        prefetch(urls)
 
 
 def run_cli() -> None:

@@ -50,12 +50,6 @@ MAIN_RUN = "main"
 
 SNAPSHOT_NAME = re.compile(r"^step-(\d{8,})$")
 """A snapshot the saver wrote (and so may delete under ``keep_last``): ``step-`` and the step, 8 digits or more."""
-STEP_IN_NAME = re.compile(r"(?:checkpoint|step|iter|global_step)[-_]?0*(\d+)$")
-"""A step number at the end of any trainer's checkpoint folder name: checkpoint-500, step-500, step_500, step500,
-iter_0000500 (pmakit's own ``SNAPSHOT_NAME`` among them)."""
-DEFAULT_LAST = 10
-"""The paper's default N: the snapshots a merge of a run takes when neither ``--last`` nor the run's own online
-merge says how many (``pmakit.selection.default_last``)."""
 
 
 def snapshots_dir(run: Path) -> Path:

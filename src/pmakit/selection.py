@@ -8,12 +8,14 @@ import statistics
 from collections.abc import Iterable, Sequence
 
 from pmakit.errors import PmakitError
-from pmakit.runs import DEFAULT_LAST
 from pmakit.snapshot import Snapshot, gather
 from pmakit.units import format_tokens
 
 log = logging.getLogger(__name__)
 
+
+DEFAULT_LAST = 10
+"""The paper's default N, for runs that recorded none."""
 
 DEFAULT_WINDOW_RULE = (
     f"the last {DEFAULT_LAST}, or the window its own online merge used (pmakit train records it) with an info: "

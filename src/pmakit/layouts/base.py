@@ -7,6 +7,7 @@ layouts, and the layouts build ``Snapshot`` records, so the record lives below b
 from __future__ import annotations
 
 import json
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -18,10 +19,11 @@ import torch
 from pmakit import limits
 from pmakit.errors import PmakitError
 from pmakit.formats import Reader, open_reader
-from pmakit.runs import STEP_IN_NAME
 
 METADATA_FILE = "pmakit.json"
 MERGE_MANIFEST = "pmakit-merge.json"
+STEP_IN_NAME = re.compile(r"(?:checkpoint|step|iter|global_step)[-_]?0*(\d+)$")
+"""A step number at the end of a directory name: checkpoint-500, step-500, step_500, step500, iter_0000500."""
 
 
 class IncompleteSnapshot(PmakitError):

@@ -14,8 +14,6 @@ itself from its files (no table in the process): a path is a mirror's when a fol
 from __future__ import annotations
 
 import atexit
-import functools
-import itertools
 import json
 import logging
 import os
@@ -32,7 +30,6 @@ from typing import Any
 
 from pmakit import limits
 from pmakit.errors import PmakitError
-from pmakit.runs import STEP_IN_NAME
 from pmakit.storage.base import PART_BYTES, Listed, Location
 from pmakit.storage.registry import parse, pool, store
 
@@ -187,20 +184,13 @@ def localize(url: str) -> Path:
     return root
 
 
-def prefetch(urls: Iterable[str], newest: int | None = None) -> None:
+def prefetch(urls: Iterable[str]) -> None:
     """Begin mirroring ``urls`` in a background thread, for a ``localize`` to come: a command that merges remote
     inputs starts them while torch imports (0.8-1.8 s here), and the listing, headers and small files arrive
     meanwhile. The store's client is made here, in the calling thread, so that no module is imported by the
     background thread while the caller imports others (two threads importing at once can deadlock on a circular
     import); the thread only sends requests. Errors are kept for that ``localize`` (raised there, as its own); a URL
-    never localized costs its listing, and its folder goes at exit like any mirror's.
-
-    With ``newest`` (a merge that will read the newest snapshots of a run), the first blocks of the weight files
-    it will read (``newest_weight_files``: a guess from the names) are fetched too, as soon as each mirror is made
-    (``pmakit.storage.source.fetch_early``): the store serves them while torch is still importing."""
-    from pmakit.storage import source  # here, not in the thread (see above)
-
-    early = functools.partial(_Early, source.fetch_early, newest) if newest else None
+    never localized costs its listing, and its folder goes at exit like any mirror's."""
     fresh = []
     for url in urls:
         try:
@@ -213,45 +203,17 @@ def prefetch(urls: Iterable[str], newest: int | None = None) -> None:
                 _PREFETCHED[where.url] = Future()
                 fresh.append((url, _PREFETCHED[where.url]))
     if fresh:
-        threading.Thread(target=_prefetch, args=(fresh, early), name="pmakit-prefetch", daemon=True).start()
+        threading.Thread(target=_prefetch, args=(fresh,), name="pmakit-prefetch", daemon=True).start()
 
 
-def _prefetch(
-    jobs: list[tuple[str, Future[tuple[Path, str | None]]]], early: Callable[[], _Early] | None
-) -> None:
+def _prefetch(jobs: list[tuple[str, Future[tuple[Path, str | None]]]]) -> None:
     for url, future in jobs:
         if not future.set_running_or_notify_cancel():
             continue
         try:
-            future.set_result(_mirror(url, early() if early is not None else None))
+            future.set_result(_mirror(url))
         except BaseException as e:  # the localize that takes it raises it
             future.set_exception(e)
-
-
-@dataclass(frozen=True)
-class _Early:
-    """What ``prefetch`` asks a mirror to start early: the first blocks (``fetch``) of the weight files a merge of
-    the ``newest`` snapshots reads (``newest_weights``)."""
-
-    fetch: Callable[[list[RemoteFile]], None]
-    newest: int
-
-
-def newest_weights(rels: Iterable[str], newest: int) -> list[str]:
-    """Of a mirror's files (``rels``: paths in it), the safetensors files that a merge of its ``newest`` snapshots
-    reads, guessed from the names alone (the merge itself chooses from each snapshot's metadata, after torch has
-    imported): those at the top when there are some (the URL is a snapshot), else those of the ``newest`` folders
-    whose names end in the highest steps (``pmakit.runs.STEP_IN_NAME``); none when no folder's name gives a step.
-    In the order a merge begins them: each snapshot's first file (by name), then each one's second, and so on."""
-    folders: dict[str, list[str]] = {}
-    for rel in sorted(r for r in rels if r.endswith(".safetensors")):
-        folders.setdefault(rel.rpartition("/")[0], []).append(rel)
-    if "" in folders:
-        groups = [folders[""]]
-    else:
-        steps = {f: int(m.group(1)) for f in folders if (m := STEP_IN_NAME.search(f.rpartition("/")[2]))}
-        groups = [folders[f] for f in sorted(steps, key=steps.__getitem__)[-newest:]]
-    return [rel for shard in itertools.zip_longest(*groups) for rel in shard if rel is not None]
 
 
 _PREFETCHED: dict[str, Future[tuple[Path, str | None]]] = {}
@@ -261,9 +223,8 @@ _FOLDERS: list[Path] = []
 _CLOSING = threading.Event()
 
 
-def _mirror(url: str, early: _Early | None = None) -> tuple[Path, str | None]:
-    """``localize``'s work: (the mirror's root, a warning naming what was left out, if anything was); with
-    ``early``, the first blocks of the weight files guessed are fetched as soon as their records exist."""
+def _mirror(url: str) -> tuple[Path, str | None]:
+    """``localize``'s work: (the mirror's root, a warning naming what was left out, if anything was)."""
     where = parse(url)
     s = store(where.scheme)
     s.check_bucket(where)
@@ -286,7 +247,7 @@ def _mirror(url: str, early: _Early | None = None) -> tuple[Path, str | None]:
     for sub in sorted({rel.rsplit("/", 1)[0] for rel in files if "/" in rel}):
         (root / sub).mkdir(parents=True, exist_ok=True)
     root.mkdir(parents=True, exist_ok=True)
-    _fetch(where, files, root, folder / RECORDS / name, early)
+    _fetch(where, files, root, folder / RECORDS / name)
     return root, warning
 
 
@@ -306,30 +267,22 @@ def _remove_all() -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _fetch(
-    where: Location, files: dict[str, Listed], root: Path, records: Path, early: _Early | None = None
-) -> None:
+def _fetch(where: Location, files: dict[str, Listed], root: Path, records: Path) -> None:
     """Make the mirror's files under ``root``: placeholders (their records under ``records``, a safetensors file's
-    head fetched) and small files downloaded whole, every GET on the pool; with ``early``, the guessed weight
-    files first, and their first blocks started once the mirror is made (not waited for)."""
+    head fetched) and small files downloaded whole, every GET on the pool."""
     downloads: list[Future[None]] = []
     fetched = 0
-    guessed = newest_weights(files, early.newest) if early is not None else []
-    first: list[RemoteFile] = []
     try:
-        for rel in dict.fromkeys([*guessed, *files]):  # the guessed first
-            obj = files[rel]
+        for rel, obj in files.items():
             target = root / rel
             location = Location(where.scheme, where.bucket, obj.key)
             if _is_weight_file(target.name, obj.size):
                 record = _write_record(records / f"{rel}.json", location, obj)
                 with open(target, "wb") as f:
                     f.truncate(obj.size)
-                remote = RemoteFile(location, obj.size, target, obj.pin, record)
                 if target.suffix == ".safetensors":
+                    remote = RemoteFile(location, obj.size, target, obj.pin, record)
                     downloads.append(pool().submit(_fill_head, remote))
-                if len(first) < len(guessed):
-                    first.append(remote)
                 continue
             fetched += obj.size
             if fetched > limits.REMOTE_FETCH_BYTES.value:
@@ -337,8 +290,6 @@ def _fetch(
             downloads.append(pool().submit(_download, RemoteFile(location, obj.size, target, obj.pin)))
         for future in downloads:
             future.result()
-        if early is not None and first:  # after the mirror's own GETs, which the command waits for
-            early.fetch(first)
     except BaseException:
         for future in downloads:
             future.cancel()

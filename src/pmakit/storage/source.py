@@ -21,7 +21,6 @@ import os
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -51,9 +50,6 @@ class Sequential:
         self._reading = 0
         """The block the last read began in: a block's GET ranks by how far past it the block lies."""
         self._lock = threading.Lock()
-        with _EARLY_LOCK:
-            if _EARLY:
-                _OPENED.add(remote.placeholder)
         self.waited = 0.0
         """Seconds the reading thread waited for blocks (benchmarks)."""
 
@@ -90,10 +86,6 @@ class Sequential:
         """Start the blocks ``[start, stop)`` needs and the stream's share ahead of it; False (nothing started) for a
         range behind the blocks held: the caller GETs it on its own."""
         first = start // BLOCK_BYTES
-        if (
-            self._next == -1
-        ):  # the merge's readers are all open: what was fetched early for others is not needed
-            _prune_early()
         if self._next == -1 or first > self._next + 2:  # the first read, or past unread bytes: start there
             for future in self._blocks.values():
                 future.cancel()
@@ -103,15 +95,12 @@ class Sequential:
             return False
         with _STREAMS_LOCK:
             _STREAMS.add(self)
-            share = max(2, (AHEAD_BLOCKS - len(_EARLY)) // len(_STREAMS))
+            share = max(2, AHEAD_BLOCKS // len(_STREAMS))
         end = min(self.remote.size, max(stop, start + share * BLOCK_BYTES))
         while self._next * BLOCK_BYTES < end:
             a = self._next * BLOCK_BYTES
-            early = _claim_early(self.remote.placeholder, self._next)
-            if early is None:
-                rank = functools.partial(self._ahead, self._next)
-                early = self.remote.fetch(a, min(self.remote.size, a + BLOCK_BYTES), rank)
-            self._blocks[self._next] = early
+            rank = functools.partial(self._ahead, self._next)
+            self._blocks[self._next] = self.remote.fetch(a, min(self.remote.size, a + BLOCK_BYTES), rank)
             self._next += 1
         if self._next * BLOCK_BYTES >= self.remote.size:  # all started: no share of the pool needed any more
             with _STREAMS_LOCK:
@@ -129,8 +118,6 @@ class Sequential:
             self._blocks.clear()
         with _STREAMS_LOCK:
             _STREAMS.discard(self)
-        if self._next != -1:  # read: what of the file was fetched early and not taken is not needed (a reader
-            _drop_early(self.remote.placeholder)  # opened and closed unread, for its header, leaves it)
 
 
 _STREAMS: set[Sequential] = set()
@@ -141,70 +128,6 @@ _STREAMS_LOCK = threading.Lock()
 AHEAD_BLOCKS = IN_FLIGHT * 3 // 2
 """Blocks fetched ahead over all streams: in flight or fetched and not yet read. More than the pool's ``IN_FLIGHT``
 GETs, so that blocks fetched early (a stream waits for the slowest of the N) do not leave the pool idle."""
-EARLY_BLOCKS = AHEAD_BLOCKS // 2
-"""Blocks ``fetch_early`` may start over all files: part of ``AHEAD_BLOCKS`` (the streams fetch ahead less while
-they are held)."""
-EARLY_PER_FILE = 4
-"""Blocks ``fetch_early`` starts a file at most (the first ones)."""
-
-
-def fetch_early(files: Sequence[RemoteFile]) -> None:
-    """Start the first blocks of ``files`` before any reader asks for them: a command that will read them front to
-    back starts them while it is still importing torch (``pmakit.storage.mirror.prefetch``, for a merge of a remote
-    run's newest snapshots). The stream that reads such a file takes its blocks (``Sequential``) instead of
-    fetching them again. Memory stays within the read-ahead's: the blocks held here count against
-    ``AHEAD_BLOCKS``; a file's go when its stream closes, and those of a file guessed wrongly (no reader opened it)
-    at the first read of any stream (``_prune_early``)."""
-    if not files:
-        return
-    per_file = max(1, min(EARLY_PER_FILE, EARLY_BLOCKS // len(files)))
-    with _EARLY_LOCK:
-        for block in range(per_file):  # every file's first block before any file's second
-            for file in files:
-                a = block * BLOCK_BYTES
-                key = (file.placeholder, block)
-                if len(_EARLY) >= EARLY_BLOCKS or a >= file.size or key in _EARLY:
-                    continue
-                rank = functools.partial(int, block)  # as ranked by a stream reading the file's first block
-                _EARLY[key] = file.fetch(a, min(file.size, a + BLOCK_BYTES), rank)
-
-
-def _claim_early(placeholder: Path, block: int) -> Future[bytes] | None:
-    with _EARLY_LOCK:
-        if not _EARLY:
-            return None
-        claimed = _EARLY.pop((placeholder, block), None)
-        _forget_opened()
-        return claimed
-
-
-def _drop_early(placeholder: Path) -> None:
-    with _EARLY_LOCK:
-        for key in [k for k in _EARLY if k[0] == placeholder]:
-            _EARLY.pop(key).cancel()
-        _forget_opened()
-
-
-def _prune_early() -> None:
-    """Drop the blocks fetched early for files no reader has opened: a reader opens all its files as it is made,
-    and a merge makes all its readers before it reads, so at a stream's first read these were guessed wrongly."""
-    with _EARLY_LOCK:
-        for key in [k for k in _EARLY if k[0] not in _OPENED]:
-            _EARLY.pop(key).cancel()
-        _forget_opened()
-
-
-def _forget_opened() -> None:
-    """(Under ``_EARLY_LOCK``) the streams made are noted only while blocks fetched early wait."""
-    if not _EARLY:
-        _OPENED.clear()
-
-
-_EARLY: dict[tuple[Path, int], Future[bytes]] = {}
-"""Blocks ``fetch_early`` started and no stream took yet, by (placeholder, block)."""
-_OPENED: set[Path] = set()
-"""The placeholders a stream was made for while ``_EARLY`` held blocks (``_prune_early``)."""
-_EARLY_LOCK = threading.Lock()
 
 
 class ByteSource(ABC):
