@@ -316,7 +316,24 @@ class _FakeGrid:
         return self._load(snap.path)
 
 
-def test_experiment_step_uses_the_best_sma_window_and_feeds_the_report(tmp_path: Path, text: Path) -> None:
+def _held_out_loss(model: torch.nn.Module, state: dict[str, torch.Tensor], batches: list[Any]) -> float:
+    """Mean next-token cross-entropy of ``model`` with ``state``'s weights over ``batches``: a plain forward pass,
+    none of pmakit's evaluation or weight swapping."""
+    from torch.func import functional_call
+
+    losses = []
+    with torch.no_grad():
+        for x, y in batches:
+            logits = functional_call(model, state, args=(), kwargs={"input_ids": x}).logits
+            losses.append(float(torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())))
+    return float(np.mean(losses))
+
+
+def test_experiment_step_uses_the_best_sma_window_and_feeds_the_report(
+    tmp_path: Path, text: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from safetensors.torch import load_file
+
     from pmakit.lab.plane import experiment_plane
     from pmakit.report import plane as section
 
@@ -328,9 +345,26 @@ def test_experiment_step_uses_the_best_sma_window_and_feeds_the_report(tmp_path:
     assert [s["tokens"] for s in result["snapshots"]] == [128, 192, 256]
     assert result["batches"] == 2 and "SMA N=3" in result["window"]["reason"]
     written = (run / "plane.json").stat().st_mtime_ns
+
+    def no_state(snap: Any) -> dict[str, torch.Tensor]:
+        raise AssertionError(f"recomputed: loaded {snap.path}")
+
+    monkeypatch.setattr(grid, "state", no_state)
     again = experiment_plane(grid, run, size=3, batches=2)  # up to date: read back, not recomputed
-    assert again == json.loads((run / "plane.json").read_text())
+    assert again is not None and again == json.loads((run / "plane.json").read_text())
     assert (run / "plane.json").stat().st_mtime_ns == written
+    # What is read back is the plane of that window, worked out here from the snapshot files: each snapshot's and
+    # the SMA merge's loss on 2 of the 6 held-out batches, evenly spaced (0 and 3).
+    names = [f"step-{i:08d}" for i in (2, 3, 4)]
+    states = [load_file(run / "main" / "snapshots" / n / "model.safetensors") for n in names]
+    mean = {k: torch.stack([s[k].double() for s in states]).mean(0).float() for k in states[0]}
+    model = grid.trainer.model.eval()
+    held_out = [grid.batches[0], grid.batches[3]]
+    assert again["window"]["snapshots"] == [f"main/snapshots/{n}" for n in names] and again["batches"] == 2
+    assert [s["loss"] for s in again["snapshots"]] == pytest.approx(
+        [_held_out_loss(model, s, held_out) for s in states], rel=1e-5
+    )
+    assert again["merge"]["loss"] == pytest.approx(_held_out_loss(model, mean, held_out), rel=1e-5)
     png = section.draw(run, run / "plots" / "loss_plane.png")
     assert png is not None and png.read_bytes()[:4] == b"\x89PNG"
     blocks = section.blocks(run, Path("plots/loss_plane.png"))

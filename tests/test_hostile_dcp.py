@@ -82,10 +82,13 @@ def test_chunks_covering_half_a_tensor_are_refused(tmp_path: Path) -> None:
     """A .metadata whose one chunk of a [4, 3] tensor is [2, 3]: the merge read 6 values for 12 (a RuntimeError
     traceback in the accumulator)."""
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     run, ckpt = _run(tmp_path)
     metadata = FileSystemReader(ckpt).read_metadata()
-    metadata.state_dict_metadata["w"].chunks[0].sizes = torch.Size([2, 3])
+    entry = metadata.state_dict_metadata["w"]
+    assert isinstance(entry, TensorStorageMetadata)
+    entry.chunks[0].sizes = torch.Size([2, 3])
     (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
     result = run_cli("merge", run, "-o", tmp_path / "out")
     _one_error_line(result, names=str(ckpt / ".metadata"))
@@ -180,18 +183,34 @@ def test_common_pt_cannot_build_on_a_class(tmp_path: Path, ref: tuple[str, str])
         if ref == ("argparse", "Namespace")
         else getattr(importlib.import_module(module), name)
     )
-    before = dict(getattr(target, "__dict__", {}))
+    before = _observable(target)
     g = b"c" + module.encode() + b"\n" + name.encode() + b"\n"
     state = b"}X\x07\x00\x00\x00is_fileX\x05\x00\x00\x00pwneds"
-    for body in (b"N" + state + b"\x86b", state + b"b", b"X\x01\x00\x00\x00kK\x01s", b"K\x01a"):
+    for body, op in (
+        (b"N" + state + b"\x86b", "build"),  # BUILD with (None, {is_file: pwned}): setattr
+        (state + b"b", "build"),  # BUILD with {is_file: pwned}: __dict__.update
+        (b"X\x01\x00\x00\x00kK\x01s", "SETITEM"),
+        (b"K\x01a", "append"),
+    ):
         buffer = io.BytesIO()
         torch.save({"iteration": 1}, buffer)
         file = tmp_path / "common.pt"
         file.write_bytes(buffer.getvalue())
         _rewrite_zip(file, b"\x80\x02" + g + body + b".")
-        with pytest.raises(IncompleteSnapshot):
+        with pytest.raises(
+            IncompleteSnapshot, match="refused: holds objects other than plain data"
+        ) as caught:
             megatron.read_common(file)
-    assert dict(getattr(target, "__dict__", {})) == before
+        # refused by the weights_only unpickler at that very opcode, not an error of another kind on the way
+        assert f"Can only {op}" in str(caught.value.__cause__), caught.value.__cause__
+    assert _observable(target) == before and not hasattr(target, "is_file")
+
+
+def _observable(target: object) -> dict[str, object]:
+    """What a pickle could change on ``target``: its ``__dict__`` or, for an object without one (torch.float32, a
+    dtype), the values of its attributes (not an empty dict to compare with an empty dict)."""
+    own = getattr(target, "__dict__", None)
+    return dict(own) if own is not None else {name: getattr(target, name) for name in dir(target)}
 
 
 def _rewrite_zip(file: Path, pkl: bytes) -> None:

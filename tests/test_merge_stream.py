@@ -164,7 +164,7 @@ def test_the_device_fold_on_the_cpu_writes_the_cpu_folds_bytes(
     plan = plan_merge(snaps, [0.1, 0.2, 0.3, 0.4], dtype=dtype)
     assert plan.fold.workers == 3
     cpu, staged = _staged(plan, tmp_path / "cpu", False), _staged(plan, tmp_path / "staged", True)
-    assert cpu.keys() == staged.keys()
+    assert cpu and cpu.keys() == staged.keys()
     for name in cpu:
         assert cpu[name].dtype == staged[name].dtype and torch.equal(cpu[name], staged[name]), name
 

@@ -66,6 +66,8 @@ def test_every_with_a_missing_snapshot_fails() -> None:
 
 def test_every_without_last_takes_all_that_fit() -> None:
     assert toks(select_snapshots(EVERY_100, last=None, every=300)) == [100, 400, 700, 1000]
+    # going back from the window's end (1000), not forward from the oldest snapshot (100, 500, 900)
+    assert toks(select_snapshots(EVERY_100, last=None, every=400)) == [200, 600, 1000]
 
 
 def test_bad_arguments() -> None:
@@ -151,7 +153,8 @@ def test_the_default_window_is_a_library_function_the_cli_and_its_help_share(
     assert toks(chosen) == list(range(500, 1201, 100))  # the recorded 8: [500, 1200]
     assert "merging the last 8 snapshots" in caplog.text
     assert toks(pmakit.select_for_merge([run], until=900)) == list(range(200, 901, 100))  # 8 ending at 900
-    assert len(pmakit.select_for_merge([run], every=200)) == 6  # --every without --last: every one that fits
+    # --every without --last: every one that fits, back from the newest
+    assert toks(pmakit.select_for_merge([run], every=200)) == list(range(200, 1201, 200))
     named = [run / "snapshots" / f"step-{k}" for k in (1, 5, 12)]
     assert toks(pmakit.select_for_merge(named)) == [100, 500, 1200]  # named one by one: all of them
     r = CliRunner().invoke(cli, ["merge", str(run), "-o", str(tmp_path / "m"), "--dry-run"])

@@ -27,7 +27,7 @@ def test_ema_matches_hand_unrolled_recursion(n: int, alpha: float) -> None:
     for x in models[1:]:
         m = alpha * x + (1 - alpha) * m
     w = get_weights("ema", n, alpha=alpha)
-    assert torch.allclose(sum(wi * x for wi, x in zip(w, models)), m, atol=1e-12)
+    assert torch.allclose(torch.stack([wi * x for wi, x in zip(w, models)]).sum(0), m, atol=1e-12)
 
 
 def test_ema_normalized_is_renormalised_closed_form() -> None:
@@ -46,8 +46,14 @@ def test_wsm_exact_values() -> None:
     g = [1 - math.sqrt(j / 4) for j in (1, 2, 3)]
     expected = [1 - g[0], g[0] - g[1], g[1] - g[2], g[2]]
     assert get_weights("wsm-1sqrt", 4) == pytest.approx(expected)
-    # cosine, N=2: g_1 = (1+cos(pi/2))/2 = 0.5 -> [0.5, 0.5]
+    # cosine, N=2: g_1 = (1+cos(pi/2))/2 = 0.5 -> [0.5, 0.5] (the linear shape's too: 1 - 1/2)
     assert get_weights("wsm-cosine", 2) == pytest.approx([0.5, 0.5])
+    # cosine, N=6: g_j = (1+cos(j pi/6))/2, cos(pi/6) = sqrt(3)/2, cos(pi/3) = 1/2, cos(pi/2) = 0, so
+    # c_1 = 1 - g_1 = (1 - sqrt(3)/2)/2, c_2 = g_1 - g_2 = (sqrt(3)/2 - 1/2)/2, c_3 = g_2 - g_3 = 1/4, and
+    # symmetric (cos(pi - x) = -cos(x)): as heavy at the oldest as at the newest
+    r = math.sqrt(3) / 2
+    expected = [(1 - r) / 2, (r - 0.5) / 2, 0.25, 0.25, (r - 0.5) / 2, (1 - r) / 2]
+    assert get_weights("wsm-cosine", 6) == pytest.approx(expected, abs=1e-12)
 
 
 @pytest.mark.parametrize("method", sorted(WEIGHTINGS))
@@ -60,7 +66,8 @@ def test_every_weighting_sums_to_one_and_is_non_negative(method: str, n: int) ->
 
 
 def test_newest_heaviest_for_recency_weightings() -> None:
-    for method in ("wma", "ema-normalized", "wsm-cosine"):
+    # not wsm-cosine: its weights are symmetric (test_wsm_exact_values), newest = oldest up to rounding
+    for method in ("wma", "ema-normalized"):
         w = get_weights(method, 6)
         assert w[-1] > w[0], method
 
@@ -120,8 +127,8 @@ def test_running_sums_steps_keep_the_coefficients(name: str, alpha: float) -> No
                 sums[key] = s
         window = [*window, new][-n:]
         want = running.coefficients(len(window), alpha)
-        for key, c in want.items():
-            assert sums[key] == pytest.approx(placed(window, c), abs=1e-12), (key, window)
+        for key, coefficients in want.items():
+            assert sums[key] == pytest.approx(placed(window, coefficients), abs=1e-12), (key, window)
         key, factor = running.average(len(window), alpha)
         assert [factor * sums[key][i] for i in window] == pytest.approx(
             get_weights(name, len(window), alpha=alpha)
