@@ -137,6 +137,16 @@ def test_cli_from_previous(make_run: Callable[..., Path], tmp_path: Path) -> Non
     assert "3 reads instead of 4" in r.output  # the sums, step 200 out, step 600 in
     manifest = json.loads((tmp_path / "m1" / "pmakit-merge.json").read_text())
     assert manifest["incremental"]["reads"] == 3 and manifest["produced_by"]["mode"] == "incremental"
+    # and the update is the average of the window now chosen (steps 300-600), worked out here
+    window = [load_dir(run / f"step-{step:06d}") for step in (300, 400, 500, 600)]
+    got = load_dir(tmp_path / "m1")
+    assert got.keys() == window[0].keys() and got
+    for name, value in got.items():
+        if not value.is_floating_point():  # a counter: the newest's
+            assert torch.equal(value, window[-1][name]), name
+            continue
+        expected = torch.stack([w[name].double() for w in window]).mean(0)
+        assert value.dtype == torch.float32 and torch.allclose(value.double(), expected, atol=1e-6), name
     r = CliRunner().invoke(
         cli,
         [

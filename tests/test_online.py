@@ -70,6 +70,9 @@ def test_average_equals_weighted_window_after_every_update(tmp_path: Path, metho
         weights = get_weights(method, len(window), alpha=alpha)
         for k in FLOAT_KEYS:
             close(avg[k], reference(window, weights, k))
+            assert avg[k].dtype == torch.float32, k
+            if method == "sma":  # against weights written here, not only pmakit's
+                close(avg[k], reference(window, [1 / len(window)] * len(window), k))
             if method == "ema":  # against the recursion itself, not only its closed-form weights
                 close(avg[k], unrolled_ema(window, alpha, k))
             if method == "wma":
@@ -82,7 +85,6 @@ def test_average_equals_weighted_window_after_every_update(tmp_path: Path, metho
                     ),
                 )
         assert torch.equal(avg["step_counter"], snaps[t - 1]["step_counter"])  # non-float: the newest
-        assert avg[k].dtype == torch.float32
     assert averager.window == [(t * 100, tmp_path / "run" / f"step-{t:08d}") for t in range(6, 10)]
     assert averager.count == n and averager.updates == 9 and averager.label == f"merged:{method}:4"
 
