@@ -69,6 +69,11 @@ def test_the_merge_command_runs_the_plan_it_made(
     r = CliRunner().invoke(cli, ["merge", str(run), "-o", str(tmp_path / "out"), "--max-shard-size", "4KB"])
     assert r.exit_code == 0, r.output
     assert len(plans) == 1 and len(plans[0].shards) > 1
+    plan = plans[0]  # the one printed: its snapshots with their weights, its shard count and memory
+    printed = [line for line in r.output.splitlines() if line.startswith("  ") and " tokens  " in line]
+    assert [line.split()[0] for line in printed] == [f"{w:.5f}" for w in plan.weights]
+    assert [line.rsplit(" ", 1)[-1] for line in printed] == [str(s.path.resolve()) for s in plan.snapshots]
+    assert f"{len(plan.tensors)} tensors:" in r.output and f"in {len(plan.shards)} file(s)" in r.output
     monkeypatch.undo()
     want = merge(discover(run), [1 / 3] * 3, tmp_path / "lib", max_shard_size=4096)
     got = load_dir(tmp_path / "out")
