@@ -160,3 +160,27 @@ def test_bad_layouts_are_one_line_errors(tmp_path: Path) -> None:
     assert r.exit_code == 1 and "unreadable layout file" in r.output
     r = CliRunner().invoke(cli, ["inspect", "--plan"])
     assert r.exit_code == 1 and "needs snapshots or a --layout" in r.output
+
+
+def test_a_planned_rank_is_sized_for_its_share_of_the_node(
+    layout: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a node whose numbers are known (32 CPUs, no CPU quota, 256 GiB free), 8 ranks on 2 nodes are 4 ranks a
+    node: each one's fold is sized for 32 / 4 = 8 cores, one worker a core less one for the reader and writer (7),
+    and two more buffers than workers; on one node (8 ranks) 4 cores, 3 workers; one rank, 31."""
+    import os
+
+    from pmakit.merge import resources
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
+    monkeypatch.setattr(resources, "_cgroup_quota", lambda: None)
+    monkeypatch.setattr(resources, "_cgroup_memory_left", lambda: None)
+    monkeypatch.setattr(resources, "_meminfo_available", lambda: 256 * 2**30)
+    monkeypatch.delenv("PMAKIT_FOLD_WORKERS", raising=False)
+    for ranks, nodes, workers in ((8, 2, 7), (8, 1, 3), (1, 1, 31)):
+        plan = _plan(layout, "--snapshots", "10", "--ranks", str(ranks), "--nodes", str(nodes))
+        fold = plan["fold"]
+        assert (fold["workers"], fold["buffers"]) == (workers, workers + 2), (ranks, nodes, fold)
+        assert (
+            plan["bandwidth"]["workers"] == workers
+        )  # the rates (measured when not given) at the same sizing
