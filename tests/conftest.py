@@ -138,6 +138,25 @@ def make_run(tmp_path: Path) -> Callable[..., Path]:
     return build
 
 
+def fake_node(
+    root: Path, monkeypatch: pytest.MonkeyPatch, files: dict[str, str], cpus: int | None = None
+) -> None:
+    """A node as ``pmakit.merge.resources`` reads it: ``files`` (the cgroup tree under ``cg/``, this process's
+    ``proc-cgroup`` line(s), ``meminfo``) written under ``root`` and read from there instead of /sys and /proc;
+    with ``cpus``, that many CPUs in this process's affinity mask."""
+    from pmakit.merge import resources
+
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    monkeypatch.setattr(resources, "CGROUP_ROOT", root / "cg")
+    monkeypatch.setattr(resources, "PROC_CGROUP", root / "proc-cgroup")
+    if "meminfo" in files:
+        monkeypatch.setattr(resources, "MEMINFO", root / "meminfo")
+    if cpus is not None:
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
+
+
 def cli_env(**extra: str) -> dict[str, str]:
     """The environment of a process a test starts to run pmakit: this checkout's sources and passive OpenMP waits,
     with ``extra`` on top."""

@@ -16,14 +16,23 @@ from conftest import _launchers, cli_env, run_cli, state, write_snapshot
 from pmakit.merge import partial_dir
 
 
-def assert_one_line_error(proc: object, *fragments: str) -> None:
-    assert proc.returncode != 0  # type: ignore[attr-defined]
+def assert_one_line_error(proc: object, *fragments: str, logged: bool = False) -> str:
+    """A refusal as pmakit refuses: a non-zero exit, no traceback, one ``Error:`` line (returned) and only indented
+    details below it. ``proc``: a finished process or a CliRunner result; ``logged``: pmakit's own ``info:`` and
+    ``warning:`` lines may come first (a command run in-process logs to the same stream)."""
+    code = getattr(proc, "returncode", None)
+    assert (proc.exit_code if code is None else code) != 0  # type: ignore[attr-defined]
     err = proc.stderr.strip()  # type: ignore[attr-defined]
     assert "Traceback" not in err, err
-    lines = err.splitlines()  # one Error line; a list of details below it is indented
-    assert err.startswith("Error: ") and all(x.startswith("  ") for x in lines[1:]), err
+    lines = err.splitlines()
+    at = 0
+    while logged and at < len(lines) and lines[at].startswith(("info: ", "warning: ")):
+        at += 1
+    assert lines[at:] and lines[at].startswith("Error: "), err
+    assert all(x.startswith("  ") for x in lines[at + 1 :]), err  # a list of details below it is indented
     for f in fragments:
         assert f in err, (f, err)
+    return lines[at]
 
 
 def test_merge_run_dir_defaults_and_manifest(make_run: Callable[..., Path], tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from conftest import fake_node
 from pmakit.cli import cli
 from pmakit.errors import PmakitError
 from pmakit.merge import plan_merge
@@ -163,24 +164,22 @@ def test_bad_layouts_are_one_line_errors(tmp_path: Path) -> None:
 
 
 def test_a_planned_rank_is_sized_for_its_share_of_the_node(
-    layout: Path, monkeypatch: pytest.MonkeyPatch
+    layout: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On a node whose numbers are known (32 CPUs, no CPU quota, 256 GiB free), 8 ranks on 2 nodes are 4 ranks a
     node: each one's fold is sized for 32 / 4 = 8 cores, one worker a core less one for the reader and writer (7),
     and two more buffers than workers; on one node (8 ranks) 4 cores, 3 workers; one rank, 31."""
-    import os
-
-    from pmakit.merge import resources
-
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
-    monkeypatch.setattr(resources, "_cgroup_quota", lambda: None)
-    monkeypatch.setattr(resources, "_cgroup_memory_left", lambda: None)
-    monkeypatch.setattr(resources, "_meminfo_available", lambda: 256 * 2**30)
+    fake_node(tmp_path, monkeypatch, {
+        "cg/cgroup.controllers": "cpu memory",
+        "cg/job/cpu.max": "max 100000\n",
+        "cg/job/memory.max": "max\n",
+        "proc-cgroup": "0::/job\n",
+        "meminfo": "MemAvailable: 268435456 kB\n",
+    }, cpus=32)  # fmt: skip
     monkeypatch.delenv("PMAKIT_FOLD_WORKERS", raising=False)
     for ranks, nodes, workers in ((8, 2, 7), (8, 1, 3), (1, 1, 31)):
         plan = _plan(layout, "--snapshots", "10", "--ranks", str(ranks), "--nodes", str(nodes))
         fold = plan["fold"]
         assert (fold["workers"], fold["buffers"]) == (workers, workers + 2), (ranks, nodes, fold)
-        assert (
-            plan["bandwidth"]["workers"] == workers
-        )  # the rates (measured when not given) at the same sizing
+        # the rates (measured when not given) at the same sizing
+        assert plan["bandwidth"]["workers"] == workers

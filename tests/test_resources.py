@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from conftest import run_cli
+from conftest import fake_node, run_cli
 from pmakit.cli import cli
 from pmakit.errors import PmakitError
-from pmakit.merge import plan_merge, resources
+from pmakit.merge import plan_merge
 from pmakit.merge.capacity import Bandwidth, more_ranks
 from pmakit.merge.resources import (
     MAX_WORKERS,
@@ -103,14 +103,11 @@ def test_the_environment_overrides_the_cores(monkeypatch: pytest.MonkeyPatch, tm
     assert node.affinity == len(os.sched_getaffinity(0))
     # and on a node whose numbers are known (that one may have one core, where halving changes nothing): 16 CPUs
     # and a cgroup quota of 6 cores give one process 6, each of 2 ranks 3, each of 4 ranks 2 (1.5 rounded up)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
-    _files(tmp_path, {
+    fake_node(tmp_path, monkeypatch, {
         "cg/cgroup.controllers": "cpu",
         "cg/job/cpu.max": "600000 100000\n",
         "proc-cgroup": "0::/job\n",
-    })  # fmt: skip
-    monkeypatch.setattr(resources, "CGROUP_ROOT", tmp_path / "cg")
-    monkeypatch.setattr(resources, "PROC_CGROUP", tmp_path / "proc-cgroup")
+    }, cpus=16)  # fmt: skip
     node = read_node({"LOCAL_WORLD_SIZE": "2"})
     assert (node.affinity, node.quota, node.local_ranks, node.cores) == (16, 6.0, 2, 3)
     assert read_node({}).cores == 6 and read_node({"LOCAL_WORLD_SIZE": "4"}).cores == 2
@@ -160,17 +157,11 @@ def test_inspect_plan_states_the_workers_and_why(make_run: Callable[..., Path]) 
     assert "usable core" in line and "bound by" in r.output
 
 
-def _files(root: Path, files: dict[str, str]) -> None:
-    for name, text in files.items():
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_text(text)
-
-
 def test_read_node_takes_the_tightest_cgroup_limits_v2(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A job's group allows 2 GiB (1 GiB of it anonymous already) and no CPU quota; its task's group 1.5 cores.
-    _files(tmp_path, {
+    fake_node(tmp_path, monkeypatch, {
         "cg/cgroup.controllers": "cpu memory",
         "cg/job/cpu.max": "max 100000\n",
         "cg/job/memory.max": "2147483648\n",
@@ -180,9 +171,6 @@ def test_read_node_takes_the_tightest_cgroup_limits_v2(
         "proc-cgroup": "0::/job/task\n",
         "meminfo": "MemTotal: 67108864 kB\nMemAvailable:    8388608 kB\n",
     })  # fmt: skip
-    monkeypatch.setattr(resources, "CGROUP_ROOT", tmp_path / "cg")
-    monkeypatch.setattr(resources, "PROC_CGROUP", tmp_path / "proc-cgroup")
-    monkeypatch.setattr(resources, "MEMINFO", tmp_path / "meminfo")
     node = read_node({})
     assert node.quota == 1.5 and node.cores == min(node.affinity, 2)
     assert (node.memory, node.memory_limit) == (GiB, "cgroup")  # the limit less the anonymous use
@@ -192,7 +180,7 @@ def test_read_node_takes_the_tightest_cgroup_limits_v2(
 
 
 def test_read_node_under_cgroup_v1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _files(tmp_path, {
+    fake_node(tmp_path, monkeypatch, {
         "cg/cpu,cpuacct/x/cpu.cfs_quota_us": "400000\n",
         "cg/cpu,cpuacct/x/cpu.cfs_period_us": "100000\n",
         "cg/memory/x/memory.limit_in_bytes": "4294967296\n",
@@ -201,9 +189,6 @@ def test_read_node_under_cgroup_v1(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         "proc-cgroup": "12:memory:/x\n3:cpu,cpuacct:/x\n0::/\n",
         "meminfo": "MemAvailable:    8388608 kB\n",
     })  # fmt: skip
-    monkeypatch.setattr(resources, "CGROUP_ROOT", tmp_path / "cg")
-    monkeypatch.setattr(resources, "PROC_CGROUP", tmp_path / "proc-cgroup")
-    monkeypatch.setattr(resources, "MEMINFO", tmp_path / "meminfo")
     node = read_node({})
     assert node.quota == 4.0 and (node.memory, node.memory_limit) == (3 * GiB, "cgroup")
     (tmp_path / "proc-cgroup").write_text("garbage\n")  # nothing understood: no limits, never a crash

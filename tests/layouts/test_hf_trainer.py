@@ -13,6 +13,7 @@ from click.testing import CliRunner, Result
 
 from conftest import load_dir
 from pmakit.cli import cli
+from test_cli import assert_one_line_error
 
 transformers = pytest.importorskip("transformers")
 
@@ -57,17 +58,11 @@ def trainer_output(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def one_error_line(r: Result) -> str:
     """The error line of a command refused as pmakit refuses input: exit code 1 from click's ``Error:`` (not an
-    exception escaping, which CliRunner catches without printing a traceback), no traceback, and on stderr exactly
-    one line starting with ``Error:``; before it only pmakit's log lines (``info:``, ``warning:``), after it only
-    indented details (as ``test_cli.assert_one_line_error`` checks of the installed command)."""
+    exception escaping, which CliRunner catches without printing a traceback), and the one-line form
+    ``test_cli.assert_one_line_error`` checks, after pmakit's log lines."""
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.exception, r.output)
     assert "Traceback" not in r.output, r.output  # stdout and stderr
-    lines = r.stderr.splitlines()
-    at = [i for i, x in enumerate(lines) if x.startswith("Error:")]
-    assert len(at) == 1 and lines[at[0]].startswith("Error: "), r.stderr
-    assert all(x.startswith(("info: ", "warning: ")) for x in lines[: at[0]]), r.stderr
-    assert all(x.startswith("  ") for x in lines[at[0] + 1 :]), r.stderr
-    return lines[at[0]]
+    return assert_one_line_error(r, logged=True)
 
 
 def test_defaults_need_tokens_per_step_and_say_so(trainer_output: Path, tmp_path: Path) -> None:
