@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import write_snapshot
+from pmakit.formats import read_state
 from pmakit.lab.spectrum import experiment_spectrum, gain, power_spectrum, trajectory
 from pmakit.snapshot import discover
 from pmakit.weights import get_weights
@@ -85,6 +86,34 @@ def test_drift_sits_low_and_jitter_spreads_flat(tmp_path: Path) -> None:
         assert filtered["removed_power"] == pytest.approx(
             _removed_power(coefficients, filtered["weights"]), rel=1e-5
         ), label
+
+
+def test_directions_kept_across_snapshots_give_the_same_projections(tmp_path: Path) -> None:
+    # Each snapshot's projections on the directions drawn from the seed, tensor by tensor in sorted key order (an
+    # integer buffer between the float tensors draws nothing): written out here, redrawn for every snapshot.
+    g = torch.Generator().manual_seed(1)
+    for i in range(5):
+        state = {
+            "b.w": torch.randn(33, 7, generator=g),
+            "a.w": torch.randn(100, generator=g).to(torch.bfloat16),
+            "a.steps": torch.tensor([i, 2 * i]),
+            "c": torch.randn(3, generator=g),
+        }
+        write_snapshot(tmp_path / f"step-{i + 1:04d}", state, step=i + 1, tokens=10 * (i + 1))
+    snaps = discover(tmp_path)
+    expected = np.zeros((5, 4))
+    for t, snap in enumerate(snaps):
+        d = torch.Generator().manual_seed(3)
+        state = read_state(snap.path)
+        for name in ("a.w", "b.w", "c"):
+            flat = state[name].reshape(-1).float()
+            expected[t] += (torch.randn((4, flat.numel()), generator=d) @ flat).double().numpy()
+        expected[t] /= np.sqrt(100 + 231 + 3)
+    kept = trajectory(snaps, directions=4, seed=3)
+    drawn = trajectory(snaps, directions=4, seed=3, keep_bytes=0)
+    np.testing.assert_array_equal(kept, drawn)
+    np.testing.assert_array_equal(kept, expected)
+    assert not np.array_equal(trajectory(snaps, directions=4, seed=4), kept)
 
 
 def test_experiment_report_has_the_spectrum(smoke_experiment: tuple[Path, str]) -> None:

@@ -63,12 +63,12 @@ def test_the_study_note_ends_the_training_and_evaluation_lines(
 
 def test_the_demo_estimate_adds_up_its_stages() -> None:
     """The demo's stages as ``pmakit experiment`` estimates them before it starts, next to what an idle 2-core
-    machine took (docs/benchmarks.md: train 522 s, anneal 151 s, evaluations 269 s, plane 32 s, downstream 206 s
-    at 11.3K trained tokens/s): each within a factor of two, the whole within a quarter."""
+    machine took (docs/benchmarks.md, 2026-11-29: train 196 s, anneal 79 s, evaluations 159 s, plane 20 s,
+    downstream 88 s at 12.3K trained tokens/s): each within a factor of two, the whole within a quarter."""
     study = pma.resolve(load(None, "demo", "demo"))
     work = pma._work(study, 0, Path("/nonexistent"))
-    seconds = {"train": 522, "anneal": 151, "evaluate": 269, "plane": 32, "downstream": 206}
-    rate = 11_300
+    seconds = {"train": 196, "anneal": 79, "evaluate": 159, "plane": 20, "downstream": 88}
+    rate = 12_300
     work["evaluate"] = work.pop("selection") + work.pop("test")
     for stage, took in seconds.items():
         assert 0.5 < work[stage] / rate / took < 2, (stage, work[stage] / rate, took)

@@ -184,7 +184,7 @@ def experiment(
 ) -> None:
     """Train a small model, fork annealed baselines, merge its snapshots over N, V and weightings, and report.
 
-    With no arguments this is the demo: about 20 minutes on 2 idle CPU cores (fp32, the kernels pinned).
+    With no arguments this is the demo: about 10 minutes on 2 idle CPU cores (fp32, the kernels pinned).
     Re-running resumes.
     """
     from pmakit.config import load, printable_preset

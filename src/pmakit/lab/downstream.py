@@ -1,8 +1,9 @@
 """The PMA study's downstream table: its headline models scored on pmakit's offline lm-eval tasks, test items only.
 
-At each fork the models of the headline (the latest snapshot, the best grid merge and the tuner's pick, both chosen
-on the selection split, the fixed recipe, the anneal) and the noise band's raw snapshots (the K - 1 saves before the
-latest) are swapped into the study's model one after the other and run through lm-evaluation-harness on the TEST
+At the final fork (the headline's; earlier forks are not scored: the report's table is the final fork's, and they
+took half the stage) the models of the headline (the latest snapshot, the best grid merge and the tuner's pick,
+both chosen on the selection split, the fixed recipe, the anneal) and the noise band's raw snapshots (the K - 1 saves
+before the latest) are swapped into the study's model one after the other and run through lm-evaluation-harness on the TEST
 items of ``pmakit_next_line`` (cloze multiple choice) and ``pmakit_bpb`` (rolling bits per byte), built from the
 corpus's held-out test files (``pmakit.eval.tasks``). Nothing is chosen here: the table reports, per task and
 metric, each model's score with its s.e. over items, its paired difference to the latest snapshot and to the anneal
@@ -96,7 +97,7 @@ def _state(grid: Any, key: Mapping[str, Any], source: Mapping[str, Any]) -> Any:
 def run_downstream(
     grid: Any, run_dir: Path, corpus_cache: Path, meter: StudyProgress | None = None, units: float = 0.0
 ) -> None:
-    """Score every fork's models on ``TASKS`` (test items) into ``run_dir/downstream.jsonl``, skipping those done.
+    """Score the final fork's models on ``TASKS`` (test items) into ``run_dir/downstream.jsonl``, skipping those done.
     ``meter``: the study's progress, ``units`` of work a model (the note ending each model's line)."""
     from pmakit.eval import harness
     from pmakit.eval.model import load_tokenizer
@@ -111,15 +112,16 @@ def run_downstream(
     tokenizer = load_tokenizer(grid.trainer.corpus.tokenizer_dir)
     model = grid.trainer.model
     meter = meter or StudyProgress({})
+    forks = grid.study.forks[-1:]
     left = [
         key
-        for fork in grid.study.forks
+        for fork in forks
         for key, _ in model_keys(grid, fork)
         if any((fork.fork_tokens, key["label"], t) not in done for t in TASKS)
     ]
     meter.resize("downstream", len(left) * units)
     scored = 0
-    for fork in grid.study.forks:
+    for fork in forks:
         for key, state in models_at(grid, fork):
             todo = [t for t in TASKS if (fork.fork_tokens, key["label"], t) not in done]
             if not todo:

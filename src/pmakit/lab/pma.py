@@ -87,7 +87,7 @@ TUNE_SHARE = 0.3
 DOWNSTREAM_BATCHES = 6.4
 """One model's downstream tasks, in held-out batches' tokens scored (``eval_batches`` of them: 6.4x as many)."""
 DOWNSTREAM_MODELS = 8
-"""Models scored downstream at each fork (its headline models and the raw snapshots of the noise band)."""
+"""Models scored downstream at the final fork (its headline models and the raw snapshots of the noise band)."""
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class ExperimentConfig:
     the test split itself could reach, for scale only. Nothing is chosen from these rows; the report says how far
     the selection's pick is from them."""
     downstream: bool = True
-    """Score the headline models at each fork (and the raw snapshots just before the latest, for the noise band)
+    """Score the headline models at the final fork (and the raw snapshots just before the latest, for the noise band)
     on pmakit's offline lm-eval tasks, test items only (``pmakit.lab.downstream``): the report's downstream table."""
     compile_eval: Annotated[str, OneOf(("off", "on", "auto"))] = "off"
     """Score the grid, the tuner's trials, the headline and the loss plane through ``torch.compile``: ``off``,
@@ -300,7 +300,7 @@ def _work(study: Study, trained: int, run_dir: Path) -> dict[str, float]:
         "selection": len(_Grid.plan_of(study)) * scored,
         "test": forks * (6 * scored + _tune_units(study, exp.eval_batches)),
         "plane": _scored_units(study, plane),
-        "downstream": forks * DOWNSTREAM_MODELS * _downstream_units(study) if exp.downstream else 0,
+        "downstream": DOWNSTREAM_MODELS * _downstream_units(study) if exp.downstream else 0,
     }
 
 

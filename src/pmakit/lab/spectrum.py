@@ -33,29 +33,47 @@ log = logging.getLogger(__name__)
 
 DIRECTIONS = 16
 """Random directions the deviations are projected on."""
+KEEP_BYTES = 256 << 20
+"""The most memory the directions are kept in across snapshots (drawn again per snapshot beyond it)."""
 
 
-def trajectory(snapshots: Sequence[Snapshot], *, directions: int = DIRECTIONS, seed: int = 0) -> np.ndarray:
+def trajectory(
+    snapshots: Sequence[Snapshot],
+    *,
+    directions: int = DIRECTIONS,
+    seed: int = 0,
+    keep_bytes: int = KEEP_BYTES,
+) -> np.ndarray:
     """(T, K) projections of each snapshot's float weights on K seeded random unit directions.
 
-    One snapshot is read at a time; the directions are drawn tensor by tensor in a fixed key order, so memory is
-    K x (largest tensor) beyond one state.
+    One snapshot is read at a time. The directions are drawn tensor by tensor in a fixed key order from the same
+    seed for every snapshot, so they are the same for all of them: drawn once and kept where K x (the float
+    parameters) fits in ``keep_bytes`` (the demo's model: 68 MB; drawing them again for each of its ~60 snapshots
+    took 10 s of the tuner's hint), drawn again per snapshot otherwise, so that memory stays K x (largest tensor)
+    beyond one state. Both give the same numbers.
     """
     from pmakit.formats import is_float, read_state
 
     out = np.zeros((len(snapshots), directions))
+    kept: dict[tuple[str, int], torch.Tensor] = {}
     for t, snap in enumerate(snapshots):
         state = read_state(snap.path)
+        names = [n for n in sorted(state) if is_float(state[n].dtype)]
+        sizes = [(n, state[n].numel()) for n in names]
+        reuse = bool(kept) and list(kept) == sizes
+        keep = not kept and directions * 4 * sum(size for _, size in sizes) <= keep_bytes
         g = torch.Generator().manual_seed(seed)
         total = 0
-        for name in sorted(state):
-            tensor = state[name]
-            if not is_float(tensor.dtype):
-                continue
-            flat = tensor.detach().reshape(-1).float()
-            direction = torch.randn((directions, flat.numel()), generator=g)
+        for name, size in sizes:
+            flat = state[name].detach().reshape(-1).float()
+            if reuse:
+                direction = kept[(name, size)]
+            else:
+                direction = torch.randn((directions, size), generator=g)
+                if keep:
+                    kept[(name, size)] = direction
             out[t] += (direction @ flat).double().numpy()
-            total += flat.numel()
+            total += size
         out[t] /= np.sqrt(max(total, 1))  # unit directions: E|d|^2 = total
     return out
 
