@@ -1,13 +1,14 @@
 """The PMA study's downstream table: its headline models scored on pmakit's offline lm-eval tasks, test items only.
 
-At the final fork (the headline's; earlier forks are not scored: the report's table is the final fork's, and they
-took half the stage) the models of the headline (the latest snapshot, the best grid merge and the tuner's pick,
-both chosen on the selection split, the fixed recipe, the anneal) and the noise band's raw snapshots (the K - 1 saves
-before the latest) are swapped into the study's model one after the other and run through lm-evaluation-harness on the TEST
-items of ``pmakit_next_line`` (cloze multiple choice) and ``pmakit_bpb`` (rolling bits per byte), built from the
-corpus's held-out test files (``pmakit.eval.tasks``). Nothing is chosen here: the table reports, per task and
-metric, each model's score with its s.e. over items, its paired difference to the latest snapshot and to the anneal
-(paired s.e. and a 95% bootstrap interval over the same items), and the raw snapshots' spread. Rows go to
+At the final fork (the headline's; the earlier forks are not scored: the report's table is the final fork's, and
+they took half the stage) the models of the headline (the latest snapshot, the best grid merge and the tuner's pick,
+both chosen on the selection split, the fixed recipe, the anneal) and the noise band's raw snapshots (the K - 1
+saves before the latest) are swapped into the study's model one after the other and run through
+lm-evaluation-harness on the TEST items of ``pmakit_next_line`` (cloze multiple choice) and ``pmakit_bpb`` (rolling
+bits per byte), built from the corpus's held-out test files (``pmakit.eval.tasks``). Nothing is chosen here: the
+table reports, per task and metric, each model's score with its s.e. over items, its paired difference to the latest
+snapshot and to the anneal (paired s.e. and a 95% bootstrap interval over the same items), and the raw snapshots'
+spread. Rows go to
 ``downstream.jsonl`` as each (model, task) finishes, so an interrupted study resumes where it stopped.
 """
 
