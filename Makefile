@@ -81,8 +81,10 @@ bench-peers: $(VENV)/.installed-test $(MCORE19)/.unpacked
 	$(PY) benchmarks/bench_peers.py $(PEERS_ARGS)
 
 # Merge from a local S3 server (moto) vs the same files on disk: the ratio, peak memory and the requests
+# Twice: the server on the merge's cores (both on all of them), then on a core of its own (as a remote store is)
 bench-s3: $(VENV)/.installed-test
 	$(PY) benchmarks/bench_s3.py
+	$(PY) benchmarks/bench_s3.py --store-cpus 0
 
 bench-scale: install
 	$(PY) benchmarks/bench_scale.py

@@ -17,6 +17,11 @@ start (interpreters), the import, the mirror (the client, listing, headers, smal
 reading thread waiting on GETs, on the fold, on buffers; the fold workers; the writer), the rest of the command and
 the exit; and the GETs themselves (count, size, how many in flight on average). moto serves the objects
 from one Python process over loopback, on the cores the merge uses: neither number is a cloud's bandwidth.
+
+``--store-cpus 0`` runs the server on core 0 only and this process, the floor's client and the merges on the
+others (``os.sched_setaffinity``): a store that does not take the merge's cores, as a remote one does not. The
+floor is then what one core of moto serves, and the ratio says how close the merge comes to it when the two do not
+compete for cores. ``make bench-s3`` runs both layouts.
 """
 
 from __future__ import annotations
@@ -236,8 +241,20 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--s3-out", action="store_true", help="also s3 -> s3 (staged and uploaded)")
     ap.add_argument("--data", type=Path, default=ROOT / "bench-data" / "s3")
+    ap.add_argument(
+        "--store-cpus",
+        default="",
+        help="cores for the server alone, comma-separated (e.g. 0); the merges and the floor's client get the rest",
+    )
     args = ap.parse_args()
     ns = sorted(int(x) for x in args.n.split(","))
+    cores = os.sched_getaffinity(0)
+    store_cpus = {int(x) for x in args.store_cpus.split(",") if x.strip()}
+    client_cpus = cores - store_cpus
+    if store_cpus and (not store_cpus <= cores or not client_cpus):
+        raise SystemExit(
+            f"--store-cpus {args.store_cpus}: needs some of the cores {sorted(cores)}, not all of them"
+        )
 
     # bench_merge's Llama-shaped bf16 snapshots
     shape = argparse.Namespace(
@@ -257,7 +274,12 @@ def main() -> None:
         f"{args.shards} file(s) each) on moto; "
         f"{args.repeats} repeat(s); load average {os.getloadavg()[0]:.1f} at start on {os.cpu_count()} cores"
     )
-    server = MotoServer()
+    server = MotoServer(cpus=store_cpus or None)
+    if store_cpus:  # the floor's client threads and the merges (children) inherit this
+        os.sched_setaffinity(0, client_cpus)
+        print(
+            f"the server on core(s) {sorted(store_cpus)} only; this process and the merges on {sorted(client_cpus)}"
+        )
     try:
         client = server.client()
         client.create_bucket(Bucket="bench")

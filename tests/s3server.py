@@ -36,7 +36,8 @@ def free_port() -> int:
 class MotoServer:
     """``python -m moto.server`` in a subprocess on a free port; ``env`` is what a client needs to reach it."""
 
-    def __init__(self, extra_env: dict[str, str] | None = None) -> None:
+    def __init__(self, extra_env: dict[str, str] | None = None, cpus: set[int] | None = None) -> None:
+        """``cpus``: the cores the server may run on (``os.sched_setaffinity``); all of this process's by default."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
@@ -44,6 +45,7 @@ class MotoServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             env={**os.environ, **(extra_env or {})},
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
         )
         deadline = time.monotonic() + 120  # a hang guard: the server imports in a few seconds when idle
         while True:
