@@ -479,6 +479,38 @@ def test_recovered_fraction_and_gap_bounds() -> None:
     assert recovered_fraction(merge, Gain(-0.01, 0.002)) is None  # the anneal did not help: undefined
 
 
+def test_the_share_recovered_is_not_given_where_the_anneal_gain_is_noise(tmp_path: Path) -> None:
+    # The demo's early fork had an anneal 1.6 s.e. ahead of the latest snapshot and printed "recovered 671% (s.e.
+    # 358%)": a ratio over a denominator that may be zero. Under 2 paired s.e. of the anneal's gain the share is
+    # not given, in the tables, the sentences and the terminal summary; a clear anneal keeps it.
+    from pmakit.report.analysis import summarize_forks
+    from pmakit.report.load import load_run
+
+    clear = build_run(tmp_path / "clear", curves=False)
+    noisy = build_run(tmp_path / "noisy", se_scale=60.0, curves=False)
+    for run in (clear, noisy):
+        write_report(run)
+    for run, shown in ((clear, True), (noisy, False)):
+        forks = [f.headline for f in summarize_forks(load_run(run))]
+        md = (run / "report.md").read_text()
+        fork_rows = [line for line in md.splitlines() if line.startswith("| F")]
+        assert len(fork_rows) == len(forks) == len(FORKS)
+        for f, line in zip(forks, fork_rows):
+            g = f.gain(f.annealed)
+            assert g is not None and g.z is not None and (g.z >= 2) is shown
+            assert (f.recovered(f.best_merge) is not None) is shown
+            last_cell = line.rstrip(" |").rsplit("|", 1)[-1].strip()
+            if shown:
+                assert re.fullmatch(r"\d+% \(s\.e\. \d+%\)", last_cell), line
+            else:
+                assert last_cell == "– (anneal within noise)", line
+        text = summary_text(run)
+        assert ("recovered – (anneal within noise)" in text) is not shown
+        assert ("of the anneal's gain over the latest snapshot" in text) is shown
+        assert ("so the share of it a merge recovers is not given" in md) is not shown
+        assert untraceable(md, traceable_values(run)) == []
+
+
 def test_noisy_run_is_called_noise_not_a_win(tmp_path: Path) -> None:
     run = build_run(
         tmp_path / "noisy", se_scale=60.0, curves=False, weightings=[("sma", None)], ns=(4,), vs=(1,)

@@ -166,11 +166,21 @@ class ForkSummary:
         return gain_over_latest(row, self.latest)
 
     def recovered(self, row: Row | None) -> Ratio | None:
-        """Fraction of the anneal's gain that ``row`` recovers: (latest - row) / (latest - annealed)."""
+        """Fraction of the anneal's gain that ``row`` recovers: (latest - row) / (latest - annealed). None where
+        the anneal's own gain is within noise (under ``NOISE_Z`` paired s.e.): a ratio over a denominator that may
+        be zero says nothing (the demo's early fork gave 671% ± 358%)."""
+        if self.anneal_within_noise:
+            return None
         batches = _same_batches(self.latest, row, self.annealed)
         if batches is not None:
             return recovered_from_batches(*batches)
         return recovered_fraction(self.gain(row), self.gain(self.annealed))
+
+    @property
+    def anneal_within_noise(self) -> bool:
+        """The anneal's gain over the latest snapshot is known and under ``NOISE_Z`` of its paired s.e."""
+        g = self.gain(self.annealed)
+        return g is not None and g.z is not None and g.z < NOISE_Z
 
     def gap_to_anneal(self, row: Row | None) -> Ratio | None:
         """row - annealed val_loss (positive = the anneal is better)."""

@@ -15,7 +15,6 @@ from typing import Any
 
 from pmakit.report import fmt
 from pmakit.report.analysis import (
-    NOISE_Z,
     ForkSummary,
     Gain,
     Ratio,
@@ -100,6 +99,13 @@ def recovered_text(r: Ratio | None) -> str:
     return fmt.percent(r.value, r.se_bound, bound=not r.exact)
 
 
+def recovered_cell(fork: ForkSummary, row: Row | None) -> str:
+    """The share of the anneal's gain ``row`` recovers, or why it is not given."""
+    if fork.anneal_within_noise:
+        return f"{fmt.MISSING} (anneal within noise)"
+    return recovered_text(fork.recovered(row))
+
+
 # --- headline --------------------------------------------------------------------------------------------
 
 
@@ -138,7 +144,7 @@ def headline(fork: ForkSummary, index: int, base: int | None) -> list[Block]:
                 delta_text(g),
                 z_text(g),
                 gap_text(t.gap_to_anneal(row)) if merged and t.annealed is not None else "",
-                recovered_text(t.recovered(row)) if merged else "",
+                recovered_cell(t, row) if merged else "",
             ]
         )
     header = [
@@ -212,8 +218,7 @@ def headline_sentences(fork: ForkSummary, base: int | None) -> list[str]:
         if g is not None:
             text = f"The best SMA ({describe(sma, base)}): Δ {delta_text(g)}; " + verdict(g.z, "it")
             rec = t.recovered(sma)
-            g_ann = t.gain(t.annealed)
-            if rec is not None and g_ann is not None and g_ann.z is not None and g_ann.z >= NOISE_Z:
+            if rec is not None:
                 text += f"; it recovers {recovered_text(rec)} of the anneal's gain"
             out.append(text + ".")
     for role, subject in (("fixed", "The fixed recipe (no selection)"), ("tuned", "The tuned merge")):
@@ -253,9 +258,12 @@ def _anneal_sentences(fork: ForkSummary, best: Row | None, g_anneal: Gain | None
             "Share of the anneal's gain recovered by the best merge, (latest − merged) / (latest − annealed): "
             f"{recovered_text(rec)}"
         )
-        if g_anneal is not None and g_anneal.z is not None and g_anneal.z < NOISE_Z:
-            text += "; the anneal's own gain is within noise, so this ratio is not meaningful"
         out.append(text + ".")
+    elif best is not None and fork.anneal_within_noise and g_anneal is not None:
+        out.append(
+            f"The anneal's own gain over the latest snapshot is within noise ({g_anneal.z:.1f} paired standard "
+            "errors), so the share of it a merge recovers is not given: a ratio over a denominator that may be zero."
+        )
     elif best is not None and g_anneal is not None:
         out.append(
             "The anneal did not lower the loss below the latest snapshot, so the share of its gain a merge "
@@ -293,7 +301,7 @@ def fork_table(forks: Sequence[ForkSummary], base: int | None) -> list[Block]:
                 with_z(f.gain(best)),
                 with_z(f.gain(f.annealed)),
                 gap_text(f.gap_to_anneal(best)),
-                recovered_text(f.recovered(best)),
+                recovered_cell(f, best),
             ]
         )
     header = [
@@ -317,7 +325,8 @@ def fork_table(forks: Sequence[ForkSummary], base: int | None) -> list[Block]:
             )
             + "Δ is the model's val loss minus the latest snapshot's at the same tokens, ± its paired s.e. over the "
             "same validation batches. 'recovered' = (latest − merged) / (latest − annealed), with its "
-            "first-order s.e. The s.e. of merge − anneal and of 'recovered' are paired over the batches when "
+            "first-order s.e.; not given where the anneal's own gain is within noise (under two of its paired "
+            "s.e.). The s.e. of merge − anneal and of 'recovered' are paired over the batches when "
             "results.jsonl has the per-batch losses; otherwise only an upper bound is known (shown as ≤, valid "
             "for any correlation)."
         ),

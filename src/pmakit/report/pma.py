@@ -163,7 +163,7 @@ def _forks_summary(forks: list[ForkSummary], base: int | None) -> list[str]:
             g = fk.gain(fk.best_merge)
             lines.append(
                 f"  F{i} at {fmt.tokens(fk.fork_tokens):>7}: {document.delta_text(g)} ({document.z_text(g)}), "
-                f"recovered {document.recovered_text(fk.recovered(fk.best_merge))}"
+                f"recovered {document.recovered_cell(fk, fk.best_merge)}"
             )
     return lines
 
