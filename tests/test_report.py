@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import re
@@ -484,6 +485,7 @@ def test_the_share_recovered_is_not_given_where_the_anneal_gain_is_noise(tmp_pat
     # 358%)": a ratio over a denominator that may be zero. Under 2 paired s.e. of the anneal's gain the share is
     # not given, in the tables, the sentences and the terminal summary; a clear anneal keeps it.
     from pmakit.report.analysis import summarize_forks
+    from pmakit.report.document import headline_sentences, recovered_cell
     from pmakit.report.load import load_run
 
     clear = build_run(tmp_path / "clear", curves=False)
@@ -509,6 +511,15 @@ def test_the_share_recovered_is_not_given_where_the_anneal_gain_is_noise(tmp_pat
         assert ("of the anneal's gain over the latest snapshot" in text) is shown
         assert ("so the share of it a merge recovers is not given" in md) is not shown
         assert untraceable(md, traceable_values(run)) == []
+    # An anneal clearly worse than the latest snapshot (10 s.e.) is not noise: the share is undefined ("–"), and
+    # the report says the anneal did not lower the loss.
+    fork = summarize_forks(load_run(clear))[-1].headline
+    assert fork.annealed is not None
+    worse = dataclasses.replace(fork.annealed, delta_vs_latest=0.05, delta_se=0.005, batch_losses=None)
+    fork = dataclasses.replace(fork, annealed=worse)
+    assert not fork.anneal_within_noise and fork.recovered(fork.best_merge) is None
+    assert recovered_cell(fork, fork.best_merge) == "–"
+    assert any("did not lower the loss" in line for line in headline_sentences(fork, None))
 
 
 def test_noisy_run_is_called_noise_not_a_win(tmp_path: Path) -> None:

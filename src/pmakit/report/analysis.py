@@ -178,9 +178,10 @@ class ForkSummary:
 
     @property
     def anneal_within_noise(self) -> bool:
-        """The anneal's gain over the latest snapshot is known and under ``NOISE_Z`` of its paired s.e."""
+        """The anneal's gain over the latest snapshot is known and under ``NOISE_Z`` of its paired s.e. either way
+        (an anneal clearly worse than the latest snapshot is not noise: the share is then undefined, and said so)."""
         g = self.gain(self.annealed)
-        return g is not None and g.z is not None and g.z < NOISE_Z
+        return g is not None and g.z is not None and abs(g.z) < NOISE_Z
 
     def gap_to_anneal(self, row: Row | None) -> Ratio | None:
         """row - annealed val_loss (positive = the anneal is better)."""
