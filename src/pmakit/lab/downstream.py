@@ -38,7 +38,7 @@ ROLES = ("", "best", "fixed", "tuned")
 BATCH_SIZE = 32
 """lm-eval's batch for the study's small models: 4x fewer forward calls than ``pmakit eval``'s default 8 (which
 suits a user's large model on a GPU), the same scores to the last bit (the demo's and the smoke study's
-downstream.jsonl byte-identical at 8 and 32); the demo's 16 models 195 s instead of 215 s on 2 cores."""
+downstream.jsonl byte-identical at 8 and 32); the 6M-token demo's 16 models 195 s instead of 215 s on 2 cores."""
 
 
 def models_at(grid: Any, fork: Any) -> Iterator[tuple[dict[str, Any], Any]]:
