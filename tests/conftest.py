@@ -271,9 +271,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if shared[item.nodeid]:
             item.add_marker(pytest.mark.xdist_group(root(shared[item.nodeid][0]).replace("::", ".")))
-    # The slow tests first: pytest-xdist hands out the groups (largest first), then the other tests in this order, so
-    # a minute-long test is not the last one picked up, running on one worker while the other has nothing left.
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 class _LoadGroupCheck:

@@ -99,7 +99,6 @@ def _slow_down_until_back(
 
 
 @pytest.mark.parametrize("victim", [1, 0], ids=["copy-1", "writer"])
-@pytest.mark.slow
 def test_a_killed_copy_is_restarted_healed_and_the_run_finishes(tmp_path: Path, victim: int) -> None:
     total = 51200  # 200 steps of both copies: the survivor is still training when the restarted copy is back
     out = tmp_path / "run"
@@ -156,7 +155,6 @@ def test_a_killed_copy_is_restarted_healed_and_the_run_finishes(tmp_path: Path, 
     assert merged.returncode == 0, merged.stderr
 
 
-@pytest.mark.slow
 def test_with_no_failure_torchft_local_sgd_is_the_torch_backends(tmp_path: Path) -> None:
     cfg = _config(tmp_path, 6400)
     for backend in ("torch", "torchft"):
@@ -191,7 +189,6 @@ def test_torchft_refuses_gradient_sync_in_one_line(tmp_path: Path) -> None:
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.slow
 def test_a_crashed_run_resumes_with_the_same_command(tmp_path: Path) -> None:
     total = 25600  # 100 steps of both copies
     out = tmp_path / "run"

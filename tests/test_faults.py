@@ -59,7 +59,6 @@ def manifest_matches_bytes(out: Path) -> dict[str, Any]:
     return dict(manifest)
 
 
-@pytest.mark.slow
 def test_merge_killed_at_random_moments_then_run_again(tmp_path: Path) -> None:
     run = build_run(tmp_path)
     cmd = ["merge", run, "--last", "3", "--max-shard-size", "300KB", "--dtype", "bf16", "--keep-fp32", "-q"]

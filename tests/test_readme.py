@@ -410,16 +410,10 @@ def _shared_study(block: Block) -> tuple[str, ...]:
 
 def _blocks_to_run() -> list[object]:
     return [
-        pytest.param(b, marks=_marks(b))
+        pytest.param(b, marks=[pytest.mark.shares(*_shared_study(b))] if _shared_study(b) else [])
         for b in readme_blocks()
         if b.key in RECIPES and RECIPES[b.key].skip is None
     ]
-
-
-def _marks(block: Block) -> list[pytest.MarkDecorator]:
-    """The block's shared study (its xdist group), and ``slow`` for the training page's blocks, which train."""
-    marks = [pytest.mark.shares(*_shared_study(block))] if _shared_study(block) else []
-    return marks + ([pytest.mark.slow] if block.page == "docs/training.md" else [])
 
 
 @pytest.mark.parametrize("block", _blocks_to_run(), ids=lambda b: f"{Path(b.page).stem}-line{b.line}")

@@ -265,7 +265,6 @@ def test_compiled_evaluation_scores_swapped_states_like_eager_and_falls_back(
     assert not ExperimentConfig().compiled and ExperimentConfig(compile_eval="on").compiled
 
 
-@pytest.mark.slow
 def test_compiled_training_follows_eager_training_and_falls_back(
     corpus_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -337,7 +336,6 @@ def test_a_copy_that_is_not_the_writer_leaves_the_writers_save_in_flight_alone(
     assert not in_flight.exists()
 
 
-@pytest.mark.slow
 def test_resume_from_and_init_from_take_the_model_of_the_weights(corpus_dir: Path, tmp_path: Path) -> None:
     # A run of a model other than the demo's; a new run from its checkpoint or its merge, no config given.
     config = tmp_path / "c.yaml"
