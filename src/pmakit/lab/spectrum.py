@@ -60,8 +60,9 @@ def trajectory(
     for t, snap in enumerate(snapshots):
         state = read_state(snap.path)
         sizes = [(n, state[n].numel()) for n in sorted(state) if is_float(state[n].dtype)]
+        total = sum(size for _, size in sizes)
         reuse = sizes == kept_for
-        keep = kept_for is None and directions * 4 * sum(size for _, size in sizes) <= keep_bytes
+        keep = kept_for is None and directions * 4 * total <= keep_bytes
         g = torch.Generator().manual_seed(seed)
         for i, (name, size) in enumerate(sizes):
             if reuse:
@@ -73,7 +74,7 @@ def trajectory(
             out[t] += (direction @ state[name].detach().reshape(-1).float()).double().numpy()
         if keep:
             kept_for = sizes
-        out[t] /= np.sqrt(max(sum(size for _, size in sizes), 1))  # unit directions: E|d|^2 = total
+        out[t] /= np.sqrt(max(total, 1))  # unit directions: E|d|^2 = total
     return out
 
 
