@@ -163,6 +163,7 @@ print(json.dumps({**marks, **stats.as_dict(), "get_seconds": gets["seconds"], "g
                   "get_bytes": gets["bytes"], "requests": registry.request_count(),
                   "peak_rss_self": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                   "ended": time.monotonic()}), flush=True)
+_env.leave(0)  # as `python -m pmakit` ends
 
 """
 
@@ -175,7 +176,7 @@ def breakdown(args: list[str], env: dict[str, str]) -> dict[str, float]:
     small files, each timed there; the wait is what of it the import did not cover), the streaming pass (``pmakit.merge.stream.timed``: the
     calling thread's wait for the GETs it reads, the fold, the writer), what is left of the command (selection,
     plan, manifest) and the exit (from the command's return to the launcher's: the pool's threads joined, the
-    mirror removed, the interpreter's teardown). The clocks are ``time.monotonic`` in both processes (one clock on
+    mirror removed: ``pmakit._env.leave``, as the CLI ends). The clocks are ``time.monotonic`` in both processes (one clock on
     Linux). The GETs' own time is summed over the pool's threads."""
     import json
 

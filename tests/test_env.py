@@ -178,3 +178,36 @@ def test_the_default_threads_follow_omp_num_threads_else_the_cores(monkeypatch: 
         assert torch.get_num_threads() == len(os.sched_getaffinity(0))
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("profiled", [False, True])
+def test_a_command_ends_as_the_interpreter_would_less_the_teardown(tmp_path: Path, profiled: bool) -> None:
+    # pmakit._env.leave, how every `pmakit` command ends: the threads joined (an executor's queued work done), the
+    # atexit handlers run, the streams flushed and the code carried (a string: printed, then 1), as Python's own
+    # exit does; then no teardown of the modules (an object's __del__ never runs). With a profiler set (cProfile
+    # reports after the module returns): Python's own exit, teardown included.
+    code = f"""
+        import atexit, os, sys, threading, time
+        from concurrent.futures import ThreadPoolExecutor
+        from pmakit._env import leave
+
+        class Loud:
+            def __init__(self):
+                self.write = os.write  # (print may be gone while the modules are torn down)
+            def __del__(self):
+                self.write(1, b"torn down\\n")
+
+        kept = Loud()
+        threading.Thread(target=lambda: (time.sleep(0.3), print("thread joined"))).start()
+        ThreadPoolExecutor(1).submit(lambda: (time.sleep(0.3), print("queued work done")))
+        atexit.register(lambda: print("atexit ran"))
+        sys.stdout.write("buffered\\n")
+        if {profiled}:
+            sys.setprofile(lambda *a: None)
+        leave("one line")
+    """
+    proc = _python(code, tmp_path)
+    assert proc.returncode == 1 and proc.stderr == "one line\n", proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "buffered" and sorted(lines[1:3]) == ["queued work done", "thread joined"]
+    assert lines[3:] == ["atexit ran"] + (["torn down"] if profiled else [])
