@@ -183,8 +183,8 @@ def test_the_default_threads_follow_omp_num_threads_else_the_cores(monkeypatch: 
 @pytest.mark.parametrize("profiled", [False, True])
 def test_a_command_ends_as_the_interpreter_would_less_the_teardown(tmp_path: Path, profiled: bool) -> None:
     # pmakit._env.leave, how every `pmakit` command ends: the threads joined (an executor's queued work done), the
-    # atexit handlers run, the streams flushed and the code carried (a string: printed, then 1), as Python's own
-    # exit does; then no teardown of the modules (an object's __del__ never runs). With a profiler set (cProfile
+    # atexit handlers run, the streams and a file left open flushed, the code carried (a string: printed, then 1),
+    # as Python's own exit does; then no teardown of the modules (an object's __del__ never runs). With a profiler set (cProfile
     # reports after the module returns): Python's own exit, teardown included.
     code = f"""
         import atexit, os, sys, threading, time
@@ -198,10 +198,12 @@ def test_a_command_ends_as_the_interpreter_would_less_the_teardown(tmp_path: Pat
                 self.write(1, b"torn down\\n")
 
         kept = Loud()
-        threading.Thread(target=lambda: (time.sleep(0.3), print("thread joined"))).start()
-        ThreadPoolExecutor(1).submit(lambda: (time.sleep(0.3), print("queued work done")))
-        atexit.register(lambda: print("atexit ran"))
+        left_open = open("written.txt", "w")
+        left_open.write("kept")  # in its buffer, never closed
         sys.stdout.write("buffered\\n")
+        threading.Thread(target=lambda: (time.sleep(0.3), sys.stdout.write("thread joined\\n"))).start()
+        ThreadPoolExecutor(1).submit(lambda: (time.sleep(0.3), sys.stdout.write("queued work done\\n")))
+        atexit.register(lambda: print("atexit ran"))
         if {profiled}:
             sys.setprofile(lambda *a: None)
         leave("one line")
@@ -211,3 +213,4 @@ def test_a_command_ends_as_the_interpreter_would_less_the_teardown(tmp_path: Pat
     lines = proc.stdout.splitlines()
     assert lines[0] == "buffered" and sorted(lines[1:3]) == ["queued work done", "thread joined"]
     assert lines[3:] == ["atexit ran"] + (["torn down"] if profiled else [])
+    assert (tmp_path / "written.txt").read_text() == "kept"
