@@ -180,12 +180,13 @@ def test_the_default_threads_follow_omp_num_threads_else_the_cores(monkeypatch: 
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("profiled", [False, True])
-def test_a_command_ends_as_the_interpreter_would_less_the_teardown(tmp_path: Path, profiled: bool) -> None:
+@pytest.mark.parametrize("exempt", ["", "profiler", "cuda"])
+def test_a_command_ends_as_the_interpreter_would_less_the_teardown(tmp_path: Path, exempt: str) -> None:
     # pmakit._env.leave, how every `pmakit` command ends: the threads joined (an executor's queued work done), the
     # atexit handlers run, the streams and a file left open flushed, the code carried (a string: printed, then 1),
-    # as Python's own exit does; then no teardown of the modules (an object's __del__ never runs). With a profiler set (cProfile
-    # reports after the module returns): Python's own exit, teardown included.
+    # as Python's own exit does; then no teardown of the modules (an object's __del__ never runs). With a profiler
+    # set (cProfile reports after the module returns) or CUDA started (its C exit handlers, which os._exit skips,
+    # write a native profiler's trace): Python's own exit, teardown included.
     code = f"""
         import atexit, os, sys, threading, time
         from concurrent.futures import ThreadPoolExecutor
@@ -204,7 +205,10 @@ def test_a_command_ends_as_the_interpreter_would_less_the_teardown(tmp_path: Pat
         threading.Thread(target=lambda: (time.sleep(0.3), sys.stdout.write("thread joined\\n"))).start()
         ThreadPoolExecutor(1).submit(lambda: (time.sleep(0.3), sys.stdout.write("queued work done\\n")))
         atexit.register(lambda: print("atexit ran"))
-        if {profiled}:
+        if {exempt == "cuda"}:
+            import torch
+            torch.cuda.is_initialized = lambda: True  # (no GPU here: as a process that started CUDA sees it)
+        if {exempt == "profiler"}:
             sys.setprofile(lambda *a: None)
         leave("one line")
     """
@@ -212,5 +216,5 @@ def test_a_command_ends_as_the_interpreter_would_less_the_teardown(tmp_path: Pat
     assert proc.returncode == 1 and proc.stderr == "one line\n", proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0] == "buffered" and sorted(lines[1:3]) == ["queued work done", "thread joined"]
-    assert lines[3:] == ["atexit ran"] + (["torn down"] if profiled else [])
+    assert lines[3:] == ["atexit ran"] + (["torn down"] if exempt else [])
     assert (tmp_path / "written.txt").read_text() == "kept"

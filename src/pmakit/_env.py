@@ -150,7 +150,9 @@ def leave(code: object) -> NoReturn:
     flushed here (the buffered files ``open`` makes, found by the collector among the objects made since the
     imports). The rest is done as the interpreter does it, and the process ends (``os._exit``) with the code
     ``SystemExit`` carried (a string printed to stderr, then 1, as Python does). Not with a profiler or a tracer
-    set (``python -m cProfile -m pmakit`` reports after the module returns) or where ``threading._shutdown`` is
+    set (``python -m cProfile -m pmakit`` reports after the module returns), nor in a process that started CUDA
+    (``os._exit`` skips the C exit handlers too: CUDA's own, which a native profiler such as Nsight Systems relies on
+    to write its trace; the teardown is a small part of a GPU command), nor where ``threading._shutdown`` is
     missing: then the usual exit."""
     import atexit
     import gc
@@ -158,7 +160,9 @@ def leave(code: object) -> NoReturn:
     import threading
 
     shutdown = getattr(threading, "_shutdown", None)
-    if shutdown is None or sys.getprofile() is not None or sys.gettrace() is not None:
+    torch = sys.modules.get("torch")
+    cuda = torch is not None and torch.cuda.is_initialized()
+    if shutdown is None or cuda or sys.getprofile() is not None or sys.gettrace() is not None:
         sys.exit(code)  # type: ignore[arg-type]
     shutdown()
     atexit._run_exitfuncs()
