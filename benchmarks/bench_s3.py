@@ -176,8 +176,8 @@ def breakdown(args: list[str], env: dict[str, str]) -> dict[str, float]:
     small files, each timed there; the wait is what of it the import did not cover), the streaming pass (``pmakit.merge.stream.timed``: the
     calling thread's wait for the GETs it reads, the fold, the writer), what is left of the command (selection,
     plan, manifest) and the exit (from the command's return to the launcher's: the pool's threads joined, the
-    mirror removed: ``pmakit._env.leave``, as the CLI ends). The clocks are ``time.monotonic`` in both processes (one clock on
-    Linux). The GETs' own time is summed over the pool's threads."""
+    mirror removed: ``pmakit._env.leave``, as the CLI ends). The clocks are ``time.monotonic`` in both processes
+    (one clock on Linux). The GETs' own time is summed over the pool's threads."""
     import json
 
     full_env = {**os.environ, **env, "PYTHONPATH": str(ROOT / "src"), "OMP_WAIT_POLICY": "PASSIVE"}
