@@ -429,12 +429,16 @@ def test_a_killed_staging_merge_is_continued_by_the_same_command(
     bucket = Bucket("s3", s3_server)
     bucket.put_tree(run, "run")
     args = ("merge", bucket.url("run"), "-o", bucket.url("m"), "--max-shard-size", "2KB", "--quiet")
-    killed = run_cli(*args, env=_env(bucket, tmp_path, PMAKIT_TEST_KILL="after-shard:1"))
+    scratch = tmp_path / "tmp"  # the commands' TMPDIR, where their mirrors are made
+    scratch.mkdir()
+    killed = run_cli(*args, env=_env(bucket, tmp_path, TMPDIR=str(scratch), PMAKIT_TEST_KILL="after-shard:1"))
     assert killed.returncode == -9 and not bucket.objects(
         "m/"
     )  # killed in the staging merge: nothing published
-    again = run_cli(*args, env=_env(bucket, tmp_path))
+    left = list(scratch.glob("pmakit-remote-*"))  # a SIGKILL runs no exit handler: the input's mirror stays
+    again = run_cli(*args, env=_env(bucket, tmp_path, TMPDIR=str(scratch)))
     assert again.returncode == 0, again.stderr
+    assert len(left) == 1 and list(scratch.glob("pmakit-remote-*")) == left  # the second one removed its own
     assert "continuing the interrupted merge" in again.stderr  # as a folder's merge: not started over
     got = read_state(bucket.download("m", tmp_path / "down"))
     want = _merged_locally(run, tmp_path / "local", "--max-shard-size", "2KB")
