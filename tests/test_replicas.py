@@ -130,16 +130,23 @@ def test_diloco_with_unit_outer_sgd_is_local_sgd_and_resumes_exactly(tmp_path: P
     assert _max_diff(read_state(tmp_path / "across"), expected) < 1e-6
 
 
-def _pmakit(*args: str) -> subprocess.CompletedProcess[str]:
-    return run_cli(*args)
+def _pmakit(*args: str, tmp: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``pmakit ARGS``; ``tmp``: its TMPDIR (made here)."""
+    if tmp is None:
+        return run_cli(*args)
+    tmp.mkdir(exist_ok=True)
+    return run_cli(*args, env={"TMPDIR": str(tmp)})
 
 
 def test_replicas_without_torchrun_launch_their_own_processes(synchronous: Path, tmp_path: Path) -> None:
     sgd = _config(tmp_path, "sgd")
-    done = _pmakit("train", str(sgd), "-o", str(tmp_path / "own"), "--replicas", "2", "--sync", "gradients")
+    own = ("train", str(sgd), "-o", str(tmp_path / "own"), "--replicas", "2", "--sync", "gradients")
+    done = _pmakit(*own, tmp=tmp_path / "tmp")
     assert done.returncode == 0, done.stderr[-3000:]
     # the same run under torchrun
     assert _max_diff(_weights(tmp_path / "own", 10), _weights(synchronous, 10)) == 0.0
+    # torch's agent's folder (each copy's error file) is gone with the run, not left in TMPDIR
+    assert not any((tmp_path / "tmp").iterdir())
 
 
 def test_replica_mistakes_are_one_line_and_write_nothing(tmp_path: Path) -> None:
@@ -155,11 +162,12 @@ def test_replica_mistakes_are_one_line_and_write_nothing(tmp_path: Path) -> None
     # A failure inside one copy (a corpus that does not exist): its error, the other copy's one line, no traceback.
     cfg = tmp_path / "bad.yaml"
     cfg.write_text(_config(tmp_path, "d").read_text().replace("corpus: null", "corpus: /nonexistent/corpus"))
-    done = _pmakit("train", str(cfg), "-o", str(out), "--replicas", "2")
+    done = _pmakit("train", str(cfg), "-o", str(out), "--replicas", "2", tmp=tmp_path / "tmp")
     assert done.returncode == 1
     assert "Traceback" not in done.stderr
     assert "Error: corpus not found: /nonexistent/corpus" in done.stderr
     assert "Error: model copy 0 of 2 failed" in done.stderr
+    assert not any((tmp_path / "tmp").iterdir())  # the failed run's agent folder is gone too
 
 
 def test_bad_replica_options_are_refused() -> None:

@@ -89,12 +89,18 @@ def _check_config(config: ReplicaConfig, replicas: int, train_config: Any) -> No
 
 def _launch(replicas: int) -> None:
     """Run this command again as ``replicas`` worker processes on this machine (a torchrun of our own)."""
+    import shutil
+    import tempfile
     import uuid
 
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    # torch's agent keeps a folder per run (each copy's error file); by default a torchelastic_* temporary folder
+    # that nothing removes, one a run: here one that goes when the copies have ended (the failure's line is made
+    # from their exit codes)
+    logs = tempfile.mkdtemp(prefix="pmakit-copies-")
     launch = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -104,6 +110,7 @@ def _launch(replicas: int) -> None:
         rdzv_endpoint="localhost:0",
         max_restarts=0,
         start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=logs),
     )
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the copies say what failed
     os.environ["PMAKIT_COPIES"] = str(replicas)
@@ -114,6 +121,8 @@ def _launch(replicas: int) -> None:
     except SignalException as e:  # Ctrl-C or a SIGTERM to this launcher: torch's agent stopped the copies
         print(f"stopped by {e.sigval.name}: the model copies were stopped", file=sys.stderr)
         raise SystemExit(128 + int(e.sigval)) from None
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
 
 
 PEER_FAILED_EXIT = 3
