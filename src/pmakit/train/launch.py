@@ -89,7 +89,6 @@ def _check_config(config: ReplicaConfig, replicas: int, train_config: Any) -> No
 
 def _launch(replicas: int) -> None:
     """Run this command again as ``replicas`` worker processes on this machine (a torchrun of our own)."""
-    import shutil
     import tempfile
     import uuid
 
@@ -100,29 +99,29 @@ def _launch(replicas: int) -> None:
     # torch's agent keeps a folder per run (each copy's error file); by default a torchelastic_* temporary folder
     # that nothing removes, one a run: here one that goes when the copies have ended (the failure's line is made
     # from their exit codes)
-    logs = tempfile.mkdtemp(prefix="pmakit-copies-")
-    launch = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=replicas,
-        run_id=uuid.uuid4().hex,
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        max_restarts=0,
-        start_method="spawn",
-        logs_specs=DefaultLogsSpecs(log_dir=logs),
-    )
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the copies say what failed
-    os.environ["PMAKIT_COPIES"] = str(replicas)
-    try:
-        elastic_launch(launch, entrypoint=sys.executable)("-m", "pmakit", *sys.argv[1:])
-    except ChildFailedError as e:
-        raise PmakitError(failure_line(e.failures, replicas)) from None
-    except SignalException as e:  # Ctrl-C or a SIGTERM to this launcher: torch's agent stopped the copies
-        print(f"stopped by {e.sigval.name}: the model copies were stopped", file=sys.stderr)
-        raise SystemExit(128 + int(e.sigval)) from None
-    finally:
-        shutil.rmtree(logs, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="pmakit-copies-", ignore_cleanup_errors=True) as logs:
+        launch = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=replicas,
+            run_id=uuid.uuid4().hex,
+            rdzv_backend="c10d",
+            rdzv_endpoint="localhost:0",
+            max_restarts=0,
+            start_method="spawn",
+            logs_specs=DefaultLogsSpecs(log_dir=logs),
+        )
+        logging.getLogger("torch.distributed.elastic").setLevel(
+            logging.CRITICAL
+        )  # the copies say what failed
+        os.environ["PMAKIT_COPIES"] = str(replicas)
+        try:
+            elastic_launch(launch, entrypoint=sys.executable)("-m", "pmakit", *sys.argv[1:])
+        except ChildFailedError as e:
+            raise PmakitError(failure_line(e.failures, replicas)) from None
+        except SignalException as e:  # Ctrl-C or a SIGTERM to this launcher: torch's agent stopped the copies
+            print(f"stopped by {e.sigval.name}: the model copies were stopped", file=sys.stderr)
+            raise SystemExit(128 + int(e.sigval)) from None
 
 
 PEER_FAILED_EXIT = 3
